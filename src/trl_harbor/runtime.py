@@ -1,0 +1,148 @@
+"""One process-wide asyncio event loop for every Harbor call made from synchronous code.
+
+Harbor is fully asynchronous, and several of its backends keep class-level asyncio locks
+and clients that are bound to the loop they were first used on. TRL, on the other hand,
+drives environments synchronously from one thread. This module bridges the two: it owns a
+single event loop running forever in a daemon thread, and :func:`run` submits a coroutine
+to it and blocks until the result is ready. Every environment in the process shares that
+loop, so backend state created by one environment is valid for all the others.
+
+It also keeps a registry of teardown coroutines (:func:`register_cleanup`) that
+:func:`close_all` runs, and that run at interpreter exit.
+
+This module knows nothing about TRL, Harbor or the rest of the project.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import Any, TypeVar
+
+__all__ = ["close_all", "get_loop", "register_cleanup", "run", "unregister_cleanup"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+_cleanups: dict[int, Callable[[], Awaitable[Any]]] = {}
+_cleanup_ids = itertools.count()
+
+
+def get_loop() -> asyncio.AbstractEventLoop:
+    """Return the process-wide event loop, starting its daemon thread on first use.
+
+    Returns:
+        The running event loop that every Harbor coroutine of this process runs on.
+    """
+    global _loop, _thread
+    with _lock:
+        if _loop is None or _loop.is_closed() or _thread is None or not _thread.is_alive():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(
+                target=loop.run_forever, name="trl-harbor-event-loop", daemon=True
+            )
+            thread.start()
+            _loop, _thread = loop, thread
+        return _loop
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    """Run a coroutine on the shared loop and block until it finishes.
+
+    Args:
+        coro: The coroutine to run.
+        timeout: Seconds to wait before cancelling the coroutine; ``None`` waits forever.
+
+    Returns:
+        Whatever the coroutine returns.
+
+    Raises:
+        RuntimeError: When called from the shared loop's own thread (it would deadlock).
+        TimeoutError: When ``timeout`` passes before the coroutine finishes.
+        Exception: Whatever the coroutine raises is re-raised in the caller.
+    """
+    loop = get_loop()
+    if threading.current_thread() is _thread:
+        coro.close()
+        raise RuntimeError(
+            "trl_harbor.runtime.run() was called from the shared event loop's own thread; "
+            "await the coroutine instead."
+        )
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout)
+    except FutureTimeoutError as exc:
+        future.cancel()
+        raise TimeoutError(f"coroutine did not finish within {timeout} s") from exc
+    except KeyboardInterrupt:
+        future.cancel()
+        raise
+
+
+def register_cleanup(cleanup: Callable[[], Awaitable[Any]]) -> int:
+    """Register an async teardown callable to be awaited by :func:`close_all`.
+
+    Args:
+        cleanup: A zero-argument callable returning an awaitable (e.g. ``env.stop``).
+
+    Returns:
+        A handle to pass to :func:`unregister_cleanup` once the resource is gone.
+    """
+    handle = next(_cleanup_ids)
+    with _lock:
+        _cleanups[handle] = cleanup
+    return handle
+
+
+def unregister_cleanup(handle: int) -> None:
+    """Forget a teardown registered with :func:`register_cleanup` (unknown handles are ignored).
+
+    Args:
+        handle: The value :func:`register_cleanup` returned.
+    """
+    with _lock:
+        _cleanups.pop(handle, None)
+
+
+async def _run_cleanups(cleanups: list[Callable[[], Awaitable[Any]]]) -> None:
+    async def one(cleanup: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await cleanup()
+        except Exception as exc:  # best effort: one failing teardown must not block the rest
+            logger.warning("trl-harbor teardown failed: %r", exc)
+
+    await asyncio.gather(*(one(c) for c in cleanups))
+
+
+def close_all(timeout: float | None = 120.0) -> None:
+    """Run every registered teardown (stopping all live sandboxes) concurrently.
+
+    Safe to call several times and from an ``atexit`` hook; a no-op when nothing is live.
+
+    Args:
+        timeout: Seconds to wait for the teardowns; ``None`` waits forever.
+    """
+    with _lock:
+        cleanups = list(_cleanups.values())
+        _cleanups.clear()
+        alive = _loop is not None and _thread is not None and _thread.is_alive()
+    if not cleanups or not alive:
+        return
+    if threading.current_thread() is _thread:  # pragma: no cover - defensive
+        return
+    try:
+        run(_run_cleanups(cleanups), timeout=timeout)
+    except Exception as exc:
+        logger.warning("trl-harbor: closing sandboxes failed: %r", exc)
+
+
+atexit.register(close_all)

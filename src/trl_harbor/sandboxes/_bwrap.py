@@ -1,0 +1,564 @@
+"""One bubblewrap sandbox: a long-lived set of namespaces and the commands run in it.
+
+``Box`` is the mechanism under both the local Harbor environment and the image
+builder. It knows nothing of Harbor: it takes a root directory to mount at ``/``,
+starts bubblewrap once with a supervisor inside (see ``_supervisor.py``), runs
+commands through it over a Unix socket, and tears everything down on ``kill``.
+
+Layout inside a box:
+
+* ``/`` is the box's private, writable root directory on the host;
+* the host's ``/usr`` (and the merged-``/usr`` links ``/bin``, ``/lib``, ...) and
+  ``/etc`` are mounted read-only over it, with secrets such as ``/etc/shadow``
+  masked; ``/proc`` is the box's own, ``/dev`` a minimal one;
+* ``/opt/venv-layer`` is the environment's shared Python layer (read-only except
+  while it is being built);
+* nothing else of the host is visible: no home directory, no project, no task folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+LAYER_VENV = "/opt/venv-layer"
+SANDBOX_VENV = "/opt/venv"
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Paths inside a box that are host mounts, not part of its private root.
+SYSTEM_MOUNTS = ("/usr", "/etc", "/proc", "/dev", "/sys", LAYER_VENV)
+_ETC_MASKED = ("shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "ssh", "security/opasswd")
+_SLIRP_GATEWAY_DNS = "10.0.2.3"
+NetworkMode = Literal["none", "user", "host"]
+
+
+class SandboxError(RuntimeError):
+    """Base class of the local sandbox's errors."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """bubblewrap (or another host tool the sandbox needs) is missing or unusable."""
+
+
+class SandboxStartError(SandboxError):
+    """The sandbox could not be started."""
+
+
+class SandboxCommandError(SandboxError):
+    """The sandbox's supervisor did not answer a command (the sandbox died or was stopped)."""
+
+
+class SandboxTimeoutError(SandboxError):
+    """A command ran past its timeout; its whole process tree was killed."""
+
+
+def _which(tool: str) -> str | None:
+    return shutil.which(tool, path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin:/bin:/sbin")
+
+
+@cache
+def bwrap_path() -> str:
+    """Return the path of the ``bwrap`` executable.
+
+    Raises:
+        SandboxUnavailableError: If bubblewrap is not installed.
+    """
+    found = _which("bwrap")
+    if not found:
+        raise SandboxUnavailableError(
+            "The local sandbox needs bubblewrap, which is not installed. Install it with "
+            "`apt-get install bubblewrap` (Debian/Ubuntu), `dnf install bubblewrap` (Fedora) "
+            "or your distribution's package, or use another environment_type (e.g. 'docker')."
+        )
+    return found
+
+
+@cache
+def sandbox_python() -> str:
+    """The host Python that runs inside sandboxes (a system interpreter under ``/usr``)."""
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(candidate):
+            return candidate
+    raise SandboxUnavailableError(
+        "The local sandbox runs Python from the host's /usr (it is the sandbox's base "
+        "image), but /usr/bin/python3 does not exist. Install python3 (`apt-get install "
+        "python3 python3-venv`)."
+    )
+
+
+@cache
+def _supervisor_source() -> bytes:
+    return resources.files("trl_harbor.sandboxes").joinpath("_supervisor.py").read_bytes()
+
+
+@cache
+def _root_links() -> tuple[tuple[str, str], ...]:
+    """The merged-/usr links at the host's root (``/bin -> usr/bin``, ...)."""
+    links = []
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = Path("/") / name
+        if path.is_symlink():
+            links.append((os.readlink(path), f"/{name}"))
+    return tuple(links)
+
+
+@cache
+def _root_dirs() -> tuple[str, ...]:
+    """Host root directories that are real directories and must be mounted (non-merged /usr)."""
+    return tuple(
+        f"/{name}"
+        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+        if (Path("/") / name).is_dir() and not (Path("/") / name).is_symlink()
+    )
+
+
+def state_root() -> Path:
+    """Where sandboxes keep their private trees (``$TRL_HARBOR_STATE_DIR`` or a per-user temp dir)."""
+    configured = os.environ.get("TRL_HARBOR_STATE_DIR")
+    base = Path(configured) if configured else Path(tempfile.gettempdir()) / f"trl-harbor-{os.getuid()}"
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base
+
+
+class _Cgroups:
+    """Resource limits through cgroup v1 (memory, pids, cpu) or v2, where writable."""
+
+    V1 = Path("/sys/fs/cgroup")
+
+    def __init__(self, name: str, memory_mb: int | None, cpus: float | None, pids_max: int | None):
+        self.paths: list[Path] = []
+        self.name = name
+        self.limits = {"memory": memory_mb, "cpu": cpus, "pids": pids_max}
+
+    @staticmethod
+    @cache
+    def mode() -> str | None:
+        if os.geteuid() != 0:
+            return None
+        if (_Cgroups.V1 / "memory").is_dir() and (_Cgroups.V1 / "pids").is_dir():
+            return "v1"
+        if (_Cgroups.V1 / "cgroup.controllers").exists():
+            return "v2"
+        return None
+
+    def create(self) -> list[Path]:
+        mode = self.mode()
+        try:
+            if mode == "v1":
+                self._create_v1()
+            elif mode == "v2":
+                self._create_v2()
+        except OSError as error:
+            logger.debug("cgroup limits unavailable (%s); falling back to rlimits", error)
+            self.remove()
+        return [p / "cgroup.procs" for p in self.paths]
+
+    def _create_v1(self) -> None:
+        memory, cpus, pids = self.limits["memory"], self.limits["cpu"], self.limits["pids"]
+        if memory:
+            path = self._mkdir(self.V1 / "memory" / "trl-harbor" / self.name)
+            (path / "memory.limit_in_bytes").write_text(str(memory * 1024 * 1024))
+            with contextlib.suppress(OSError):
+                (path / "memory.memsw.limit_in_bytes").write_text(str(memory * 1024 * 1024))
+        if pids:
+            path = self._mkdir(self.V1 / "pids" / "trl-harbor" / self.name)
+            (path / "pids.max").write_text(str(pids))
+        if cpus and (self.V1 / "cpu").is_dir():
+            with contextlib.suppress(OSError):
+                path = self._mkdir(self.V1 / "cpu" / "trl-harbor" / self.name)
+                period = int((path / "cpu.cfs_period_us").read_text())
+                (path / "cpu.cfs_quota_us").write_text(str(max(1000, int(period * cpus))))
+
+    def _create_v2(self) -> None:
+        parent = self.V1 / "trl-harbor"
+        if not parent.exists():
+            parent.mkdir()
+            (parent / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+        path = self._mkdir(parent / self.name)
+        memory, cpus, pids = self.limits["memory"], self.limits["cpu"], self.limits["pids"]
+        if memory:
+            (path / "memory.max").write_text(str(memory * 1024 * 1024))
+            with contextlib.suppress(OSError):
+                (path / "memory.swap.max").write_text("0")
+        if pids:
+            (path / "pids.max").write_text(str(pids))
+        if cpus:
+            (path / "cpu.max").write_text(f"{max(1000, int(100000 * cpus))} 100000")
+
+    def _mkdir(self, path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        self.paths.append(path)
+        return path
+
+    def kill_and_remove(self) -> None:
+        for path in self.paths:
+            with contextlib.suppress(OSError):
+                for pid in (path / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
+        self.remove()
+
+    def remove(self) -> None:
+        for path in self.paths:
+            for _ in range(50):
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as error:
+                    if error.errno != errno.EBUSY:
+                        break
+                    # Killed processes leave the cgroup a moment after SIGKILL.
+                    import time
+
+                    time.sleep(0.01)
+        self.paths = []
+
+
+@dataclass
+class BoxConfig:
+    """How to build one box.
+
+    Attributes:
+        rootfs: Host directory mounted writable at ``/`` inside the box.
+        layer_venv: Host directory mounted at ``/opt/venv-layer`` (the shared Python layer).
+        layer_writable: Mount the layer read-write (only while building it).
+        network: ``"none"`` (own empty network namespace), ``"user"`` (own namespace
+            with a user-mode stack, no access to the host's loopback) or ``"host"``
+            (the host's network; used for image builds, like ``docker build``).
+        memory_mb: Memory limit, or ``None``.
+        cpus: CPU limit, or ``None``.
+        pids_max: Limit on the number of processes, or ``None``.
+        hostname: The box's host name.
+    """
+
+    rootfs: Path
+    layer_venv: Path | None = None
+    layer_writable: bool = False
+    network: NetworkMode = "none"
+    memory_mb: int | None = None
+    cpus: float | None = None
+    pids_max: int | None = 4096
+    hostname: str = "sandbox"
+    extra_ro_binds: list[tuple[str, str]] = field(default_factory=list)
+
+
+_LIVE: "weakref.WeakSet[Box]" = weakref.WeakSet()
+
+
+class Box:
+    """A running bubblewrap sandbox (see the module docstring)."""
+
+    def __init__(self, config: BoxConfig, state_dir: Path, name: str | None = None):
+        self.config = config
+        self.state_dir = state_dir
+        self.socket_path = state_dir / "supervisor.sock"
+        self._proc: asyncio.subprocess.Process | None = None
+        self._bwrap_pid: int | None = None
+        self._slirp: asyncio.subprocess.Process | None = None
+        self._cgroups = _Cgroups(name or state_dir.name, config.memory_mb, config.cpus, config.pids_max)
+        self.closed = False
+
+    # -- start -----------------------------------------------------------------
+
+    def _bwrap_args(self, info_fd: int | None) -> list[str]:
+        c = self.config
+        args = [
+            bwrap_path(),
+            "--unshare-user", "--uid", "0", "--gid", "0",
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session",
+            "--hostname", c.hostname,
+            "--bind", str(c.rootfs), "/",
+            "--ro-bind", "/usr", "/usr",
+        ]  # fmt: skip
+        if c.network != "host":
+            args.append("--unshare-net")
+        for directory in _root_dirs():
+            args += ["--ro-bind", directory, directory]
+        args += ["--ro-bind", "/etc", "/etc"]
+        for name in _ETC_MASKED:
+            path = Path("/etc") / name
+            if path.is_dir() and not path.is_symlink():
+                args += ["--tmpfs", str(path), "--remount-ro", str(path)]
+            elif path.exists():
+                args += ["--ro-bind", "/dev/null", str(path)]
+        if c.network == "user":
+            resolv = self.state_dir / "resolv.conf"
+            resolv.write_text(f"nameserver {_SLIRP_GATEWAY_DNS}\n")
+            args += ["--ro-bind", str(resolv), "/etc/resolv.conf"]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        if c.layer_venv is not None:
+            args += ["--bind" if c.layer_writable else "--ro-bind", str(c.layer_venv), LAYER_VENV]
+        for source, target in c.extra_ro_binds:
+            args += ["--ro-bind", source, target]
+        if info_fd is not None:
+            args += ["--info-fd", str(info_fd)]
+        args += ["--chdir", "/", "--clearenv"]
+        return args
+
+    def _rlimits(self) -> dict[str, int]:
+        if self._cgroups.paths or not self.config.memory_mb:
+            return {}
+        # No writable cgroups (not root): bound each process's address space instead.
+        return {"AS": self.config.memory_mb * 1024 * 1024 * 2}
+
+    async def start(self) -> None:
+        """Start bubblewrap and the supervisor, and wait until it accepts commands.
+
+        Raises:
+            SandboxStartError: If bubblewrap fails to set up the sandbox.
+        """
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        prepare_rootfs(self.config.rootfs)
+        cgroup_procs = self._cgroups.create()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.socket_path))
+        listener.listen(128)
+        info_r = info_w = None
+        if self.config.network == "user":
+            info_r, info_w = os.pipe()
+        command = self._bwrap_args(info_w) + [
+            sandbox_python(), "-I", "-S", "-", str(listener.fileno()), json.dumps({"rlimits": self._rlimits()})
+        ]
+        if cgroup_procs:
+            # Join the cgroups before exec, so every process of the box is counted.
+            joins = "".join(f'echo $$ > "{p}" && ' for p in cgroup_procs)
+            command = ["/bin/sh", "-c", joins + 'exec "$@"', "sh", *command]
+        pass_fds = [listener.fileno()] + ([info_w] if info_w is not None else [])
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=pass_fds,
+                env={"PATH": SYSTEM_PATH},  # /proc/1/environ in the box shows nothing of ours
+                start_new_session=True,
+            )
+        except OSError as error:
+            listener.close()
+            self._cleanup_files()
+            raise SandboxStartError(f"could not run bubblewrap: {error}") from error
+        finally:
+            if info_w is not None:
+                os.close(info_w)
+        self._bwrap_pid = self._proc.pid
+        _LIVE.add(self)
+        listener.close()
+        try:
+            assert self._proc.stdin is not None and self._proc.stdout is not None
+            self._proc.stdin.write(_supervisor_source())
+            self._proc.stdin.close()
+            if info_r is not None:
+                child_pid = await asyncio.to_thread(_read_child_pid, info_r)
+                await self._start_user_network(child_pid)
+            line = await asyncio.wait_for(self._proc.stdout.readline(), timeout=60)
+            if line.strip() != b"ready":
+                stderr = b""
+                with contextlib.suppress(asyncio.TimeoutError):
+                    stderr = await asyncio.wait_for(self._proc.stderr.read(), timeout=2)  # type: ignore[union-attr]
+                raise SandboxStartError(
+                    "bubblewrap failed to start the sandbox: "
+                    + (stderr.decode(errors="replace").strip() or "no error output")
+                )
+        except BaseException:
+            await self.kill()
+            raise
+        finally:
+            if info_r is not None:
+                with contextlib.suppress(OSError):
+                    os.close(info_r)
+
+    async def _start_user_network(self, child_pid: int) -> None:
+        tool = _which("slirp4netns")
+        if tool is None:
+            raise SandboxStartError(
+                "this task allows network access, which the local sandbox provides through "
+                "slirp4netns (never the host's own network); install it with `apt-get install "
+                "slirp4netns`, or set the task's network policy to no-network"
+            )
+        ready_r, ready_w = os.pipe()
+        try:
+            self._slirp = await asyncio.create_subprocess_exec(
+                tool, "--configure", "--mtu=65520", "--disable-host-loopback",
+                "--ready-fd", str(ready_w), str(child_pid), "tap0",
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=[ready_w],
+                start_new_session=True,
+            )  # fmt: skip
+            os.close(ready_w)
+            ready_w = -1
+            ok = await asyncio.to_thread(os.read, ready_r, 1)
+            if ok != b"1":
+                err = await self._slirp.stderr.read() if self._slirp.stderr else b""  # type: ignore[union-attr]
+                raise SandboxStartError(f"slirp4netns failed: {err.decode(errors='replace').strip()}")
+        finally:
+            os.close(ready_r)
+            if ready_w >= 0:
+                os.close(ready_w)
+
+    # -- commands --------------------------------------------------------------
+
+    async def run(
+        self,
+        command: str,
+        *,
+        cwd: str = "/",
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        output_cap: int = 1 << 20,
+    ) -> dict:
+        """Run ``command`` with ``bash -c`` in the box and return the supervisor's answer.
+
+        Returns:
+            A dict with ``rc``, ``stdout``, ``stderr``, ``timed_out`` and ``dropped``.
+
+        Raises:
+            SandboxCommandError: If the box is gone or its supervisor does not answer.
+        """
+        if self.closed:
+            raise SandboxCommandError("the sandbox has been stopped")
+        request = {"cmd": command, "cwd": cwd, "env": env or {}, "timeout": timeout, "cap": output_cap}
+        # The answer is JSON: escapes can make it several times the raw output.
+        limit = 8 * 2 * output_cap + (1 << 20)
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(self.socket_path), limit=limit)
+        except OSError as error:
+            raise SandboxCommandError(f"the sandbox is not running ({error})") from error
+        try:
+            writer.write(json.dumps(request).encode() + b"\n")
+            await writer.drain()
+            wait = None if timeout is None else timeout + 30
+            try:
+                line = await asyncio.wait_for(reader.readline(), timeout=wait)
+            except asyncio.TimeoutError:
+                raise SandboxTimeoutError(f"Command timed out after {timeout} seconds") from None
+            except ValueError as error:  # the line went past the limit
+                raise SandboxCommandError(f"the sandbox answered too much output: {error}") from error
+            except OSError as error:
+                raise SandboxCommandError(f"the sandbox's supervisor went away ({error})") from error
+        finally:
+            writer.close()
+        if not line:
+            raise SandboxCommandError(
+                "the sandbox's supervisor closed the connection without an answer "
+                "(the sandbox was stopped, or its processes were killed)"
+            )
+        return json.loads(line)
+
+    # -- teardown --------------------------------------------------------------
+
+    def kill_now(self) -> None:
+        """Kill every process of the box and remove its state, synchronously.
+
+        Safe to call more than once, from a signal handler or at interpreter exit.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        for proc in (self._slirp, self._proc):
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    # bwrap runs in its own session: kill the whole process group;
+                    # the box's PID namespace dies with its init (--die-with-parent).
+                    os.killpg(proc.pid, signal.SIGKILL)
+        self._cgroups.kill_and_remove()
+        self._cleanup_files()
+        _LIVE.discard(self)
+
+    async def kill(self) -> None:
+        """Kill every process of the box, wait for bubblewrap, and remove its state."""
+        procs = [p for p in (self._slirp, self._proc) if p is not None]
+        self.kill_now()
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
+                await asyncio.wait_for(proc.wait(), timeout=10)
+
+    def _cleanup_files(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    @property
+    def pid(self) -> int | None:
+        """Host PID of the bubblewrap process (``None`` before start)."""
+        return self._bwrap_pid
+
+
+def prepare_rootfs(root: Path) -> None:
+    """Create the mount points and merged-/usr links that every box's root needs.
+
+    Done on the host (idempotently) rather than by bubblewrap, so that one root can
+    be mounted again, and copied, without clashing with what a previous box made.
+    """
+    for name in ("usr", "etc", "proc", "dev", "tmp", "root", "opt/venv-layer", *(d[1:] for d in _root_dirs())):
+        (root / name).mkdir(parents=True, exist_ok=True)
+    os.chmod(root / "tmp", 0o1777)
+    for target, link in _root_links():
+        path = root / link[1:]
+        if not path.is_symlink():
+            if path.is_dir():
+                remove_tree(path)
+            path.symlink_to(target)
+
+
+def _read_child_pid(fd: int) -> int:
+    data = b""
+    while b"}" not in data:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return int(json.loads(data[: data.index(b"}") + 1])["child-pid"])
+    except (ValueError, KeyError) as error:
+        raise SandboxStartError(f"bubblewrap did not report its child process: {data!r}") from error
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a sandbox's private tree, even parts the agent made read-only."""
+
+    def _retry(func, target, _exc):
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(target), 0o700)
+            if os.path.isdir(target) and not os.path.islink(target):
+                os.chmod(target, 0o700)
+        with contextlib.suppress(FileNotFoundError):
+            func(target)
+
+    if path.exists():
+        shutil.rmtree(path, onexc=_retry)
+
+
+def new_box_name(prefix: str) -> str:
+    """A unique, sweepable name: the owner's PID first, so stale boxes can be found."""
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in prefix)[:40]
+    return f"{os.getpid()}-{safe}-{uuid.uuid4().hex[:8]}"
+
+
+def _kill_all_at_exit() -> None:
+    for box in list(_LIVE):
+        box.kill_now()
+
+
+atexit.register(_kill_all_at_exit)

@@ -1,0 +1,218 @@
+"""Copying files in and out of a sandbox's tree from the host, safe against links.
+
+The sandbox's writable root is a directory on the host that the agent controls. Any
+component of a path inside it may be a symbolic link the agent planted to point at a
+host file. Every function here therefore walks paths one component at a time with
+``O_NOFOLLOW`` relative to an open directory descriptor, never resolving a link:
+nothing outside the sandbox's own tree is ever read or written.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path, PurePosixPath
+
+logger = logging.getLogger(__name__)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_CHUNK = 1 << 20
+
+
+class UnsafePathError(OSError):
+    """A sandbox path crosses a symbolic link or leaves the sandbox's tree."""
+
+
+def _parts(path: str | PurePosixPath) -> list[str]:
+    posix = PurePosixPath(path)
+    if not posix.is_absolute():
+        raise ValueError(f"sandbox paths must be absolute, got {str(path)!r}")
+    parts = [p for p in posix.parts[1:] if p not in ("", ".")]
+    if ".." in parts:
+        raise UnsafePathError(errno.EPERM, f"'..' is not allowed in sandbox path {str(path)!r}")
+    return parts
+
+
+def _open_dir(root: Path, parts: list[str], create: bool) -> int:
+    """Open the directory ``root/parts...`` without following any link."""
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for name in parts:
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                os.mkdir(name, 0o755, dir_fd=fd)
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as error:
+                if error.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafePathError(
+                        error.errno, f"{name!r} in the sandbox path is a link or not a directory"
+                    ) from None
+                raise
+            os.close(fd)
+            fd = child
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _copy_fd(src_fd: int, dst_fd: int) -> None:
+    while True:
+        chunk = os.read(src_fd, _CHUNK)
+        if not chunk:
+            return
+        view = memoryview(chunk)
+        while view:
+            written = os.write(dst_fd, view)
+            view = view[written:]
+
+
+def _write_into(dir_fd: int, name: str, source: Path) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)  # replaces a planted link instead of following it
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        raise
+    mode = stat.S_IMODE(source.stat().st_mode)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    dst = os.open(name, flags, mode, dir_fd=dir_fd)
+    try:
+        src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _copy_fd(src, dst)
+        finally:
+            os.close(src)
+        os.fchmod(dst, mode)
+    finally:
+        os.close(dst)
+
+
+def upload_file(root: Path, source: Path, target: str) -> None:
+    """Copy the host file ``source`` to the sandbox path ``target`` under ``root``."""
+    parts = _parts(target)
+    if not parts:
+        raise IsADirectoryError(target)
+    parent = _open_dir(root, parts[:-1], create=True)
+    try:
+        _write_into(parent, parts[-1], Path(source))
+    finally:
+        os.close(parent)
+
+
+def _upload_tree(dir_fd: int, source: Path) -> None:
+    for entry in os.scandir(source):
+        if entry.is_symlink():
+            target = os.readlink(entry.path)
+            try:
+                os.unlink(entry.name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            os.symlink(target, entry.name, dir_fd=dir_fd)
+        elif entry.is_dir():
+            try:
+                os.mkdir(entry.name, stat.S_IMODE(entry.stat().st_mode) | 0o700, dir_fd=dir_fd)
+            except FileExistsError:
+                pass
+            child = _open_dir_at(dir_fd, entry.name)
+            try:
+                _upload_tree(child, Path(entry.path))
+            finally:
+                os.close(child)
+        elif entry.is_file():
+            _write_into(dir_fd, entry.name, Path(entry.path))
+
+
+def _open_dir_at(dir_fd: int, name: str) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError(error.errno, f"{name!r} is a link or not a directory") from None
+        raise
+
+
+def upload_dir(root: Path, source: Path, target: str) -> None:
+    """Copy the contents of the host directory ``source`` into the sandbox directory ``target``."""
+    fd = _open_dir(root, _parts(target), create=True)
+    try:
+        _upload_tree(fd, Path(source))
+    finally:
+        os.close(fd)
+
+
+def download_file(root: Path, source: str, target: Path) -> None:
+    """Copy the sandbox file ``source`` to the host path ``target``.
+
+    Raises:
+        UnsafePathError: If any component of ``source`` is a link.
+        FileNotFoundError: If ``source`` does not exist.
+    """
+    parts = _parts(source)
+    if not parts:
+        raise IsADirectoryError(source)
+    parent = _open_dir(root, parts[:-1], create=False)
+    try:
+        try:
+            src = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=parent)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise UnsafePathError(error.errno, f"{source!r} is a link") from None
+            raise
+    finally:
+        os.close(parent)
+    try:
+        if not stat.S_ISREG(os.fstat(src).st_mode):
+            raise UnsafePathError(errno.EINVAL, f"{source!r} is not a regular file")
+        target = Path(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink():
+            target.unlink()
+        with open(target, "wb") as out:
+            _copy_fd(src, out.fileno())
+    finally:
+        os.close(src)
+
+
+def _download_tree(dir_fd: int, target: Path, where: str) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in os.scandir(dir_fd):
+        info = os.stat(entry.name, dir_fd=dir_fd, follow_symlinks=False)
+        path = target / entry.name
+        if stat.S_ISDIR(info.st_mode):
+            child = _open_dir_at(dir_fd, entry.name)
+            try:
+                _download_tree(child, path, f"{where}/{entry.name}")
+            finally:
+                os.close(child)
+        elif stat.S_ISREG(info.st_mode):
+            src = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                if path.is_symlink() or path.is_dir():
+                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                with open(path, "wb") as out:
+                    _copy_fd(src, out.fileno())
+            finally:
+                os.close(src)
+        else:
+            # Links, FIFOs, sockets and devices carry no content we may follow.
+            logger.warning("skipping %s/%s: not a regular file or directory", where, entry.name)
+
+
+def download_dir(root: Path, source: str, target: Path) -> None:
+    """Copy the contents of the sandbox directory ``source`` into the host directory ``target``.
+
+    Regular files and directories are copied; links and special files are skipped,
+    so a link the agent planted never makes the host read its own files.
+    """
+    fd = _open_dir(root, _parts(source), create=False)
+    try:
+        _download_tree(fd, Path(target), source.rstrip("/"))
+    finally:
+        os.close(fd)

@@ -1,0 +1,361 @@
+"""``LocalEnvironment``: a Harbor environment that needs no container engine.
+
+Each sandbox is one long-lived set of Linux namespaces made by bubblewrap, from
+``start()`` to ``stop()``: what one ``exec`` leaves running in the background is
+still there for the next, as with ``docker exec`` into a running container. It
+starts in milliseconds and works unprivileged, so it runs Harbor tasks on laptops,
+CI runners, HPC nodes and Kubernetes pods without Docker.
+
+Use it from Harbor itself::
+
+    harbor run -p examples/tasks -a oracle -e trl_harbor.sandboxes.local:LocalEnvironment
+
+or from trl-harbor with ``environment_type="local"``.
+
+What the agent sees: the host's system directories read-only (the host *is* the
+base image: ``FROM`` is not honoured), a private writable root holding the task's
+files from its Dockerfile, ``/tmp``, ``/logs``, ``/root`` and ``/home/user`` — and
+nothing else of the host. ``/tests`` and ``/solution`` exist only once Harbor's
+verifier or oracle uploads them. No network unless the task's policy allows it, and
+then through a user-mode network stack that cannot reach the host's loopback.
+See ``docs/local-sandbox.md`` for the details and the limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, ClassVar
+
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
+from harbor.environments.options import EnvironmentOptions
+from harbor.models.task.config import NetworkMode
+from pydantic import Field
+
+from trl_harbor.sandboxes import _hostfs
+from trl_harbor.sandboxes._bwrap import (
+    LAYER_VENV,
+    SANDBOX_VENV,
+    SYSTEM_MOUNTS,
+    SYSTEM_PATH,
+    Box,
+    BoxConfig,
+    SandboxCommandError,
+    SandboxError,
+    SandboxStartError,
+    SandboxTimeoutError,
+    SandboxUnavailableError,
+    bwrap_path,
+    new_box_name,
+    remove_tree,
+    state_root,
+)
+from trl_harbor.sandboxes.image import Image, ImageBuildError, ImageBuilder
+
+__all__ = [
+    "ImageBuildError",
+    "LocalEnvironment",
+    "LocalEnvironmentOptions",
+    "SandboxCommandError",
+    "SandboxError",
+    "SandboxStartError",
+    "SandboxTimeoutError",
+    "SandboxUnavailableError",
+    "SandboxUserError",
+]
+
+logger = logging.getLogger(__name__)
+
+_ROOT_USERS = (None, 0, "0", "root")
+
+
+class SandboxUserError(SandboxError, ValueError):
+    """A command asked for a non-root user, which the local sandbox cannot provide."""
+
+
+class LocalEnvironmentOptions(EnvironmentOptions):
+    """Options of the local sandbox (Harbor's ``--ek key=value`` / ``environment_kwargs``).
+
+    Attributes:
+        output_cap_bytes: Output kept per stream and command (head and tail); the rest
+            is read and dropped, so a command printing gigabytes cannot exhaust memory.
+        default_memory_mb: Memory limit when the task sets none.
+        pids_max: Maximum number of processes in one sandbox (fork-bomb containment).
+        cache_dir: Where built layers are cached (default ``~/.cache/trl-harbor``).
+    """
+
+    output_cap_bytes: int = Field(default=1 << 20, ge=1024)
+    default_memory_mb: int | None = Field(default=4096, ge=16)
+    pids_max: int | None = Field(default=2048, ge=16)
+    cache_dir: str | None = None
+
+
+_BUILDERS: dict[str | None, ImageBuilder] = {}
+
+
+def _builder(cache_dir: str | None) -> ImageBuilder:
+    if cache_dir not in _BUILDERS:
+        _BUILDERS[cache_dir] = ImageBuilder(Path(cache_dir) if cache_dir else None)
+    return _BUILDERS[cache_dir]
+
+
+def sweep_stale_sandboxes() -> int:
+    """Remove private trees left by processes that died without stopping their sandboxes.
+
+    Their processes died with them (bubblewrap's ``--die-with-parent``); this removes
+    what is left on disk. Called at every sandbox start; cheap.
+
+    Returns:
+        The number of trees removed.
+    """
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(state_root()):
+            owner = entry.name.split("-", 1)[0]
+            if not owner.isdigit() or int(owner) == os.getpid():
+                continue
+            try:
+                os.kill(int(owner), 0)
+                continue  # owner alive
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            remove_tree(Path(entry.path))
+            removed += 1
+    return removed
+
+
+_SWEPT = False
+
+
+class LocalEnvironment(BaseEnvironment):
+    """Runs a Harbor task in a bubblewrap sandbox on this machine (see the module docstring).
+
+    Takes Harbor's standard environment arguments; the options in
+    :class:`LocalEnvironmentOptions` are passed as keyword arguments.
+    """
+
+    options_model: ClassVar[type[EnvironmentOptions] | None] = LocalEnvironmentOptions
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._box: Box | None = None
+        self._image: Image | None = None
+        self._dir: Path | None = None
+        super().__init__(*args, **kwargs)
+        assert isinstance(self.options, LocalEnvironmentOptions)
+        self.local_options: LocalEnvironmentOptions = self.options
+
+    @staticmethod
+    def type() -> str:
+        """The environment's type name."""
+        return "local"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        """What this backend enforces: no network (own namespace) and no mounts from the host."""
+        return EnvironmentCapabilities(disable_internet=True)
+
+    @classmethod
+    def resource_capabilities(cls) -> EnvironmentResourceCapabilities | None:
+        """CPU and memory are hard limits (cgroups where writable, else rlimits)."""
+        return EnvironmentResourceCapabilities(cpu_limit=True, memory_limit=True, fractional_cpus=True)
+
+    @classmethod
+    def preflight(cls, kwargs: dict[str, Any] | None = None) -> None:
+        """Check options and that bubblewrap is installed, before any trial is queued.
+
+        Raises:
+            SandboxUnavailableError: If bubblewrap is missing.
+        """
+        super().preflight(kwargs)
+        bwrap_path()
+
+    def _validate_definition(self) -> None:
+        if not self.environment_dir.is_dir():
+            raise FileNotFoundError(f"environment directory {self.environment_dir} does not exist")
+
+    # -- lifecycle -------------------------------------------------------------
+
+    @property
+    def _root(self) -> Path:
+        if self._dir is None:
+            raise SandboxCommandError("the sandbox has not been started")
+        return self._dir / "rootfs"
+
+    async def start(self, force_build: bool) -> None:
+        """Build (or reuse) the task's layer and start the sandbox.
+
+        Args:
+            force_build: Rebuild the layer even if a cached one exists.
+
+        Raises:
+            ImageBuildError: If the Dockerfile cannot be built here.
+            SandboxStartError: If the sandbox cannot start.
+        """
+        global _SWEPT
+        if not _SWEPT:
+            _SWEPT = True
+            await asyncio.to_thread(sweep_stale_sandboxes)
+        builder = _builder(self.local_options.cache_dir)
+        if force_build:
+            key = await asyncio.to_thread(builder.content_key, self.environment_dir)
+            remove_tree(builder.cache_dir / "layers" / key)
+            builder._memo.clear()
+        self._image = await builder.get(self.environment_dir, self.environment_name)
+        self._dir = state_root() / new_box_name(self.session_id or self.environment_name)
+        await asyncio.to_thread(self._make_root)
+        network = "none" if self._network_policy.network_mode == NetworkMode.NO_NETWORK else "user"
+        cpus = self._effective_cpus
+        self._box = Box(
+            BoxConfig(
+                rootfs=self._root,
+                layer_venv=self._image.venv,
+                network=network,
+                memory_mb=self._effective_memory_mb or self.local_options.default_memory_mb,
+                cpus=float(cpus) if cpus else None,
+                pids_max=self.local_options.pids_max,
+                hostname=_hostname(self.environment_name),
+            ),
+            self._dir / "run",
+            name=self._dir.name,
+        )
+        try:
+            await self._box.start()
+        except BaseException:
+            await self._teardown()
+            raise
+        await self._upload_environment_dir_after_start()
+
+    def _make_root(self) -> None:
+        assert self._image is not None and self._dir is not None
+        self._dir.mkdir(parents=True)
+        # Copy-on-start: every sandbox gets its own writable copy of the layer's files.
+        shutil.copytree(self._image.rootfs, self._root, symlinks=True)
+        for name in ("tmp", "root", "home/user", "logs/agent", "logs/verifier", "logs/artifacts"):
+            (self._root / name).mkdir(parents=True, exist_ok=True)
+        if self.task_env_config.workdir:
+            (self._root / self.task_env_config.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+
+    async def stop(self, delete: bool) -> None:
+        """Kill every process of the sandbox (daemons included) and delete its tree.
+
+        Args:
+            delete: Accepted for Harbor's interface; the sandbox is always deleted,
+                because nothing of it can be restarted.
+        """
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        if self._box is not None:
+            await self._box.kill()
+            self._box = None
+        if self._dir is not None:
+            await asyncio.to_thread(remove_tree, self._dir)
+            self._dir = None
+
+    # -- commands --------------------------------------------------------------
+
+    @property
+    def workdir(self) -> str:
+        """The default working directory: the task's, else the Dockerfile's last WORKDIR, else ``/``."""
+        return self.task_env_config.workdir or (self._image.workdir if self._image else None) or "/"
+
+    def _command_env(self, env: dict[str, str] | None) -> dict[str, str]:
+        base = {
+            "PATH": f"{SANDBOX_VENV}/bin:{LAYER_VENV}/bin:{SYSTEM_PATH}",
+            "HOME": "/root",
+            "USER": "root",
+            "LANG": "C.UTF-8",
+            "VIRTUAL_ENV": SANDBOX_VENV,
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "HOSTNAME": _hostname(self.environment_name),
+        }
+        if self._image is not None:
+            base.update(self._image.env)
+        return {**base, **(self._merge_env(env) or {})}
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        """Run ``command`` with ``bash -c`` in the sandbox.
+
+        Args:
+            command: The shell command.
+            cwd: Working directory (default: the task's working directory).
+            env: Extra environment variables.
+            timeout_sec: Kill the command's whole process tree after this many seconds.
+            user: Only the sandbox's root (``None``, ``0`` or ``"root"``) is available.
+
+        Returns:
+            The exit code and the (bounded) standard output and error.
+
+        Raises:
+            SandboxUserError: If a non-root user is requested.
+            SandboxTimeoutError: If the command ran past ``timeout_sec``.
+            SandboxCommandError: If the sandbox is not running.
+        """
+        user = self._resolve_user(user)
+        if user not in _ROOT_USERS:
+            raise SandboxUserError(
+                f"the local sandbox runs commands as the sandbox's root only; user={user!r} was "
+                "requested. Remove the task's [agent]/[verifier] user setting, or use "
+                "environment_type='docker' to run as another user."
+            )
+        if self._box is None:
+            raise SandboxCommandError("the sandbox is not running (call start() first)")
+        result = await self._box.run(
+            command,
+            cwd=cwd or self.workdir,
+            env=self._command_env(env),
+            timeout=timeout_sec,
+            output_cap=self.local_options.output_cap_bytes,
+        )
+        if result["timed_out"]:
+            raise SandboxTimeoutError(f"Command timed out after {timeout_sec} seconds")
+        return ExecResult(stdout=result["stdout"], stderr=result["stderr"], return_code=result["rc"])
+
+    # -- files -----------------------------------------------------------------
+
+    def _check_writable_path(self, path: str) -> None:
+        normalized = "/" + str(path).strip("/")
+        for mount in SYSTEM_MOUNTS:
+            if normalized == mount or normalized.startswith(mount + "/"):
+                raise _hostfs.UnsafePathError(
+                    1, f"{path!r} is in the host's read-only system directories, not in the sandbox's own tree"
+                )
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        """Copy a host file into the sandbox (never through a link the agent planted)."""
+        self._check_writable_path(target_path)
+        await asyncio.to_thread(_hostfs.upload_file, self._root, Path(source_path), target_path)
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        """Copy the contents of a host directory into a sandbox directory."""
+        self._check_writable_path(target_dir)
+        await asyncio.to_thread(_hostfs.upload_dir, self._root, Path(source_dir), target_dir)
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        """Copy a sandbox file to the host; refuses links, so no host file is ever read."""
+        self._check_writable_path(source_path)
+        await asyncio.to_thread(_hostfs.download_file, self._root, source_path, Path(target_path))
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        """Copy a sandbox directory's regular files and folders to the host, skipping links."""
+        self._check_writable_path(source_dir)
+        await asyncio.to_thread(_hostfs.download_dir, self._root, source_dir, Path(target_dir))
+
+
+def _hostname(name: str) -> str:
+    cleaned = "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in name.lower()).strip("-")
+    return (cleaned or "sandbox")[:63]
