@@ -368,9 +368,6 @@ class Box:
             assert self._proc.stdin is not None and self._proc.stdout is not None
             self._proc.stdin.write(_supervisor_source())
             self._proc.stdin.close()
-            if info_r is not None:
-                child_pid = await asyncio.to_thread(_read_child_pid, info_r)
-                await self._start_user_network(child_pid)
             line = await asyncio.wait_for(self._proc.stdout.readline(), timeout=60)
             if line.strip() != b"ready":
                 stderr = b""
@@ -380,6 +377,11 @@ class Box:
                     "bubblewrap failed to start the sandbox: "
                     + (stderr.decode(errors="replace").strip() or "no error output")
                 )
+            if info_r is not None:
+                # Only once bubblewrap has finished setting up the namespace's loopback:
+                # configuring it concurrently races on netlink.
+                child_pid = await asyncio.to_thread(_read_child_pid, info_r)
+                await self._start_user_network(child_pid)
         except BaseException:
             await self.kill()
             raise

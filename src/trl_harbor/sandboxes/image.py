@@ -285,11 +285,12 @@ class ImageBuilder:
                 f"built by the local sandbox (task {task_name!r}). Use environment_type='docker'."
             )
 
-        def fail(instruction: Instruction, why: str) -> ImageBuildError:
+        def fail(instruction: Instruction, why: str, output: str = "") -> ImageBuildError:
             return ImageBuildError(
                 f"{dockerfile}:{instruction.line}: `{instruction.keyword} {instruction.value}` {why} "
                 f"(task {task_name!r}). The local sandbox uses the host as its base image; run this "
                 f"task with environment_type='docker' (or another container backend) instead."
+                + (f"\nOutput of the step:\n{output}" if output else "")
             )
 
         try:
@@ -391,7 +392,7 @@ class ImageBuilder:
         )  # fmt: skip
         if result["rc"] != 0:
             output = (result["stdout"] + result["stderr"]).strip()[-3000:]
-            raise fail(ins, f"failed with exit code {result['rc']}:\n{output}\n")
+            raise fail(ins, f"failed with exit code {result['rc']}", output)
 
 
 def _is_dir(rootfs: Path, path: PurePosixPath) -> bool:

@@ -1,0 +1,127 @@
+"""The ``trl-harbor`` command line.
+
+Commands:
+    check SUITE   Oracle solutions must score 1 and doing nothing must score 0, per task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _find_task_dirs(suite: str) -> list[Path]:
+    from trl_harbor.suite import load_suite
+
+    return [task.path for task in load_suite(suite).tasks]
+
+
+def _parse_kwargs(pairs: list[str]) -> dict:
+    kwargs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--ek expects key=value, got {pair!r}")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    return kwargs
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from trl_harbor.check import check_suite
+
+    console = Console(stderr=False)
+    task_dirs = _find_task_dirs(args.suite)
+    if args.task:
+        wanted = set(args.task)
+        task_dirs = [d for d in task_dirs if d.name in wanted]
+        missing = wanted - {d.name for d in task_dirs}
+        if missing:
+            console.print(f"[red]no such task in {args.suite}: {', '.join(sorted(missing))}")
+            return 2
+    with Progress(
+        TextColumn("checking"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True, disable=not console.is_terminal and not args.progress,
+    ) as progress:  # fmt: skip
+        bar = progress.add_task("check", total=len(task_dirs))
+        results = asyncio.run(
+            check_suite(
+                task_dirs,
+                args.environment_type,
+                concurrency=args.concurrency,
+                env_kwargs=_parse_kwargs(args.ek),
+                on_done=lambda _: progress.advance(bar),
+            )
+        )
+    table = Table(title=f"{args.suite} on {args.environment_type}")
+    for column in ("task", "oracle", "nothing", "result", "why"):
+        table.add_column(column)
+    for r in results:
+        why = r.oracle.error or r.nop.error or ""
+        if not why and not r.passed:
+            why = f"expected oracle=1 and nothing={r.floor:g}"
+        table.add_row(
+            r.task,
+            "error" if r.oracle.reward is None else f"{r.oracle.reward:g}",
+            "error" if r.nop.reward is None else f"{r.nop.reward:g}",
+            "[green]pass" if r.passed else "[red]FAIL",
+            why[:200],
+        )
+    console.print(table)
+    failed = [r for r in results if not r.passed]
+    console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser of ``trl-harbor``.
+
+    Returns:
+        The parser.
+    """
+    parser = argparse.ArgumentParser(prog="trl-harbor", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="oracle must score 1 and doing nothing 0, for every task")
+    check.add_argument("suite", help="a folder of task folders, or one holding tasks/")
+    check.add_argument("--environment-type", "-e", default="local", help="local (default), docker, ... or module:Class")
+    check.add_argument("--concurrency", "-n", type=int, default=max(2, (os.cpu_count() or 2) * 2))
+    check.add_argument("--task", "-t", action="append", help="check only this task (repeatable)")
+    check.add_argument("--ek", action="append", default=[], help="backend option key=value (repeatable)")
+    check.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
+    check.set_defaults(func=_cmd_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+        argv: Arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
+    os.environ.setdefault("HARBOR_TELEMETRY", "0")
+    args = build_parser().parse_args(argv)
+    level = logging.DEBUG if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("harbor").setLevel(level)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Helpers for the local sandbox tests: synthetic tasks and live-process checks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import textwrap
+import time
+from pathlib import Path
+
+from harbor.models.task.task import Task
+from harbor.models.trial.paths import TrialPaths
+
+from trl_harbor.backends import create_environment
+from trl_harbor.sandboxes.local import LocalEnvironment
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED_SUITE = REPO / "examples" / "tasks"
+
+
+def run(coro):
+    """Run a coroutine to completion on a fresh event loop."""
+    return asyncio.run(coro)
+
+
+def make_task(
+    root: Path,
+    name: str = "demo",
+    *,
+    dockerfile: str = "FROM python:3.12-slim\nWORKDIR /workdir\n",
+    network_mode: str = "no-network",
+    memory_mb: int | None = 512,
+    files: dict[str, str] | None = None,
+    gold: str = "42",
+) -> Path:
+    """Write a minimal, valid Harbor task whose gold answer is ``gold``."""
+    task = root / name
+    (task / "environment").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "solution").mkdir()
+    (task / "environment" / "Dockerfile").write_text(dockerfile)
+    for rel, content in (files or {}).items():
+        path = task / "environment" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    (task / "instruction.md").write_text("Write the answer to /workdir/answer.txt\n")
+    memory = f"memory_mb = {memory_mb}\n" if memory_mb else ""
+    (task / "task.toml").write_text(
+        textwrap.dedent(
+            f"""\
+            version = "1.0"
+            [metadata]
+            gold_answer = "{gold}"
+            [verifier]
+            timeout_sec = 60
+            [verifier.env]
+            EXPECTED_ANSWER = "{gold}"
+            [agent]
+            timeout_sec = 60
+            [environment]
+            network_mode = "{network_mode}"
+            cpus = 1
+            """
+        )
+        + memory
+    )
+    test_sh = task / "tests" / "test.sh"
+    test_sh.write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\n"
+        'if [ "$(cat /workdir/answer.txt 2>/dev/null)" = "$EXPECTED_ANSWER" ]; then echo 1 > /logs/verifier/reward.txt; '
+        "else echo 0 > /logs/verifier/reward.txt; fi\n"
+    )
+    test_sh.chmod(0o755)
+    solve = task / "solution" / "solve.sh"
+    solve.write_text(f"#!/bin/bash\necho {gold} > /workdir/answer.txt\n")
+    solve.chmod(0o755)
+    return task
+
+
+def open_env(task_dir: Path, trial_root: Path, **kwargs) -> LocalEnvironment:
+    """Create (not start) the local environment of a task, the way trl-harbor does."""
+    task = Task(task_dir)
+    env = create_environment(
+        task,
+        "local",
+        session_id=f"{task.name}__test",
+        trial_paths=TrialPaths(trial_dir=trial_root / f"{task.name}-{time.monotonic_ns()}"),
+        kwargs=kwargs,
+    )
+    assert isinstance(env, LocalEnvironment)
+    return env
+
+
+def live_processes_with(marker: str) -> list[int]:
+    """Host PIDs of live (not zombie) processes whose command line contains ``marker``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ")
+            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state not in ("Z", "X"):
+            found.append(int(name))
+    return found
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,66 @@
+"""The local sandbox as Harbor sees it: `harbor run` with the plug-in, Harbor's oracle and verifier."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from sandbox_helpers import BUNDLED_SUITE, make_task, run
+from trl_harbor.check import check_suite
+from trl_harbor.cli import main as cli_main
+from trl_harbor.suite import load_suite
+
+BUNDLED_TASKS = [t.path for t in load_suite(BUNDLED_SUITE).tasks]
+
+
+def test_bundled_suite_is_large_and_varied_enough() -> None:
+    suite = load_suite(BUNDLED_SUITE)
+    assert len(suite.tasks) >= 12
+    levels = {t.metadata["difficulty_level"] for t in suite.tasks}
+    modes = {t.metadata["reward_mode_initial"] for t in suite.tasks}
+    assert levels == {1, 2, 3, 4, 5} and modes == {"exact_short", "numeric"}
+    assert any("pip install" in (t.path / "environment" / "Dockerfile").read_text() for t in suite.tasks)
+    assert any("reward.json" in (t.path / "tests" / "grade.py").read_text() for t in suite.tasks)
+
+
+def test_every_bundled_task_scores_one_with_oracle_and_zero_with_nothing() -> None:
+    """Harbor's own OracleAgent and Verifier, in real local sandboxes."""
+    results = run(check_suite(BUNDLED_TASKS, "local", concurrency=8))
+    table = {r.task: (r.oracle.reward, r.nop.reward, r.oracle.error or r.nop.error) for r in results}
+    assert all(r.passed for r in results), table
+    assert {r.oracle.reward for r in results} == {1.0} and {r.nop.reward for r in results} == {0.0}
+
+
+def test_check_reports_a_task_whose_grader_accepts_doing_nothing(tmp_path: Path, capsys) -> None:
+    good = make_task(tmp_path / "suite", name="good")
+    lenient = make_task(tmp_path / "suite", name="lenient")
+    (lenient / "tests" / "test.sh").write_text("#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n")
+    broken = make_task(tmp_path / "suite", name="broken_oracle")
+    (broken / "solution" / "solve.sh").write_text("#!/bin/bash\necho wrong > /workdir/answer.txt\n")
+    status = cli_main(["check", str(tmp_path / "suite"), "-e", "local"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "1 passed, 2 failed" in out
+    for name in ("good", "lenient", "broken_oracle"):
+        assert name in out
+    assert good.exists()
+
+
+def test_harbor_run_with_the_plugin_passes_the_bundled_suite(tmp_path: Path) -> None:
+    harbor = shutil.which("harbor") or str(Path(sys.executable).parent / "harbor")
+    jobs = tmp_path / "jobs"
+    completed = subprocess.run(
+        [harbor, "run", "-p", str(BUNDLED_SUITE), "-a", "oracle", "-e",
+         "trl_harbor.sandboxes.local:LocalEnvironment", "-n", "4", "-o", str(jobs), "-y"],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "HARBOR_TELEMETRY": "0"},
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    (result_file,) = jobs.glob("*/result.json")
+    stats = json.loads(result_file.read_text())["stats"]
+    assert stats["n_errored_trials"] == 0 and stats["n_completed_trials"] == len(BUNDLED_TASKS)
+    (evaluation,) = stats["evals"].values()
+    assert evaluation["metrics"][0]["reward"] == 1.0

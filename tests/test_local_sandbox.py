@@ -1,0 +1,275 @@
+"""The local bubblewrap sandbox: container semantics, limits and teardown, on real sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox_helpers import live_processes_with, make_task, open_env, run, wait_until
+from trl_harbor.sandboxes._bwrap import state_root
+from trl_harbor.sandboxes.local import SandboxTimeoutError, SandboxUserError
+
+
+@pytest.fixture
+def task(tmp_path: Path) -> Path:
+    return make_task(tmp_path / "tasks")
+
+
+def test_exec_runs_commands_with_cwd_env_and_exit_code(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        try:
+            pwd = await env.exec("pwd")
+            assert pwd.stdout.strip() == "/workdir" and pwd.return_code == 0
+            custom = await env.exec('echo "$GREETING" >&2; exit 3', cwd="/tmp", env={"GREETING": "hi"})
+            assert custom.stderr.strip() == "hi" and custom.return_code == 3
+            whoami = await env.exec("id -u; echo $HOME")
+            assert whoami.stdout.split() == ["0", "/root"]
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_background_process_survives_between_execs(task: Path, tmp_path: Path) -> None:
+    marker = f"sleep 3{os.getpid() % 1000}.5"
+
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        try:
+            started = await env.exec(f"nohup {marker} >/dev/null 2>&1 & echo started")
+            assert started.stdout.strip() == "started"
+            # A server started in the background answers the next exec.
+            await env.exec(
+                "python3 -c \"import http.server as h; h.HTTPServer(('127.0.0.1', 8765), "
+                'h.SimpleHTTPRequestHandler).serve_forever()" >/tmp/server.log 2>&1 &'
+            )
+            probe = await env.exec(
+                "for i in $(seq 50); do python3 -c \"import urllib.request as u; "
+                "print(u.urlopen('http://127.0.0.1:8765/').status)\" 2>/dev/null && break; sleep 0.1; done"
+            )
+            assert probe.stdout.strip() == "200"
+            alive = await env.exec(f"pgrep -f '[{marker[0]}]{marker[1:]}'")
+            assert alive.return_code == 0 and alive.stdout.strip()
+            assert live_processes_with(marker)
+        finally:
+            await env.stop(delete=True)
+        assert wait_until(lambda: not live_processes_with(marker))
+
+    run(scenario())
+
+
+def test_timeout_kills_whole_process_tree(task: Path, tmp_path: Path) -> None:
+    marker = "sleep 7777.25"
+
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        try:
+            started = time.monotonic()
+            with pytest.raises(SandboxTimeoutError):
+                # A child, a grandchild and a daemon that escaped with setsid.
+                await env.exec(f"({marker} &) ; setsid {marker} & {marker}", timeout_sec=1)
+            assert time.monotonic() - started < 5
+            left = await env.exec(f"pgrep -f '[{marker[0]}]{marker[1:]}' || true")
+            assert left.stdout.strip() == ""
+            assert (await env.exec("echo still usable")).stdout.strip() == "still usable"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+    assert not live_processes_with(marker)
+
+
+def test_cancelled_exec_kills_its_tree(task: Path, tmp_path: Path) -> None:
+    marker = "sleep 6666.5"
+
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        try:
+            job = asyncio.ensure_future(env.exec(f"{marker}"))
+            assert await asyncio.to_thread(wait_until, lambda: bool(live_processes_with(marker)))
+            job.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await job
+            assert await asyncio.to_thread(wait_until, lambda: not live_processes_with(marker))
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_output_flood_is_bounded(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        env = open_env(task, tmp_path, output_cap_bytes=64 * 1024)
+        await env.start(force_build=False)
+        try:
+            result = await env.exec("yes | head -c 2G; echo done", timeout_sec=120)
+            assert result.return_code == 0
+            assert len(result.stdout) < 70 * 1024
+            assert "bytes of output omitted" in result.stdout
+            assert result.stdout.rstrip().endswith("done")  # the tail is kept
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_fork_bomb_is_contained(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        bomb = open_env(task, tmp_path, pids_max=64)
+        bystander = open_env(task, tmp_path)
+        await asyncio.gather(bomb.start(force_build=False), bystander.start(force_build=False))
+        try:
+            with pytest.raises(SandboxTimeoutError):
+                await bomb.exec("bomb() { bomb | bomb & }; bomb; sleep 100", timeout_sec=3)
+            assert (await bystander.exec("echo ok")).stdout.strip() == "ok"
+            assert (await bomb.exec("echo recovered", timeout_sec=30)).stdout.strip() == "recovered"
+        finally:
+            await asyncio.gather(bomb.stop(delete=True), bystander.stop(delete=True))
+
+    run(scenario())
+    assert subprocess.run(["true"]).returncode == 0  # the host can still fork
+
+
+def test_memory_hog_is_contained(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        env = open_env(task, tmp_path)  # the task asks for 512 MB
+        await env.start(force_build=False)
+        try:
+            hog = await env.exec(
+                "python3 -c \"b = []\nwhile True: b.append(bytearray(64 * 1024 * 1024))\"", timeout_sec=60
+            )
+            assert hog.return_code != 0
+            assert (await env.exec("echo alive")).stdout.strip() == "alive"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_non_root_user_is_refused_root_is_accepted(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        try:
+            assert (await env.exec("id -u", user="root")).stdout.strip() == "0"
+            with pytest.raises(SandboxUserError, match="root only"):
+                await env.exec("id -u", user="agent")
+            with pytest.raises(SandboxUserError):
+                await env.exec("id -u", user=1000)
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_pip_install_works_at_agent_time(task: Path, tmp_path: Path) -> None:
+    """Debian's python3 refuses pip under PEP 668; every sandbox has a venv that accepts it.
+
+    The package is a wheel built in the sandbox, so the test needs no index.
+    """
+    build_wheel = textwrap.dedent(
+        """\
+        import zipfile
+        with zipfile.ZipFile('/tmp/tinypkg-1.0-py3-none-any.whl', 'w') as z:
+            z.writestr('tinypkg.py', 'ANSWER = 42\\n')
+            z.writestr('tinypkg-1.0.dist-info/METADATA', 'Metadata-Version: 2.1\\nName: tinypkg\\nVersion: 1.0\\n')
+            z.writestr('tinypkg-1.0.dist-info/WHEEL', 'Wheel-Version: 1.0\\nGenerator: test\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n')
+            z.writestr('tinypkg-1.0.dist-info/RECORD', '')
+        """
+    )
+
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        try:
+            await env.upload_file(_write(tmp_path / "mkwheel.py", build_wheel), "/tmp/mkwheel.py")
+            assert (await env.exec("python3 /tmp/mkwheel.py")).return_code == 0
+            install = await env.exec("pip install --no-index /tmp/tinypkg-1.0-py3-none-any.whl", timeout_sec=120)
+            assert install.return_code == 0, install.stdout + install.stderr
+            check = await env.exec("python3 -c 'import tinypkg; print(tinypkg.ANSWER)'")
+            assert check.stdout.strip() == "42"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_stop_leaves_no_process_directory_or_cgroup(task: Path, tmp_path: Path) -> None:
+    marker = "sleep 5555.75"
+
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        box_dir = env._dir
+        await env.exec(f"setsid nohup {marker} >/dev/null 2>&1 & ( {marker} & ) ; echo ok")
+        assert len(live_processes_with(marker)) == 2
+        await env.stop(delete=True)
+        return box_dir
+
+    box_dir = run(scenario())
+    assert wait_until(lambda: not live_processes_with(marker))
+    assert not box_dir.exists()
+    assert not [p for p in Path("/sys/fs/cgroup").glob(f"*/trl-harbor/{box_dir.name}")]
+
+
+def test_sandboxes_die_with_their_parent_process(task: Path, tmp_path: Path) -> None:
+    marker = "sleep 4444.5"
+    script = textwrap.dedent(
+        f"""\
+        import asyncio, os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from sandbox_helpers import open_env
+        from pathlib import Path
+        async def main():
+            env = open_env(Path({str(task)!r}), Path({str(tmp_path)!r}))
+            await env.start(force_build=False)
+            await env.exec("nohup {marker} >/dev/null 2>&1 &")
+            print(env._dir, flush=True)
+            await asyncio.sleep(60)
+        asyncio.run(main())
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    box_dir = Path(child.stdout.readline().strip())
+    assert wait_until(lambda: bool(live_processes_with(marker)))
+    child.send_signal(signal.SIGKILL)  # no cleanup code can run
+    child.wait()
+    assert wait_until(lambda: not live_processes_with(marker)), "sandbox outlived its parent"
+    # What the dead process left on disk is swept by the next process that starts a sandbox.
+    from trl_harbor.sandboxes.local import sweep_stale_sandboxes
+
+    assert box_dir.exists()
+    sweep_stale_sandboxes()
+    assert not box_dir.exists()
+
+
+def test_many_sandboxes_start_concurrently(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        envs = [open_env(task, tmp_path) for _ in range(64)]
+        await asyncio.gather(*(e.start(force_build=False) for e in envs))
+        try:
+            results = await asyncio.gather(*(e.exec("echo $((6 * 7))") for e in envs))
+            assert [r.stdout.strip() for r in results] == ["42"] * 64
+        finally:
+            await asyncio.gather(*(e.stop(delete=True) for e in envs))
+
+    run(scenario())
+    assert not [p for p in state_root().iterdir() if p.name.startswith(f"{os.getpid()}-")]
