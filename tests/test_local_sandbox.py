@@ -23,7 +23,20 @@ def task(tmp_path: Path) -> Path:
     return make_task(tmp_path / "tasks")
 
 
-def test_exec_runs_commands_with_cwd_env_and_exit_code(task: Path, tmp_path: Path) -> None:
+@pytest.fixture(params=["c", "python"])
+def supervisor(request, monkeypatch):
+    """Run the test with the compiled supervisor and with its Python fallback."""
+    from trl_harbor.sandboxes import _bwrap
+
+    if request.param == "python":
+        monkeypatch.setenv("TRL_HARBOR_SUPERVISOR", "python")
+    _bwrap.supervisor_binary.cache_clear()
+    assert (_bwrap.supervisor_binary() is None) == (request.param == "python")
+    yield request.param
+    _bwrap.supervisor_binary.cache_clear()
+
+
+def test_exec_runs_commands_with_cwd_env_and_exit_code(task: Path, tmp_path: Path, supervisor: str) -> None:
     async def scenario():
         env = open_env(task, tmp_path)
         await env.start(force_build=False)
@@ -40,7 +53,7 @@ def test_exec_runs_commands_with_cwd_env_and_exit_code(task: Path, tmp_path: Pat
     run(scenario())
 
 
-def test_background_process_survives_between_execs(task: Path, tmp_path: Path) -> None:
+def test_background_process_survives_between_execs(task: Path, tmp_path: Path, supervisor: str) -> None:
     marker = f"sleep 3{os.getpid() % 1000}.5"
 
     async def scenario():
@@ -69,7 +82,7 @@ def test_background_process_survives_between_execs(task: Path, tmp_path: Path) -
     run(scenario())
 
 
-def test_timeout_kills_whole_process_tree(task: Path, tmp_path: Path) -> None:
+def test_timeout_kills_whole_process_tree(task: Path, tmp_path: Path, supervisor: str) -> None:
     marker = "sleep 7777.25"
 
     async def scenario():
@@ -91,7 +104,7 @@ def test_timeout_kills_whole_process_tree(task: Path, tmp_path: Path) -> None:
     assert not live_processes_with(marker)
 
 
-def test_cancelled_exec_kills_its_tree(task: Path, tmp_path: Path) -> None:
+def test_cancelled_exec_kills_its_tree(task: Path, tmp_path: Path, supervisor: str) -> None:
     marker = "sleep 6666.5"
 
     async def scenario():
@@ -110,7 +123,7 @@ def test_cancelled_exec_kills_its_tree(task: Path, tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_output_flood_is_bounded(task: Path, tmp_path: Path) -> None:
+def test_output_flood_is_bounded(task: Path, tmp_path: Path, supervisor: str) -> None:
     async def scenario():
         env = open_env(task, tmp_path, output_cap_bytes=64 * 1024)
         await env.start(force_build=False)
@@ -212,7 +225,7 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def test_stop_leaves_no_process_directory_or_cgroup(task: Path, tmp_path: Path) -> None:
+def test_stop_leaves_no_process_directory_or_cgroup(task: Path, tmp_path: Path, supervisor: str) -> None:
     marker = "sleep 5555.75"
 
     async def scenario():

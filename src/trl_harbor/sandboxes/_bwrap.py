@@ -22,13 +22,17 @@ import asyncio
 import atexit
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
 import shutil
 import signal
 import socket
+import struct
+import subprocess
 import tempfile
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -109,6 +113,38 @@ def _supervisor_source() -> bytes:
 
 
 @cache
+def supervisor_binary() -> str | None:
+    """The compiled C supervisor, built on first use and cached by source hash.
+
+    Returns ``None`` (the Python supervisor is used) when ``TRL_HARBOR_SUPERVISOR=python``
+    or no C compiler is available.
+    """
+    if os.environ.get("TRL_HARBOR_SUPERVISOR", "").lower() == "python":
+        return None
+    source = resources.files("trl_harbor.sandboxes").joinpath("_supervisor.c").read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("TRL_HARBOR_CACHE_DIR") or Path.home() / ".cache" / "trl-harbor") / "bin"
+    binary = cache_dir / f"supervisor-{digest}"
+    if binary.exists():
+        return str(binary)
+    compiler = _which(os.environ.get("CC", "cc")) or _which("gcc") or _which("clang")
+    if compiler is None:
+        logger.info("no C compiler found: the local sandbox uses its Python supervisor (slower start)")
+        return None
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+        src = Path(scratch) / "supervisor.c"
+        src.write_bytes(source)
+        out = Path(scratch) / "supervisor"
+        result = subprocess.run([compiler, "-O2", "-o", str(out), str(src)], capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("compiling the sandbox supervisor failed, using the Python one: %s", result.stderr[-2000:])
+            return None
+        out.replace(binary)  # atomic: concurrent builders race harmlessly
+    return str(binary)
+
+
+@cache
 def _root_links() -> tuple[tuple[str, str], ...]:
     """The merged-/usr links at the host's root (``/bin -> usr/bin``, ...)."""
     links = []
@@ -130,11 +166,31 @@ def _root_dirs() -> tuple[str, ...]:
 
 
 def state_root() -> Path:
-    """Where sandboxes keep their private trees (``$TRL_HARBOR_STATE_DIR`` or a per-user temp dir)."""
+    """Where sandboxes keep their private trees.
+
+    ``$TRL_HARBOR_STATE_DIR`` if set; else a per-user folder on ``/dev/shm`` when it is
+    a writable tmpfs (creating and removing a sandbox's tree is 40x faster there than
+    on a journaled disk, and what the agent writes counts against the sandbox's own
+    memory limit); else a per-user folder in the temporary directory.
+    """
     configured = os.environ.get("TRL_HARBOR_STATE_DIR")
-    base = Path(configured) if configured else Path(tempfile.gettempdir()) / f"trl-harbor-{os.getuid()}"
+    if configured:
+        base = Path(configured)
+    elif _shm_is_tmpfs():
+        base = Path("/dev/shm") / f"trl-harbor-{os.getuid()}"
+    else:
+        base = Path(tempfile.gettempdir()) / f"trl-harbor-{os.getuid()}"
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     return base
+
+
+@cache
+def _shm_is_tmpfs() -> bool:
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts) and os.access("/dev/shm", os.W_OK)
 
 
 class _Cgroups:
@@ -227,9 +283,7 @@ class _Cgroups:
                     if error.errno != errno.EBUSY:
                         break
                     # Killed processes leave the cgroup a moment after SIGKILL.
-                    import time
-
-                    time.sleep(0.01)
+                    time.sleep(0.002)
         self.paths = []
 
 
@@ -315,11 +369,11 @@ class Box:
         args += ["--chdir", "/", "--clearenv"]
         return args
 
-    def _rlimits(self) -> dict[str, int]:
+    def _address_space_limit(self) -> int:
         if self._cgroups.paths or not self.config.memory_mb:
-            return {}
+            return 0
         # No writable cgroups (not root): bound each process's address space instead.
-        return {"AS": self.config.memory_mb * 1024 * 1024 * 2}
+        return self.config.memory_mb * 1024 * 1024 * 2
 
     async def start(self) -> None:
         """Start bubblewrap and the supervisor, and wait until it accepts commands.
@@ -336,14 +390,16 @@ class Box:
         info_r = info_w = None
         if self.config.network == "user":
             info_r, info_w = os.pipe()
-        command = self._bwrap_args(info_w) + [
-            sandbox_python(), "-I", "-S", "-", str(listener.fileno()), json.dumps({"rlimits": self._rlimits()})
-        ]
-        if cgroup_procs:
-            # Join the cgroups before exec, so every process of the box is counted.
-            joins = "".join(f'echo $$ > "{p}" && ' for p in cgroup_procs)
-            command = ["/bin/sh", "-c", joins + 'exec "$@"', "sh", *command]
-        pass_fds = [listener.fileno()] + ([info_w] if info_w is not None else [])
+        binary = supervisor_binary()
+        exe_fd = None
+        if binary is not None:
+            # Executed through its descriptor: the binary appears nowhere in the box.
+            exe_fd = os.open(binary, os.O_RDONLY)
+            supervisor = [f"/proc/self/fd/{exe_fd}"]
+        else:
+            supervisor = [sandbox_python(), "-I", "-S", "-"]
+        command = self._bwrap_args(info_w) + [*supervisor, str(listener.fileno()), str(self._address_space_limit())]
+        pass_fds = [listener.fileno()] + [fd for fd in (info_w, exe_fd) if fd is not None]
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *command,
@@ -352,6 +408,7 @@ class Box:
                 stderr=asyncio.subprocess.PIPE,
                 pass_fds=pass_fds,
                 env={"PATH": SYSTEM_PATH},  # /proc/1/environ in the box shows nothing of ours
+                cwd="/",
                 start_new_session=True,
             )
         except OSError as error:
@@ -359,14 +416,16 @@ class Box:
             self._cleanup_files()
             raise SandboxStartError(f"could not run bubblewrap: {error}") from error
         finally:
-            if info_w is not None:
-                os.close(info_w)
+            for fd in (info_w, exe_fd):
+                if fd is not None:
+                    os.close(fd)
         self._bwrap_pid = self._proc.pid
         _LIVE.add(self)
         listener.close()
         try:
             assert self._proc.stdin is not None and self._proc.stdout is not None
-            self._proc.stdin.write(_supervisor_source())
+            if binary is None:
+                self._proc.stdin.write(_supervisor_source())
             self._proc.stdin.close()
             line = await asyncio.wait_for(self._proc.stdout.readline(), timeout=60)
             if line.strip() != b"ready":
@@ -377,6 +436,11 @@ class Box:
                     "bubblewrap failed to start the sandbox: "
                     + (stderr.decode(errors="replace").strip() or "no error output")
                 )
+            if cgroup_procs:
+                # The box's processes so far (bwrap, its init, the supervisor) join its
+                # cgroups before any command runs; every later process is forked from
+                # them and so is counted too.
+                _join_cgroups(cgroup_procs, _process_tree(self._proc.pid))
             if info_r is not None:
                 # Only once bubblewrap has finished setting up the namespace's loopback:
                 # configuring it concurrently races on netlink.
@@ -441,35 +505,53 @@ class Box:
         """
         if self.closed:
             raise SandboxCommandError("the sandbox has been stopped")
-        request = {"cmd": command, "cwd": cwd, "env": env or {}, "timeout": timeout, "cap": output_cap}
-        # The answer is JSON: escapes can make it several times the raw output.
-        limit = 8 * 2 * output_cap + (1 << 20)
+        fields = [cwd.encode(), command.encode()] + [f"{k}={v}".encode() for k, v in (env or {}).items()]
+        timeout_ms = 0 if not timeout else max(1, int(timeout * 1000))
+        body = struct.pack("<III", timeout_ms, output_cap, len(fields))
+        body += b"".join(struct.pack("<I", len(f)) + f for f in fields)
         try:
-            reader, writer = await asyncio.open_unix_connection(str(self.socket_path), limit=limit)
+            reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
         except OSError as error:
             raise SandboxCommandError(f"the sandbox is not running ({error})") from error
         try:
-            writer.write(json.dumps(request).encode() + b"\n")
+            writer.write(struct.pack("<I", len(body)) + body)
             await writer.drain()
             wait = None if timeout is None else timeout + 30
             try:
-                line = await asyncio.wait_for(reader.readline(), timeout=wait)
+                return await asyncio.wait_for(self._read_answer(reader, output_cap), timeout=wait)
             except asyncio.TimeoutError:
                 raise SandboxTimeoutError(f"Command timed out after {timeout} seconds") from None
-            except ValueError as error:  # the line went past the limit
-                raise SandboxCommandError(f"the sandbox answered too much output: {error}") from error
+            except asyncio.IncompleteReadError as error:
+                raise SandboxCommandError(
+                    "the sandbox's supervisor closed the connection without an answer "
+                    "(the sandbox was stopped, or its processes were killed)"
+                ) from error
             except OSError as error:
                 raise SandboxCommandError(f"the sandbox's supervisor went away ({error})") from error
         finally:
             writer.close()
-        if not line:
-            raise SandboxCommandError(
-                "the sandbox's supervisor closed the connection without an answer "
-                "(the sandbox was stopped, or its processes were killed)"
-            )
-        return json.loads(line)
+
+    @staticmethod
+    async def _read_answer(reader: asyncio.StreamReader, output_cap: int) -> dict:
+        rc, flags = struct.unpack("<iI", await reader.readexactly(8))
+        streams, dropped = [], 0
+        for _ in range(2):
+            lost, size = struct.unpack("<QI", await reader.readexactly(12))
+            if size > output_cap + 256:  # never trust the box for sizes
+                raise SandboxCommandError(f"the sandbox's supervisor sent {size} bytes for a cap of {output_cap}")
+            streams.append((await reader.readexactly(size)).decode("utf-8", "replace"))
+            dropped += lost
+        return {"rc": rc, "timed_out": bool(flags & 1), "stdout": streams[0], "stderr": streams[1], "dropped": dropped}
 
     # -- teardown --------------------------------------------------------------
+
+    def _signal_all(self) -> None:
+        for proc in (self._slirp, self._proc):
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    # bwrap runs in its own session: kill the whole process group;
+                    # the box's PID namespace dies with its init (--die-with-parent).
+                    os.killpg(proc.pid, signal.SIGKILL)
 
     def kill_now(self) -> None:
         """Kill every process of the box and remove its state, synchronously.
@@ -479,23 +561,25 @@ class Box:
         if self.closed:
             return
         self.closed = True
-        for proc in (self._slirp, self._proc):
-            if proc is not None and proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError, OSError):
-                    # bwrap runs in its own session: kill the whole process group;
-                    # the box's PID namespace dies with its init (--die-with-parent).
-                    os.killpg(proc.pid, signal.SIGKILL)
+        self._signal_all()
         self._cgroups.kill_and_remove()
         self._cleanup_files()
         _LIVE.discard(self)
 
     async def kill(self) -> None:
         """Kill every process of the box, wait for bubblewrap, and remove its state."""
-        procs = [p for p in (self._slirp, self._proc) if p is not None]
-        self.kill_now()
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
-                await asyncio.wait_for(proc.wait(), timeout=10)
+        if self.closed:
+            return
+        self.closed = True
+        self._signal_all()
+        for proc in (self._slirp, self._proc):
+            if proc is not None:
+                with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
+                    await asyncio.wait_for(proc.wait(), timeout=10)
+        # Usually empty by now; anything that escaped the namespace's death is killed here.
+        self._cgroups.kill_and_remove()
+        self._cleanup_files()
+        _LIVE.discard(self)
 
     def _cleanup_files(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -505,6 +589,26 @@ class Box:
     def pid(self) -> int | None:
         """Host PID of the bubblewrap process (``None`` before start)."""
         return self._bwrap_pid
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (from /proc's children lists)."""
+    found, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with contextlib.suppress(OSError):
+                    stack += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
+    return found
+
+
+def _join_cgroups(procs_files: list[Path], pids: list[int]) -> None:
+    for procs in procs_files:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                procs.write_text(str(pid))
 
 
 def prepare_rootfs(root: Path) -> None:

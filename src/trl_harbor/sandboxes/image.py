@@ -43,6 +43,7 @@ from trl_harbor.sandboxes._bwrap import (
     Box,
     BoxConfig,
     new_box_name,
+    prepare_rootfs,
     remove_tree,
     sandbox_python,
     state_root,
@@ -50,7 +51,7 @@ from trl_harbor.sandboxes._bwrap import (
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 # Host variables a build may need to reach a package index (never the agent).
 _BUILD_PASSTHROUGH = (
     "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_CERT", "PIP_DEFAULT_TIMEOUT",
@@ -275,6 +276,10 @@ class ImageBuilder:
         rootfs.mkdir(parents=True)
         make_venv(venv, LAYER_VENV)
         make_venv(rootfs / SANDBOX_VENV.lstrip("/"), SANDBOX_VENV, layer=LAYER_VENV)
+        # The skeleton every sandbox needs, so that starting one is a single copy.
+        prepare_rootfs(rootfs)
+        for name in ("root", "home/user", "logs/agent", "logs/verifier", "logs/artifacts"):
+            (rootfs / name).mkdir(parents=True, exist_ok=True)
         state = _BuildState(args=dict(self.build_args))
         box: Box | None = None
         instructions = parse_dockerfile(dockerfile.read_text()) if dockerfile.exists() else []

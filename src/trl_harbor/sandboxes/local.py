@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -236,7 +235,7 @@ class LocalEnvironment(BaseEnvironment):
         assert self._image is not None and self._dir is not None
         self._dir.mkdir(parents=True)
         # Copy-on-start: every sandbox gets its own writable copy of the layer's files.
-        shutil.copytree(self._image.rootfs, self._root, symlinks=True)
+        _hostfs.copy_tree(self._image.rootfs, self._root)
         for name in ("tmp", "root", "home/user", "logs/agent", "logs/verifier", "logs/artifacts"):
             (self._root / name).mkdir(parents=True, exist_ok=True)
         if self.task_env_config.workdir:

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Prepare a development environment for trl-harbor on a Debian/Ubuntu machine:
+#   - system packages the local sandbox needs (bubblewrap, slirp4netns, python3-venv),
+#   - a Python >= 3.12 interpreter (harbor needs it), found wherever it is installed,
+#   - .venv with the project and its test/training extras.
+# Idempotent: a second run with nothing changed takes a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '[bootstrap] %s\n' "$*" >&2; }
+
+# --- system packages -------------------------------------------------------
+need=()
+command -v bwrap >/dev/null || need+=(bubblewrap)
+command -v slirp4netns >/dev/null || need+=(slirp4netns)
+[ -x /usr/bin/python3 ] || need+=(python3)
+/usr/bin/python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
+/usr/bin/python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing ${need[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    say "missing system packages: ${need[*]}"
+    say "install them as root, e.g.: sudo apt-get install ${need[*]}"
+    say "(Fedora: sudo dnf install bubblewrap slirp4netns python3; Arch: sudo pacman -S bubblewrap slirp4netns python)"
+    exit 1
+  fi
+fi
+
+# --- a Python >= 3.12 ---------------------------------------------------------
+is_312() { "$@" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; }
+find_python() {
+  if [ -n "${PYTHON:-}" ] && is_312 "$PYTHON"; then echo "$PYTHON"; return; fi
+  for candidate in python3.13 python3.12 python3; do
+    if command -v "$candidate" >/dev/null && is_312 "$candidate"; then command -v "$candidate"; return; fi
+  done
+  # pyenv may hold a 3.12 without activating it (plain `python3.12` then fails).
+  local root="${PYENV_ROOT:-$HOME/.pyenv}"
+  for dir in "$root"/versions/3.13* "$root"/versions/3.12*; do
+    if [ -x "$dir/bin/python3" ] && is_312 "$dir/bin/python3"; then echo "$dir/bin/python3"; return; fi
+  done
+  if command -v uv >/dev/null; then
+    local found; found="$(uv python find '>=3.12' 2>/dev/null || true)"
+    if [ -n "$found" ] && is_312 "$found"; then echo "$found"; return; fi
+  fi
+  return 1
+}
+if ! PY="$(find_python)"; then
+  say "no Python >= 3.12 found (harbor needs it)."
+  say "install one (e.g. 'apt-get install python3.12', 'pyenv install 3.12', 'uv python install 3.12')"
+  say "or point PYTHON=/path/to/python3.12 at it, and run this script again."
+  exit 1
+fi
+
+# --- the project's virtual environment -----------------------------------------
+stamp=".venv/.bootstrap-stamp"
+want="$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1)"
+if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
+  say "creating .venv with $PY"
+  rm -rf .venv
+  "$PY" -m venv .venv
+fi
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  say "installing trl-harbor and its extras into .venv (the first time downloads torch: several minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[train,test]"
+  echo "$want" > "$stamp"
+fi
+say "ready: $(.venv/bin/python --version), $(bwrap --version)"
