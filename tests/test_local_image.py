@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sandbox_helpers import make_task, open_env, run
-from trl_harbor.sandboxes.image import ImageBuildError, ImageBuilder, parse_dockerfile
+from trl_harbor.sandboxes.image import ImageBuilder, ImageBuildError, parse_dockerfile
 
 
 def _wheel(path: Path, name: str = "layerpkg", value: str = "7") -> Path:

@@ -272,6 +272,7 @@ def test_sandboxes_die_with_their_parent_process(task: Path, tmp_path: Path) -> 
     assert box_dir.exists()
     sweep_stale_sandboxes()
     assert not box_dir.exists()
+    assert not [p for p in Path("/sys/fs/cgroup").glob(f"*/trl-harbor/{box_dir.name}")]
 
 
 def test_many_sandboxes_start_concurrently(task: Path, tmp_path: Path) -> None:

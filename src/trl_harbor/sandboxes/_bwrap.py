@@ -315,7 +315,7 @@ class BoxConfig:
     extra_ro_binds: list[tuple[str, str]] = field(default_factory=list)
 
 
-_LIVE: "weakref.WeakSet[Box]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Box] = weakref.WeakSet()
 
 
 class Box:
@@ -519,7 +519,7 @@ class Box:
             wait = None if timeout is None else timeout + 30
             try:
                 return await asyncio.wait_for(self._read_answer(reader, output_cap), timeout=wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise SandboxTimeoutError(f"Command timed out after {timeout} seconds") from None
             except asyncio.IncompleteReadError as error:
                 raise SandboxCommandError(
@@ -660,6 +660,41 @@ def new_box_name(prefix: str) -> str:
     """A unique, sweepable name: the owner's PID first, so stale boxes can be found."""
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in prefix)[:40]
     return f"{os.getpid()}-{safe}-{uuid.uuid4().hex[:8]}"
+
+
+def _owner_dead(name: str) -> bool:
+    owner = name.split("-", 1)[0]
+    if not owner.isdigit() or int(owner) == os.getpid():
+        return False
+    try:
+        os.kill(int(owner), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def sweep_stale() -> int:
+    """Remove the trees and cgroups of boxes whose owning process is dead.
+
+    Returns:
+        The number of trees removed.
+    """
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(state_root()):
+            if _owner_dead(entry.name):
+                remove_tree(Path(entry.path))
+                removed += 1
+    for parent in (*_Cgroups.V1.glob("*/trl-harbor"), _Cgroups.V1 / "trl-harbor"):
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(parent):
+                if entry.is_dir() and _owner_dead(entry.name):
+                    stale = _Cgroups(entry.name, None, None, None)
+                    stale.paths = [Path(entry.path)]
+                    stale.kill_and_remove()
+    return removed
 
 
 def _kill_all_at_exit() -> None:

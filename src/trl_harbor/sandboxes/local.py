@@ -24,9 +24,7 @@ See ``docs/local-sandbox.md`` for the details and the limits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -53,8 +51,9 @@ from trl_harbor.sandboxes._bwrap import (
     new_box_name,
     remove_tree,
     state_root,
+    sweep_stale,
 )
-from trl_harbor.sandboxes.image import Image, ImageBuildError, ImageBuilder
+from trl_harbor.sandboxes.image import Image, ImageBuilder, ImageBuildError
 
 __all__ = [
     "ImageBuildError",
@@ -104,30 +103,15 @@ def _builder(cache_dir: str | None) -> ImageBuilder:
 
 
 def sweep_stale_sandboxes() -> int:
-    """Remove private trees left by processes that died without stopping their sandboxes.
+    """Remove what processes that died without stopping their sandboxes left behind.
 
     Their processes died with them (bubblewrap's ``--die-with-parent``); this removes
-    what is left on disk. Called at every sandbox start; cheap.
+    their private trees and cgroups. Called once per process, at its first sandbox start.
 
     Returns:
         The number of trees removed.
     """
-    removed = 0
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(state_root()):
-            owner = entry.name.split("-", 1)[0]
-            if not owner.isdigit() or int(owner) == os.getpid():
-                continue
-            try:
-                os.kill(int(owner), 0)
-                continue  # owner alive
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
-            remove_tree(Path(entry.path))
-            removed += 1
-    return removed
+    return sweep_stale()
 
 
 _SWEPT = False
