@@ -19,7 +19,7 @@ import random
 import shutil
 import statistics
 from collections import Counter, defaultdict
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -157,7 +157,7 @@ def t_http_500_count(rng: random.Random) -> dict:
              "/static/app.js", "/api/payments"]
     statuses = [200] * 70 + [201] * 6 + [204] * 4 + [301] * 3 + [304] * 5 + [400] * 3 + \
                [401] * 2 + [404] * 6 + [500] * 3 + [502] * 2 + [503] * 2
-    t0 = datetime(2024, 5, 14, 8, 0, 0, tzinfo=timezone.utc)
+    t0 = datetime(2024, 5, 14, 8, 0, 0, tzinfo=UTC)
     rows = []
     n = 900
     for i in range(n):
@@ -643,7 +643,7 @@ open("answer.txt", "w").write(f"{total:.2f}\\n")
 
 
 def t_building_b_humidity(rng: random.Random) -> dict:
-    offsets = [timezone.utc, timezone(timedelta(hours=-5)), timezone(timedelta(hours=2)),
+    offsets = [UTC, timezone(timedelta(hours=-5)), timezone(timedelta(hours=2)),
                timezone(timedelta(hours=9)), timezone(timedelta(hours=-8))]
     sites = []
     sid = 0
@@ -657,11 +657,11 @@ def t_building_b_humidity(rng: random.Random) -> dict:
                 # readings from mid-February to mid-April, denser around month edges
                 for _ in range(rng.randint(20, 30)):
                     if rng.random() < 0.35:
-                        edge = rng.choice([datetime(2024, 3, 1, tzinfo=timezone.utc),
-                                           datetime(2024, 4, 1, tzinfo=timezone.utc)])
+                        edge = rng.choice([datetime(2024, 3, 1, tzinfo=UTC),
+                                           datetime(2024, 4, 1, tzinfo=UTC)])
                         ts_utc = edge + timedelta(minutes=rng.randint(-600, 600))
                     else:
-                        ts_utc = datetime(2024, 2, 15, tzinfo=timezone.utc) + timedelta(
+                        ts_utc = datetime(2024, 2, 15, tzinfo=UTC) + timedelta(
                             minutes=rng.randint(0, 60 * 24 * 60))
                     base = {"humidity": 45, "temperature": 21, "co2": 600}[t]
                     val = round(base + rng.gauss(0, 8 if t != "co2" else 120), 2)
@@ -689,7 +689,7 @@ def t_building_b_humidity(rng: random.Random) -> dict:
                 for r in sn["readings"]:
                     ts = datetime.fromisoformat(r["ts"])
                     if use_utc:
-                        ts = ts.astimezone(timezone.utc)
+                        ts = ts.astimezone(UTC)
                     if (ts.year, ts.month) != (2024, 3):
                         continue
                     if drop_flagged and r["flag"] is not None:
@@ -741,7 +741,7 @@ def t_longest_session_user(rng: random.Random) -> dict:
     truth = defaultdict(float)
     nsess = Counter()
     for u in users:
-        t = datetime(2024, 4, 1, 6, 0, tzinfo=timezone.utc) + timedelta(minutes=rng.randint(0, 600))
+        t = datetime(2024, 4, 1, 6, 0, tzinfo=UTC) + timedelta(minutes=rng.randint(0, 600))
         k = rng.randint(8, 20)
         for _ in range(k):
             t += timedelta(minutes=rng.randint(60, 2400))
@@ -758,7 +758,7 @@ def t_longest_session_user(rng: random.Random) -> dict:
             nsess[u] += 1
             t += timedelta(minutes=dur)
     # one user leaves many sessions open: lots of logins, little logged time
-    t = datetime(2024, 4, 2, 7, 0, tzinfo=timezone.utc)
+    t = datetime(2024, 4, 2, 7, 0, tzinfo=UTC)
     for _ in range(40):
         t += timedelta(minutes=rng.randint(200, 900))
         events.append({"ts": t, "user": "ines", "event": "login"})

@@ -15,17 +15,18 @@ from typing import Any
 from harbor.environments.base import BaseEnvironment
 from harbor.environments.factory import EnvironmentFactory
 from harbor.models.environment_type import EnvironmentType
-from harbor.models.task.config import VerifierEnvironmentMode
+from harbor.models.task.config import EnvironmentConfig, NetworkPolicy
 from harbor.models.task.task import Task
+from harbor.models.task.verifier_mode import resolve_task_verifier_mode
 from harbor.models.trial.config import AgentConfig as TrialAgentConfig
 from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
 from harbor.models.trial.config import VerifierConfig as TrialVerifierConfig
 from harbor.models.trial.paths import TrialPaths
-from harbor.trial.network_policy import resolve_trial_network_plan
+from harbor.trial.network_policy import TrialNetworkPlan, resolve_trial_network_plan
 
 from trl_harbor.sandboxes import LOCAL_ENVIRONMENT_IMPORT_PATH
 
-__all__ = ["BUILTIN_ALIASES", "create_environment", "environment_config"]
+__all__ = ["BUILTIN_ALIASES", "create_environment", "environment_config", "network_plan"]
 
 #: Short names trl-harbor adds to Harbor's own environment types.
 BUILTIN_ALIASES = {"local": LOCAL_ENVIRONMENT_IMPORT_PATH}
@@ -59,51 +60,80 @@ def environment_config(environment_type: str, kwargs: dict[str, Any] | None = No
     return TrialEnvironmentConfig(type=kind, kwargs=dict(kwargs or {}))
 
 
-def create_environment(
-    task: Task,
-    environment_type: str,
-    *,
-    session_id: str,
-    trial_paths: TrialPaths,
-    kwargs: dict[str, Any] | None = None,
-    logger: logging.Logger | None = None,
-) -> BaseEnvironment:
-    """Create (not start) the environment for one task, as Harbor's trial runner does.
-
-    The task's network policy is resolved from its ``task.toml`` the way Harbor's
-    trials do it and handed to the backend, which enforces it or refuses the task.
+def network_plan(task: Task, config: TrialEnvironmentConfig) -> TrialNetworkPlan:
+    """Resolve a task's network policies per phase, the way Harbor's trial runner does.
 
     Args:
-        task: The Harbor task.
-        environment_type: See :func:`environment_config`.
-        session_id: A human-readable handle for the sandbox.
-        trial_paths: Where Harbor keeps the trial's host-side files.
-        kwargs: Backend options.
-        logger: Logger for the backend.
+        task: The Harbor task (its ``[environment]``, ``[agent]`` and ``[verifier]`` network settings).
+        config: The environment config from :func:`environment_config`.
 
     Returns:
-        The environment, ready for ``start()``.
+        Harbor's plan: the sandbox's baseline policy and the agent's and verifier's phases.
     """
-    config = environment_config(environment_type, kwargs)
-    verifier_mode = VerifierEnvironmentMode.SHARED
-    plan = resolve_trial_network_plan(
+    return resolve_trial_network_plan(
         task.config,
         TrialAgentConfig(),
         config,
         TrialVerifierConfig(),
         None,
-        verifier_mode=verifier_mode,
+        verifier_mode=resolve_task_verifier_mode(task.config),
     )
-    Path(trial_paths.trial_dir).mkdir(parents=True, exist_ok=True)
+
+
+def create_environment(
+    task: Task,
+    environment: str | TrialEnvironmentConfig,
+    *,
+    session_id: str,
+    trial_paths: TrialPaths,
+    kwargs: dict[str, Any] | None = None,
+    environment_dir: Path | None = None,
+    task_env_config: EnvironmentConfig | None = None,
+    network_policy: NetworkPolicy | None = None,
+    phase_network_policies: list[NetworkPolicy] | None = None,
+    logger: logging.Logger | None = None,
+    **extra: Any,
+) -> BaseEnvironment:
+    """Create (not start) a sandbox for a task through Harbor's ``EnvironmentFactory``.
+
+    By default it is the task's agent sandbox, with the network policies Harbor's trials
+    would give it (the backend enforces them or refuses the task); a separate verifier
+    sandbox passes its own ``environment_dir``, ``task_env_config`` and policies.
+
+    Args:
+        task: The Harbor task.
+        environment: An ``environment_type`` string (see :func:`environment_config`) or
+            the config it resolves to.
+        session_id: A human-readable handle for the sandbox.
+        trial_paths: Where Harbor keeps the trial's host-side files.
+        kwargs: Backend options (only with a string ``environment``).
+        environment_dir: The folder to build from (default: the task's ``environment/``).
+        task_env_config: The ``[environment]`` config (default: a copy of the task's).
+        network_policy: The sandbox's baseline policy (default: from :func:`network_plan`).
+        phase_network_policies: The phases' policies (default: agent, then verifier).
+        logger: Logger for the backend.
+        **extra: Further keyword arguments for the backend's constructor.
+
+    Returns:
+        The environment, ready for ``start()``.
+    """
+    config = environment if isinstance(environment, TrialEnvironmentConfig) else environment_config(environment, kwargs)
+    if network_policy is None:
+        plan = network_plan(task, config)
+        network_policy = plan.agent_env_baseline
+        if phase_network_policies is None:
+            shared = plan.verifier_env_baseline is None
+            phase_network_policies = [plan.agent_phase, plan.verifier_phase] if shared else [plan.agent_phase]
     trial_paths.mkdir()
     return EnvironmentFactory.create_environment_from_config(
         config=config,
-        environment_dir=task.paths.environment_dir,
-        environment_name=task.short_name if hasattr(task, "short_name") else task.name,
+        environment_dir=environment_dir or task.paths.environment_dir,
+        environment_name=task.short_name,
         session_id=session_id,
         trial_paths=trial_paths,
-        task_env_config=task.config.environment.model_copy(deep=True),
+        task_env_config=task_env_config or task.config.environment.model_copy(deep=True),
         logger=logger,
-        network_policy=plan.agent_env_baseline,
-        phase_network_policies=[plan.agent_phase, plan.verifier_phase],
+        network_policy=network_policy,
+        phase_network_policies=phase_network_policies or [],
+        **extra,
     )

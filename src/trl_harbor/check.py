@@ -28,8 +28,9 @@ from harbor.models.trial.paths import TrialPaths
 from harbor.verifier.verifier import Verifier
 
 from trl_harbor.backends import create_environment
+from trl_harbor.env import select_reward
 
-__all__ = ["CheckResult", "TrialOutcome", "check_suite", "pick_reward"]
+__all__ = ["CheckResult", "TrialOutcome", "check_suite"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,31 +79,6 @@ class CheckResult:
         )
 
 
-def pick_reward(rewards: dict[str, Any] | None, reward_key: str = "reward") -> float:
-    """Pick the scalar reward from a verifier's result.
-
-    Args:
-        rewards: The verifier's rewards (``reward.json`` keys, or ``{"reward": x}``).
-        reward_key: The key to use when there are several.
-
-    Returns:
-        The reward.
-
-    Raises:
-        ValueError: If there is no reward, or several keys and none is ``reward_key``.
-    """
-    if not rewards:
-        raise ValueError("the verifier produced no reward")
-    if reward_key in rewards:
-        return float(rewards[reward_key])
-    if len(rewards) == 1:
-        return float(next(iter(rewards.values())))
-    raise ValueError(
-        f"the verifier produced several rewards {sorted(rewards)} and none is named {reward_key!r}; "
-        "choose one with reward_key="
-    )
-
-
 async def _trial(
     task: Task, environment_type: str, workdir: Path, *, oracle: bool, env_kwargs: dict | None
 ) -> TrialOutcome:
@@ -122,7 +98,7 @@ async def _trial(
             )
         verifier = Verifier(task=task, trial_paths=trial_paths, environment=environment)
         result = await asyncio.wait_for(verifier.verify(), timeout=task.config.verifier.timeout_sec)
-        return TrialOutcome(pick_reward(result.rewards), None, time.perf_counter() - started)
+        return TrialOutcome(select_reward(result.rewards), None, time.perf_counter() - started)
     except Exception as error:  # noqa: BLE001 - a failed trial is a result, not a crash
         message = f"{type(error).__name__}: {error}".strip()
         return TrialOutcome(None, message, time.perf_counter() - started)

@@ -22,13 +22,11 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from typing import Any, TypeVar
+from typing import Any
 
 __all__ = ["close_all", "get_loop", "register_cleanup", "run", "unregister_cleanup"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -47,15 +45,13 @@ def get_loop() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None or _loop.is_closed() or _thread is None or not _thread.is_alive():
             loop = asyncio.new_event_loop()
-            thread = threading.Thread(
-                target=loop.run_forever, name="trl-harbor-event-loop", daemon=True
-            )
+            thread = threading.Thread(target=loop.run_forever, name="trl-harbor-event-loop", daemon=True)
             thread.start()
             _loop, _thread = loop, thread
         return _loop
 
 
-def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+def run[T](coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     """Run a coroutine on the shared loop and block until it finishes.
 
     Args:
@@ -74,10 +70,13 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     if threading.current_thread() is _thread:
         coro.close()
         raise RuntimeError(
-            "trl_harbor.runtime.run() was called from the shared event loop's own thread; "
-            "await the coroutine instead."
+            "trl_harbor.runtime.run() was called from the shared event loop's own thread; await the coroutine instead."
         )
-    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+    except BaseException:
+        coro.close()
+        raise
     try:
         return future.result(timeout)
     except FutureTimeoutError as exc:

@@ -169,9 +169,7 @@ def _download_hub_suite(repo_id: str, revision: str | None) -> Path:
 def _read_config(task_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
     config_path = task_dir / "task.toml"
     if not config_path.is_file():
-        return None, [
-            "task.toml is missing. Fix: add a task.toml (at least `version = \"1.0\"`) to the task."
-        ]
+        return None, ['task.toml is missing. Fix: add a task.toml (at least `version = "1.0"`) to the task.']
     try:
         return tomllib.loads(config_path.read_text(encoding="utf-8")), []
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -193,9 +191,7 @@ def validate_task(task_dir: Path) -> tuple[TaskInfo | None, list[str]]:
     problems += config_problems
     has_steps = bool(raw and raw.get("steps"))
     if not has_steps and not (task_dir / "instruction.md").is_file():
-        problems.append(
-            "instruction.md is missing. Fix: add instruction.md with the prompt the agent gets."
-        )
+        problems.append("instruction.md is missing. Fix: add instruction.md with the prompt the agent gets.")
     if not (task_dir / "tests").is_dir() or not any(
         (task_dir / "tests" / name).is_file() for name in ("test.sh", "test.ps1", "test.cmd", "test.bat")
     ):
@@ -238,9 +234,7 @@ def load_suite(dataset: str | Path, revision: str | None = None) -> TaskSuite:
             (the message lists every malformed task).
     """
     root = find_suite_root(dataset, revision)
-    candidates = sorted(
-        (child for child in root.iterdir() if _is_candidate_task_dir(child)), key=lambda p: p.name
-    )
+    candidates = sorted((child for child in root.iterdir() if _is_candidate_task_dir(child)), key=lambda p: p.name)
     if not candidates:
         raise TaskSuiteError(
             f"{root}: no task directories found. Fix: each task is a folder with instruction.md, "

@@ -1,0 +1,42 @@
+"""Train LLM agents with TRL's ``GRPOTrainer`` on Harbor task suites.
+
+``HarborSpec`` plugs a suite into the trainer (``train_dataset``, ``environment_factory``,
+``reward_funcs``); ``HarborEnv`` is the sandbox-backed TRL environment and ``HarborBashEnv``
+its built-in one-tool harness; ``close_all()`` stops every live sandbox.
+
+Importing this package imports neither torch, TRL, ``datasets`` nor Harbor: names are
+loaded on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trl_harbor.env import HarborBashEnv, HarborEnv, close_all
+    from trl_harbor.spec import HarborSpec
+    from trl_harbor.suite import TaskSuiteError
+
+__all__ = ["HarborBashEnv", "HarborEnv", "HarborSpec", "TaskSuiteError", "close_all"]
+
+_LAZY = {
+    "HarborSpec": "trl_harbor.spec",
+    "HarborEnv": "trl_harbor.env",
+    "HarborBashEnv": "trl_harbor.env",
+    "close_all": "trl_harbor.env",
+    "TaskSuiteError": "trl_harbor.suite",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trl_harbor' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

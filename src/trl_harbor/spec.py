@@ -1,0 +1,220 @@
+"""``HarborSpec``: one object that plugs a Harbor task suite into TRL's ``GRPOTrainer``.
+
+.. code-block:: python
+
+    from trl import GRPOConfig, GRPOTrainer
+    from trl_harbor import HarborSpec
+
+    spec = HarborSpec("path/or/hf-dataset-id", agent="bash", num_tasks=64)
+    trainer = GRPOTrainer(
+        model="Qwen/Qwen3-4B",
+        args=GRPOConfig(num_generations=8, max_tool_calling_iterations=25),
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+    )
+
+The suite is found and every task validated when the spec is built, so a malformed suite fails
+at once; the three properties are computed on first access (``datasets`` is imported only by
+``train_dataset``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trl_harbor.agents import resolve_agent
+from trl_harbor.env import HarborEnv
+from trl_harbor.suite import TaskInfo, load_suite, metadata_columns, select_tasks
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+__all__ = ["EnvironmentFactory", "HarborSpec", "harbor_reward"]
+
+
+def harbor_reward(
+    completions: Sequence[Any] | None = None,
+    environments: Sequence[HarborEnv] | None = None,
+    environment_reward: Sequence[float] | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """Outcome reward: the Harbor verifier's scalar for each rollout.
+
+    ``GRPOTrainer`` passes the live environments (``environments=``, in completion order);
+    trainers that run environments elsewhere pass the already computed scores as
+    ``environment_reward=``. Both are supported.
+
+    Args:
+        completions: The completions (unused; part of TRL's reward-function signature).
+        environments: The rollouts' environments; each one's ``reward`` is read.
+        environment_reward: Per-rollout rewards computed elsewhere; used as given.
+        **kwargs: Other columns TRL passes (ignored).
+
+    Returns:
+        One float per rollout.
+
+    Raises:
+        ValueError: When neither ``environments`` nor ``environment_reward`` is given.
+    """
+    if environment_reward is not None:
+        return [float(r) for r in environment_reward]
+    if environments is None:
+        raise ValueError(
+            "harbor_reward needs `environments=` (GRPOTrainer with environment_factory) or "
+            "`environment_reward=`; got neither."
+        )
+    return [float(env.reward) for env in environments]
+
+
+class EnvironmentFactory:
+    """Zero-argument, picklable callable that builds a fresh harness environment.
+
+    The harness is kept as the user's selector (e.g. a file path string) and resolved again
+    after unpickling, so the factory also works in worker processes that never built the spec.
+
+    Args:
+        agent: The harness selector (see :func:`trl_harbor.agents.resolve_agent`).
+        environment_type: Harbor backend passed to every environment.
+        env_kwargs: Extra keyword arguments for the environment's constructor.
+    """
+
+    def __init__(
+        self,
+        agent: str | type[HarborEnv],
+        environment_type: str,
+        env_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.agent = agent
+        self.environment_type = environment_type
+        self.env_kwargs = dict(env_kwargs or {})
+        self._cls = resolve_agent(agent)
+
+    def __call__(self) -> HarborEnv:
+        """Build a new environment.
+
+        Returns:
+            A fresh, not yet reset, harness instance.
+        """
+        return self._cls(environment_type=self.environment_type, **self.env_kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if isinstance(self.agent, str):
+            state.pop("_cls")  # re-resolved from the selector after unpickling
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if "_cls" not in state:
+            self._cls = resolve_agent(self.agent)
+
+    def __repr__(self) -> str:
+        return f"EnvironmentFactory(agent={self.agent!r}, environment_type={self.environment_type!r})"
+
+
+class HarborSpec:
+    """Wire a Harbor task suite into ``GRPOTrainer``: dataset, environment factory, reward.
+
+    Args:
+        dataset: A Hugging Face dataset repo id holding a Harbor task tree under ``tasks/``,
+            or a local path holding a ``tasks/`` subtree (a path whose children are task
+            dirs is accepted too).
+        agent: The harness: a built-in name (``"bash"``), ``"package.module:ClassName"``,
+            ``"path/to/file.py:ClassName"``, or a ``HarborEnv`` subclass.
+        environment_type: Harbor sandbox backend (``"docker"``, ``"e2b"``, ``"daytona"``,
+            ..., ``"local"`` for the bundled bubblewrap sandbox, or ``"module:Class"`` for a
+            Harbor plug-in). Passed through, not validated here.
+        num_tasks: Use only the first ``num_tasks`` tasks of the sorted list.
+        indices: Use exactly these positions of the sorted task list. Exclusive with
+            ``num_tasks``.
+        include_metadata: Add every task's ``task.toml`` ``[metadata]`` entries as columns.
+        revision: Hub revision (branch, tag or commit) when ``dataset`` is a repo id.
+        env_kwargs: Extra keyword arguments for every environment (e.g.
+            ``{"command_timeout_sec": 60, "max_output_chars": 4000}``).
+
+    Raises:
+        ValueError: When both ``num_tasks`` and ``indices`` are given, an index is out of
+            range, or ``agent`` is an unknown name.
+        TypeError: When ``agent`` does not resolve to a ``HarborEnv`` subclass.
+        trl_harbor.suite.TaskSuiteError: When the suite cannot be found or a task is
+            malformed (a ``ValueError``).
+    """
+
+    def __init__(
+        self,
+        dataset: str | Path,
+        agent: str | type[HarborEnv] = "bash",
+        environment_type: str = "docker",
+        num_tasks: int | None = None,
+        indices: Sequence[int] | None = None,
+        include_metadata: bool = True,
+        revision: str | None = None,
+        *,
+        env_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if num_tasks is not None and indices is not None:
+            raise ValueError("Provide num_tasks or indices, not both.")
+        self._dataset = dataset
+        self._agent = agent
+        self._environment_type = environment_type
+        self._include_metadata = include_metadata
+        self._env_kwargs = dict(env_kwargs or {})
+        self.env_cls: type[HarborEnv] = resolve_agent(agent)
+        self.suite = load_suite(dataset, revision=revision)
+        self._selected: list[tuple[int, TaskInfo]] = select_tasks(
+            self.suite.tasks, num_tasks=num_tasks, indices=indices
+        )
+        if not self._selected:
+            raise ValueError(
+                f"The selection (num_tasks={num_tasks}, indices={indices}) leaves no task of "
+                f"the {len(self.suite.tasks)} in {dataset!s}."
+            )
+
+    @property
+    def tasks(self) -> list[TaskInfo]:
+        """The selected tasks, in dataset order."""
+        return [task for _, task in self._selected]
+
+    @property
+    def task_dirs(self) -> list[Path]:
+        """Absolute paths of the selected task directories, in dataset order."""
+        return [task.path for _, task in self._selected]
+
+    @cached_property
+    def train_dataset(self) -> Dataset:
+        """A ``datasets.Dataset`` with one row per selected task.
+
+        Columns: ``prompt`` (a conversation with an empty user message; ``reset`` supplies
+        the instruction), ``task_dir``, ``task_index`` (position in the sorted suite) and,
+        with ``include_metadata``, one column per ``[metadata]`` key.
+        """
+        from datasets import Dataset
+
+        columns: dict[str, list[Any]] = {
+            "prompt": [[{"role": "user", "content": ""}] for _ in self._selected],
+            "task_dir": [str(task.path) for _, task in self._selected],
+            "task_index": [index for index, _ in self._selected],
+        }
+        if self._include_metadata:
+            columns.update(metadata_columns(self.tasks))
+        return Dataset.from_dict(columns)
+
+    @cached_property
+    def environment_factory(self) -> Callable[[], HarborEnv]:
+        """A zero-argument, picklable callable returning a fresh harness environment."""
+        return EnvironmentFactory(self._agent, self._environment_type, self._env_kwargs)
+
+    @property
+    def reward_funcs(self) -> list[Callable[..., list[float]]]:
+        """The outcome reward as a one-element list: each rollout's verifier scalar."""
+        return [harbor_reward]
+
+    def __repr__(self) -> str:
+        return (
+            f"HarborSpec(dataset={str(self._dataset)!r}, agent={self._agent!r}, "
+            f"environment_type={self._environment_type!r}, tasks={len(self._selected)})"
+        )

@@ -1,0 +1,306 @@
+"""``HarborEnv`` / ``HarborBashEnv``: tool surface, backend selection, and real episodes on the
+local bubblewrap backend (reset -> bash -> reward through Harbor's verifier)."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
+
+from trl_harbor import HarborBashEnv, HarborEnv, close_all, runtime
+from trl_harbor.env import LOCAL_ENVIRONMENT_IMPORT_PATH, RewardError, environment_config
+
+GOLD_DIR = str(BUNDLED_SUITE / GOLD_TASK)
+
+
+def trl_tools(cls: type) -> list[str]:
+    """The tool names TRL's GRPOTrainer derives from an environment class (same rule as TRL)."""
+    return [
+        name
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
+# ── tool surface (no sandbox) ────────────────────────────────────────────────────────────
+
+
+def test_trl_sees_exactly_the_harness_tools() -> None:
+    assert trl_tools(HarborEnv) == []
+    assert trl_tools(HarborBashEnv) == ["bash"]
+
+
+def test_tool_schemas_are_accepted_by_transformers() -> None:
+    from transformers.utils import get_json_schema
+
+    for name in trl_tools(HarborBashEnv):
+        schema = get_json_schema(getattr(HarborBashEnv, name))
+        assert schema["function"]["name"] == name
+    schema = get_json_schema(HarborBashEnv.bash)
+    assert schema["function"]["parameters"]["required"] == ["command"]
+    assert schema["function"]["parameters"]["properties"]["command"]["type"] == "string"
+    assert "shell command" in schema["function"]["parameters"]["properties"]["command"]["description"]
+
+
+def test_never_reset_env_scores_zero_without_touching_harbor() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from trl_harbor import HarborBashEnv
+        env = HarborBashEnv(environment_type="no-such-backend")
+        assert env.reward == 0.0 and env.get_reward() == 0.0
+        assert env.bash("ls").startswith("Error: no sandbox")
+        assert not [m for m in sys.modules if m == "harbor" or m.startswith("harbor.")]
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_environment_type_mapping() -> None:
+    from harbor.models.environment_type import EnvironmentType
+
+    local = environment_config("local")
+    assert local.import_path == LOCAL_ENVIRONMENT_IMPORT_PATH and local.type is None
+    assert LOCAL_ENVIRONMENT_IMPORT_PATH == "trl_harbor.sandboxes.local:LocalEnvironment"
+    plugin = environment_config("my.pkg:MyEnvironment")
+    assert plugin.import_path == "my.pkg:MyEnvironment"
+    assert environment_config("docker").type == EnvironmentType.DOCKER
+    assert environment_config("e2b").type == EnvironmentType.E2B
+    with pytest.raises(ValueError, match="docker"):
+        environment_config("dockerr")
+
+
+def test_constructor_validation() -> None:
+    with pytest.raises(ValueError):
+        HarborBashEnv(on_verifier_error="ignore")
+    with pytest.raises(ValueError):
+        HarborBashEnv(command_timeout_sec=0)
+
+
+def test_reward_key_selection() -> None:
+    env = HarborBashEnv()
+    assert env._select_reward({"reward": 0.5, "exact": 1}) == 0.5
+    assert env._select_reward({"score": 1}) == 1.0
+    with pytest.raises(RewardError, match="reward_key"):
+        env._select_reward({"a": 1, "b": 0})
+    with pytest.raises(RewardError, match="no rewards"):
+        env._select_reward({})
+    assert HarborBashEnv(reward_key="b")._select_reward({"a": 1, "b": 0}) == 0.0
+    with pytest.raises(RewardError, match="not among"):
+        HarborBashEnv(reward_key="c")._select_reward({"a": 1})
+
+
+def test_runtime_runs_everything_on_one_loop() -> None:
+    import asyncio
+
+    async def current():
+        return asyncio.get_running_loop()
+
+    assert runtime.run(current()) is runtime.run(current()) is runtime.get_loop()
+    with pytest.raises(ZeroDivisionError):
+
+        async def boom():
+            return 1 / 0
+
+        runtime.run(boom())
+    with pytest.raises(TimeoutError):
+        runtime.run(asyncio.sleep(5), timeout=0.1)
+
+
+# ── real episodes on the local backend ───────────────────────────────────────────────────
+
+
+@requires_local
+def test_episode_gold_answer_scores_one(close_sandboxes: None) -> None:
+    env = HarborBashEnv(environment_type="local")
+    prompt = env.reset(task_dir=GOLD_DIR, gold_answer=GOLD_ANSWER, task_index=0)
+    instruction = (BUNDLED_SUITE / GOLD_TASK / "instruction.md").read_text()
+    assert prompt == instruction + HarborBashEnv.PROMPT_SUFFIX
+    assert "sensors.json" in env.bash("ls /workdir/data")
+    # tests, solution and the gold answer are out of the agent's reach
+    assert "No such file" in env.bash("ls /tests /solution")
+    assert env.bash(f"echo -n {GOLD_ANSWER} > /workdir/answer.txt") == "(empty output, rc=0)"
+    assert env.reward == 1.0
+    assert env.reward == 1.0
+    assert env.get_reward() is None  # already reported through `reward`: never counted twice
+
+
+@requires_local
+def test_episode_wrong_or_missing_answer_scores_zero(close_sandboxes: None) -> None:
+    env = HarborBashEnv(environment_type="local")
+    env.reset(task_dir=GOLD_DIR)
+    env.bash("echo -n 12.34 > /workdir/answer.txt")
+    assert env.get_reward() == 0.0  # get_reward alone reports it
+    assert env.reward == 0.0
+    env.reset(task_dir=GOLD_DIR)  # fresh sandbox: the previous answer is gone
+    assert "No such file" in env.bash("cat /workdir/answer.txt")
+    assert env.reward == 0.0
+
+
+class CountingEnv(HarborBashEnv):
+    """Counts verifier runs and records ``_setup`` calls."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.verifications = 0
+        self.setups = 0
+
+    async def _setup(self) -> None:
+        self.setups += 1
+        result = await self._aexec("echo prepared > /tmp/setup.txt", timeout=30)
+        assert result.return_code == 0
+
+    async def _run_verifier(self, episode):
+        self.verifications += 1
+        return await super()._run_verifier(episode)
+
+
+@requires_local
+def test_reward_computed_once_setup_hook_and_previous_sandbox_stopped(close_sandboxes: None) -> None:
+    env = CountingEnv(environment_type="local")
+    before = len(runtime._cleanups)
+    env.reset(task_dir=GOLD_DIR)
+    assert env.setups == 1 and env.bash("cat /tmp/setup.txt").strip() == "prepared"
+    env.bash(f"echo {GOLD_ANSWER} > /workdir/answer.txt")
+    assert [env.reward, env.reward, env.get_reward()] == [1.0, 1.0, None]
+    assert env.verifications == 1
+    first = env._environment
+    env.reset(task_dir=GOLD_DIR)
+    assert env._environment is not first
+    assert len(runtime._cleanups) == before + 1  # only the live sandbox is registered
+    assert env.reward == 0.0 and env.verifications == 2
+
+
+@requires_local
+def test_close_all_stops_every_sandbox() -> None:
+    envs = [HarborBashEnv(environment_type="local") for _ in range(2)]
+    for env in envs:
+        env.reset(task_dir=GOLD_DIR)
+        assert "sensors.json" in env.bash("ls /workdir/data")
+    close_all()
+    assert not runtime._cleanups
+    for env in envs:
+        assert env.bash("ls").startswith("Error: no sandbox")
+        assert env._environment is None
+
+
+@requires_local
+def test_timeout_and_output_cap_are_configurable(close_sandboxes: None) -> None:
+    env = HarborBashEnv(environment_type="local", command_timeout_sec=2, max_output_chars=100)
+    env.reset(task_dir=GOLD_DIR)
+    assert "timed out after 2 s" in env.bash("sleep 30")
+    out = env.bash("seq 1 10000")
+    assert out.startswith("1\n2\n") and "[truncated" in out and len(out) < 200
+    assert "[exit code 3]" in env.bash("echo oops; exit 3")
+    assert env.bash("echo hello").strip() == "hello"  # the sandbox survived the timeout
+
+
+@requires_local
+def test_task_network_policy_is_forwarded(close_sandboxes: None) -> None:
+    from harbor.models.task.config import NetworkMode
+
+    env = HarborBashEnv(environment_type="local")
+    env.reset(task_dir=GOLD_DIR)
+    assert env._environment.network_policy.network_mode == NetworkMode.NO_NETWORK
+    out = env.bash(
+        "python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)\" && echo CONNECTED"
+    )
+    assert "CONNECTED" not in out
+
+
+def _json_reward_task(root: Path, test_sh: str) -> Path:
+    import shutil
+
+    task = root / GOLD_TASK
+    shutil.copytree(BUNDLED_SUITE / GOLD_TASK, task)
+    (task / "tests" / "test.sh").write_text(test_sh)
+    return task
+
+
+@requires_local
+def test_reward_json_and_reward_key(tmp_path: Path, close_sandboxes: None) -> None:
+    task = _json_reward_task(
+        tmp_path,
+        "#!/bin/bash\nmkdir -p /logs/verifier\npython3 /tests/grade.py --json\n",
+    )
+    env = HarborBashEnv(environment_type="local")
+    env.reset(task_dir=str(task))
+    env.bash("echo wrong > /workdir/answer.txt")
+    assert env.reward == 0.0  # "reward" wins among several keys
+    answered = HarborBashEnv(environment_type="local", reward_key="answered")
+    answered.reset(task_dir=str(task))
+    answered.bash("echo wrong > /workdir/answer.txt")
+    assert answered.reward == 1.0
+
+
+@requires_local
+def test_ambiguous_or_missing_reward(tmp_path: Path, close_sandboxes: None) -> None:
+    task = _json_reward_task(
+        tmp_path,
+        '#!/bin/bash\nmkdir -p /logs/verifier\necho \'{"a": 1, "b": 0}\' > /logs/verifier/reward.json\n',
+    )
+    strict = HarborBashEnv(environment_type="local", on_verifier_error="raise")
+    strict.reset(task_dir=str(task))
+    with pytest.raises(RewardError, match="reward_key"):
+        _ = strict.reward
+    lenient = HarborBashEnv(environment_type="local")
+    lenient.reset(task_dir=str(task))
+    assert lenient.reward == 0.0
+    # no reward file at all is an error (Harbor's semantics), scored 0 by default
+    (task / "tests" / "test.sh").write_text("#!/bin/bash\nexit 0\n")
+    lenient.reset(task_dir=str(task))
+    assert lenient.reward == 0.0
+    strict.reset(task_dir=str(task))
+    with pytest.raises(Exception, match="[Rr]eward"):
+        _ = strict.reward
+
+
+@requires_local
+def test_separate_verifier_environment(tmp_path: Path, close_sandboxes: None) -> None:
+    import shutil
+
+    task = tmp_path / GOLD_TASK
+    shutil.copytree(BUNDLED_SUITE / GOLD_TASK, task)
+    toml = task / "task.toml"
+    text = toml.read_text()
+    text = text.replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n', 1)
+    text = text.replace('version = "1.0"\n', 'version = "1.0"\nartifacts = ["/workdir/answer.txt"]\n', 1)
+    toml.write_text(text)
+    test_sh = task / "tests" / "test.sh"
+    # the verifier sandbox must see the declared artifact, and nothing else the agent left
+    test_sh.write_text(
+        test_sh.read_text().replace(
+            "mkdir -p /logs/verifier\n",
+            "mkdir -p /logs/verifier\n"
+            "if [ -e /workdir/agent-only.txt ]; then echo 0 > /logs/verifier/reward.txt; exit 0; fi\n",
+            1,
+        )
+    )
+
+    class SeparateEnv(HarborBashEnv):
+        separate_runs = 0
+
+        async def _run_separate_verifier(self, episode):
+            type(self).separate_runs += 1
+            return await super()._run_separate_verifier(episode)
+
+    env = SeparateEnv(environment_type="local")
+    env.reset(task_dir=str(task))
+    env.bash(f"echo {GOLD_ANSWER} > /workdir/answer.txt; echo marker > /workdir/agent-only.txt")
+    assert env.reward == 1.0
+    assert SeparateEnv.separate_runs == 1
+    # the same check in the shared sandbox sees the agent's file and scores 0
+    shared = task.parent / "shared"
+    shutil.copytree(task, shared)
+    (shared / "task.toml").write_text(text.replace('environment_mode = "separate"\n', ""))
+    env = SeparateEnv(environment_type="local")
+    env.reset(task_dir=str(shared))
+    env.bash(f"echo {GOLD_ANSWER} > /workdir/answer.txt; echo marker > /workdir/agent-only.txt")
+    assert env.reward == 0.0 and SeparateEnv.separate_runs == 1

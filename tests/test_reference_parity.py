@@ -1,0 +1,103 @@
+"""Drop-in parity with ``trl.experimental.harbor`` where the behaviour is meant to be identical.
+
+Deliberate differences (not tested here): our ``task_dir`` is always absolute, ``reward_funcs``
+is a list, malformed tasks fail in the constructor, and all ``[metadata]`` keys become columns
+(a superset of the reference's four).
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+from pathlib import Path
+
+import pytest
+from trl.experimental import harbor as ref  # noqa: E402
+
+import trl_harbor as ours  # noqa: E402
+from trl_harbor.agents import AGENTS  # noqa: E402
+
+REF_COLUMNS = ["prompt", "task_dir", "task_index", "gold_answer", "reward_mode", "difficulty_level", "kaggle_dataset"]
+
+
+def _params(fn) -> dict[str, object]:
+    return {
+        name: p.default
+        for name, p in inspect.signature(fn).parameters.items()
+        if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
+
+
+def test_same_public_names() -> None:
+    for name in ("HarborSpec", "HarborEnv", "HarborBashEnv"):
+        assert hasattr(ours, name), name
+    assert sorted(AGENTS) == sorted(ref.AGENTS)
+
+
+def test_constructor_parameters_and_defaults_are_kept() -> None:
+    for ref_cls, our_cls in ((ref.HarborSpec, ours.HarborSpec), (ref.HarborEnv, ours.HarborEnv)):
+        ref_params, our_params = _params(ref_cls.__init__), _params(our_cls.__init__)
+        for name, default in ref_params.items():
+            assert name in our_params, (our_cls, name)
+            assert our_params[name] == default, (our_cls, name)
+
+
+@pytest.mark.parametrize("selection", [{}, {"num_tasks": 5}, {"indices": [9, 0, 4]}])
+def test_same_rows_and_columns(bundled_suite: Path, selection: dict) -> None:
+    dataset = str(bundled_suite.resolve())
+    ref_ds = ref.HarborSpec(dataset, **selection).train_dataset
+    our_ds = ours.HarborSpec(dataset, **selection).train_dataset
+    assert ref_ds.column_names == REF_COLUMNS
+    assert set(REF_COLUMNS) <= set(our_ds.column_names)
+    for column in REF_COLUMNS:
+        assert our_ds[column] == ref_ds[column], column
+
+
+def test_parent_folder_with_tasks_subtree(bundled_suite: Path) -> None:
+    dataset = str(bundled_suite.parent.resolve())
+    assert ours.HarborSpec(dataset).train_dataset["task_dir"] == ref.HarborSpec(dataset).train_dataset["task_dir"]
+
+
+def test_without_metadata(bundled_suite: Path) -> None:
+    dataset = str(bundled_suite.resolve())
+    assert (
+        ours.HarborSpec(dataset, include_metadata=False).train_dataset.column_names
+        == ref.HarborSpec(dataset, include_metadata=False).train_dataset.column_names
+    )
+
+
+def test_same_errors(bundled_suite: Path) -> None:
+    dataset = str(bundled_suite)
+    for module in (ref, ours):
+        with pytest.raises(ValueError):
+            module.HarborSpec(dataset, num_tasks=1, indices=[0])
+        with pytest.raises(ValueError, match="bash"):
+            module.HarborSpec(dataset, agent="no-such-agent")
+        with pytest.raises(TypeError):
+            module.HarborSpec(dataset, agent="collections:OrderedDict")
+
+
+def test_factory_and_reward_behave_alike(bundled_suite: Path) -> None:
+    dataset = str(bundled_suite)
+    ref_spec = ref.HarborSpec(dataset, environment_type="e2b")
+    our_spec = ours.HarborSpec(dataset, environment_type="e2b")
+    ref_env = pickle.loads(pickle.dumps(ref_spec.environment_factory))()
+    our_env = pickle.loads(pickle.dumps(our_spec.environment_factory))()
+    assert type(ref_env).__name__ == type(our_env).__name__ == "HarborBashEnv"
+    assert ref_env._environment_type == our_env._environment_type == "e2b"
+    assert ref_env.reward == our_env.reward == 0.0  # never reset: no backend touched
+
+    ref_reward = ref_spec.reward_funcs
+    [our_reward] = our_spec.reward_funcs
+    assert ref_reward(environment_reward=[1, 0.25]) == our_reward(completions=[], environment_reward=[1, 0.25])
+    assert ref_reward(environments=[ref_env]) == our_reward(completions=["x"], environments=[our_env]) == [0.0]
+
+
+def test_bash_tool_schema_matches(bundled_suite: Path) -> None:
+    from transformers.utils import get_json_schema
+
+    ref_schema = get_json_schema(ref.HarborBashEnv.bash)["function"]["parameters"]
+    our_schema = get_json_schema(ours.HarborBashEnv.bash)["function"]["parameters"]
+    assert our_schema["required"] == ref_schema["required"] == ["command"]
+    assert our_schema["properties"].keys() == ref_schema["properties"].keys()
+    assert "/workdir/answer.txt" in ours.HarborBashEnv.PROMPT_SUFFIX
