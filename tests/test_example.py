@@ -1,0 +1,29 @@
+"""examples/train_grpo.py runs end to end, also data-parallel under ``accelerate launch``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, requires_local
+
+from trl_harbor.sandboxes._bwrap import state_root
+
+
+@requires_local
+def test_example_trains_under_accelerate_with_two_processes(tmp_path: Path) -> None:
+    """Each process has its own environments and sandboxes; both finish and leave nothing."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    before = set(os.listdir(state_root()))
+    completed = subprocess.run(
+        [str(accelerate), "launch", "--num_processes", "2", "--cpu",
+         str(REPO / "examples" / "train_grpo.py"), "--max-steps", "1", "--output-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=900, check=False,
+        env={**os.environ, "HARBOR_TELEMETRY": "0", "TOKENIZERS_PARALLELISM": "false"},
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert "step 1: reward=" in completed.stdout + completed.stderr
+    assert "tool calls/rollout=" in completed.stdout + completed.stderr
+    assert set(os.listdir(state_root())) <= before  # every sandbox was removed
