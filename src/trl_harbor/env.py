@@ -17,11 +17,19 @@ Harbor is asynchronous; every coroutine runs on the one process-wide loop of
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import collections
+import concurrent.futures
+import contextlib
+import contextvars
 import logging
+import os
 import shutil
 import sys
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +52,9 @@ __all__ = [
     "RewardError",
     "close_all",
     "environment_config",
+    "infra_failures",
     "select_reward",
+    "verify_all",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,9 +63,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMMAND_TIMEOUT_SEC: int = 180
 #: Default cap on the characters of one command's output handed back to the model.
 DEFAULT_MAX_OUTPUT_CHARS: int = 8000
-
-_NOT_COMPUTED = object()
-
 
 class RewardError(RuntimeError):
     """The verifier's result cannot be turned into one scalar reward."""
@@ -126,27 +133,140 @@ def select_reward(rewards: dict[str, float | int] | None, reward_key: str | None
 
 
 class _Episode:
-    """Everything one ``reset`` brings up: the task, its sandbox(es) and scratch folder."""
+    """Everything one ``reset`` brings up: the task, its sandbox(es) and scratch folder.
 
-    def __init__(self, task: Task, paths: TrialPaths, plan: TrialNetworkPlan) -> None:
+    Provisioning runs in the background on the shared loop (``ready``); the first tool call
+    waits for it. Every coroutine here runs on that one loop, so no locking is needed.
+    """
+
+    def __init__(self, task: Task, trial_dir: Path) -> None:
         self.task = task
-        self.paths = paths
-        self.plan = plan
+        self.trial_dir = trial_dir
+        self.paths: TrialPaths | None = None
+        self.plan: TrialNetworkPlan | None = None
         self.environment: BaseEnvironment | None = None
-        self.cleanup_handle: int | None = None
-        self.reward: Any = _NOT_COMPUTED
+        self.ready: concurrent.futures.Future[None] | None = None
+        self.infra_error: str | None = None
+        self.verification: asyncio.Future[float | None] | None = None
         self.reward_reported = False
+        self.stopped = False
+        self.cleanup_handle = runtime.register_cleanup(self.stop)
+        self._stopping: asyncio.Future[None] | None = None
 
-    async def stop(self) -> None:
+    def fail(self, stage: str, error: BaseException | str) -> str:
+        """Record an infrastructure failure of this episode (once) and return its message.
+
+        Args:
+            stage: ``"start"``, ``"exec"`` or ``"verify"``.
+            error: What went wrong.
+        """
+        if self.infra_error is None:
+            cause = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            what = _STAGE_LABELS[stage]
+            self.infra_error = f"{what} failed for task {self.task.name!r}: {cause}"
+            _INFRA_FAILURES[stage] += 1
+            logger.warning("trl-harbor: %s (the rollout is not the policy's fault)", self.infra_error)
+        return self.infra_error
+
+    async def wait_ready(self) -> None:
+        if self.ready is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wrap_future(self.ready)
+
+    def stop(self) -> asyncio.Future[None]:
+        """Stop the sandbox(es) and remove the scratch folder; idempotent, safe to call concurrently.
+
+        Must be called on the shared loop (it is what ``close_all`` and the next ``reset`` schedule).
+        """
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        return self._stopping
+
+    async def _stop(self) -> None:
+        self.stopped = True
+        if self.ready is not None and not self.ready.done():
+            self.ready.cancel()  # a start in progress is abandoned, then cleaned up below
+        await self.wait_ready()
         environment, self.environment = self.environment, None
-        if self.cleanup_handle is not None:
-            runtime.unregister_cleanup(self.cleanup_handle)
-            self.cleanup_handle = None
         try:
             if environment is not None:
                 await environment.stop(delete=True)
+        except Exception as exc:
+            logger.warning("trl-harbor: stopping the sandbox of %s failed: %r", self.task.name, exc)
         finally:
-            shutil.rmtree(self.paths.trial_dir, ignore_errors=True)
+            shutil.rmtree(self.trial_dir, ignore_errors=True)
+            runtime.unregister_cleanup(self.cleanup_handle)
+
+
+#: The episode whose ``_setup`` is running (setup runs in the background, after ``reset``
+#: returned, so ``self._episode`` may already belong to a newer episode).
+_PROVISIONING: contextvars.ContextVar[_Episode | None] = contextvars.ContextVar("provisioning", default=None)
+
+#: Infrastructure failures of this process, by stage (``start``, ``exec``, ``verify``).
+_INFRA_FAILURES: collections.Counter[str] = collections.Counter()
+
+_INFRA_MODES = ("skip", "zero", "raise")
+_STAGE_LABELS = {"start": "sandbox start", "exec": "a tool call", "verify": "verification"}
+
+
+def infra_failures() -> dict[str, int]:
+    """Count this process's infrastructure failures so far, by stage.
+
+    A failure is a sandbox that did not start, a tool call the backend could not run (not a
+    command that failed or timed out: that is the policy's doing), or a verifier that
+    errored or timed out. Each one costs only its rollout; see ``on_infra_error``.
+
+    Returns:
+        ``{"start": n, "exec": n, "verify": n}``.
+    """
+    return {stage: _INFRA_FAILURES[stage] for stage in ("start", "exec", "verify")}
+
+
+_TASKS: dict[Path, Task] = {}
+
+
+def _load_task(task_dir: Path) -> Task:
+    """Parse a task once per process (``reset`` runs thousands of times on a few hundred tasks)."""
+    from harbor.models.task.task import Task
+
+    key = task_dir.resolve()
+    if key not in _TASKS:
+        _TASKS[key] = Task(key)
+    return _TASKS[key]
+
+
+def _trial_root() -> Path:
+    """This process's folder for Harbor's per-episode files; stale ones of dead processes are swept."""
+    global _TRIAL_ROOT
+    if _TRIAL_ROOT is None:
+        base = Path(tempfile.gettempdir()) / f"trl-harbor-trials-{os.getuid()}"
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for entry in base.iterdir():
+            owner = entry.name.split("-", 1)[0]
+            if owner.isdigit() and not _alive(int(owner)):
+                shutil.rmtree(entry, ignore_errors=True)
+        _TRIAL_ROOT = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base))
+        atexit.register(shutil.rmtree, _TRIAL_ROOT, True)
+    return _TRIAL_ROOT
+
+
+_TRIAL_ROOT: Path | None = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_command_timeout(exc: BaseException) -> bool:
+    # Harbor's backends report a command timeout as their own exception types or a
+    # RuntimeError("Command timed out after N seconds"): the policy's doing, not the infra's.
+    return isinstance(exc, TimeoutError) or "timeout" in type(exc).__name__.lower() or "timed out" in str(exc)
 
 
 class HarborEnv:
@@ -157,6 +277,10 @@ class HarborEnv:
     TRL). Run commands in the sandbox with ``self._exec(command)``; prepare the sandbox in
     ``async _setup()``.
 
+    ``reset`` returns the instruction at once and starts the sandbox in the background, so
+    the sandboxes of a whole generation batch start together while the model generates;
+    the first tool call waits for its sandbox only if it is not ready yet.
+
     Args:
         environment_type: Harbor sandbox backend: ``"docker"`` (default), any Harbor
             environment type (``"e2b"``, ``"daytona"``, ``"modal"``, ...), ``"local"`` for
@@ -166,8 +290,14 @@ class HarborEnv:
             rest is cut and marked.
         reward_key: Which entry of the verifier's rewards is the scalar reward. ``None``
             takes ``"reward"``, or the only entry when there is just one.
-        on_verifier_error: ``"zero"`` scores a rollout whose verification fails 0.0 (with a
-            logged reason); ``"raise"`` propagates the error.
+        on_infra_error: What an infrastructure failure (sandbox did not start, backend
+            error on a tool call, verifier error or timeout) makes of the rollout's reward:
+            ``"skip"`` (default) gives ``None``, which ``GRPOTrainer`` leaves out of the
+            batch (it is not the policy's fault); ``"zero"`` gives ``0.0``; ``"raise"``
+            propagates the error (for debugging). Either way the failure is logged once and
+            counted (:func:`infra_failures`).
+        max_concurrent_starts: How many sandboxes this process starts at once (across all
+            environments with the same value), to respect cloud quotas; ``None``: no limit.
         environment_kwargs: Options for the backend, passed as Harbor's environment
             ``kwargs`` (e.g. ``{"auto_mounting": True}``).
 
@@ -184,25 +314,31 @@ class HarborEnv:
         command_timeout_sec: int = DEFAULT_COMMAND_TIMEOUT_SEC,
         max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
         reward_key: str | None = None,
-        on_verifier_error: str = "zero",
+        on_infra_error: str = "skip",
+        max_concurrent_starts: int | None = 64,
         environment_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if on_verifier_error not in ("zero", "raise"):
-            raise ValueError(f"on_verifier_error must be 'zero' or 'raise', got {on_verifier_error!r}")
+        if on_infra_error not in _INFRA_MODES:
+            raise ValueError(f"on_infra_error must be one of {', '.join(_INFRA_MODES)}; got {on_infra_error!r}")
         if command_timeout_sec <= 0 or max_output_chars <= 0:
             raise ValueError("command_timeout_sec and max_output_chars must be positive")
+        if max_concurrent_starts is not None and max_concurrent_starts < 1:
+            raise ValueError("max_concurrent_starts must be at least 1 (or None for no limit)")
         self._environment_type = environment_type
         self._command_timeout_sec = int(command_timeout_sec)
         self._max_output_chars = int(max_output_chars)
         self._reward_key = reward_key
-        self._on_verifier_error = on_verifier_error
+        self._on_infra_error = on_infra_error
+        self._max_concurrent_starts = max_concurrent_starts
         self._environment_kwargs = dict(environment_kwargs or {})
         self._episode: _Episode | None = None
 
     # ── TRL lifecycle ──────────────────────────────────────────────────────────────
 
     def reset(self, task_dir: str | None = None, **row: Any) -> str:
-        """Start a sandbox for ``task_dir`` (stopping the previous one) and return the prompt.
+        """Start a sandbox for ``task_dir`` in the background and return the prompt at once.
+
+        The previous episode's sandbox is stopped in the background.
 
         Args:
             task_dir: The task directory (the dataset's ``task_dir`` column).
@@ -212,27 +348,32 @@ class HarborEnv:
             The task's ``instruction.md`` followed by :attr:`PROMPT_SUFFIX`.
 
         Raises:
-            ValueError: When ``task_dir`` is missing.
+            ValueError: When ``task_dir`` is missing or the task has several steps.
         """
         if task_dir is None:
             raise ValueError("HarborEnv.reset needs `task_dir` (the dataset row's task_dir column).")
-        runtime.run(self._stop())
-        instruction = runtime.run(self._start(Path(task_dir)))
-        return instruction + self.PROMPT_SUFFIX
+        self._retire()
+        task = _load_task(Path(task_dir))
+        if task.has_steps:
+            raise ValueError(f"{task_dir}: multi-step Harbor tasks are not supported by HarborEnv.")
+        episode = _Episode(task, Path(tempfile.mkdtemp(prefix="episode-", dir=_trial_root())))
+        self._episode = episode
+        episode.ready = runtime.submit(self._provision(episode))
+        return task.instruction + self.PROMPT_SUFFIX
 
     @property
-    def reward(self) -> float:
+    def reward(self) -> float | None:
         """The verifier's scalar for the current episode (computed once, on first read).
 
-        ``0.0`` for an environment that was never reset, without touching any backend.
+        ``0.0`` for an environment that was never reset, without touching any backend. After
+        an infrastructure failure: ``None`` or ``0.0``, as ``on_infra_error`` says.
         """
         episode = self._episode
         if episode is None:
             return 0.0
-        if episode.reward is _NOT_COMPUTED:
-            episode.reward = runtime.run(self._verify(episode))
+        value = runtime.run(self._reward_of(episode))
         episode.reward_reported = True
-        return episode.reward
+        return value
 
     def get_reward(self) -> float | None:
         """Return the episode's reward for trainers that read it from the environment.
@@ -255,8 +396,9 @@ class HarborEnv:
     def _exec(self, command: str, timeout: int | None = None, user: str | int | None = None) -> str:
         """Run a shell command in the sandbox; return its combined stdout and stderr as text.
 
-        Never raises: a failure (no sandbox, timeout, backend error) comes back as text for
-        the model to read. Output longer than ``max_output_chars`` is cut and marked.
+        Waits for the sandbox if it is still starting. Never raises: a failure (sandbox did
+        not start, timeout, backend error) comes back as text for the model to read. Output
+        longer than ``max_output_chars`` is cut and marked.
 
         Args:
             command: The shell command.
@@ -267,18 +409,18 @@ class HarborEnv:
             The output, ``"(empty output, rc=N)"`` when there is none, with a trailing
             ``[exit code N]`` line when the command failed.
         """
-        if self._episode is None or self._episode.environment is None:
+        episode = self._episode
+        if episode is None or episode.stopped:
             return "Error: no sandbox is running (the environment was not reset, or it was closed)."
         timeout = self._command_timeout_sec if timeout is None else int(timeout)
         try:
-            result = runtime.run(self._aexec(command, timeout, user), timeout=timeout + 60)
-        except TimeoutError:
-            return f"Error: the command timed out after {timeout} s."
+            result = runtime.run(self._aexec(command, timeout, user), timeout=None)
         except Exception as exc:  # the model gets the error, training goes on
-            name = type(exc).__name__
-            if "timeout" in name.lower():
+            if episode.infra_error is not None:
+                return f"Error: {episode.infra_error}. This rollout will not be scored."
+            if _is_command_timeout(exc):
                 return f"Error: the command timed out after {timeout} s."
-            return f"Error: {name}: {exc}"
+            return f"Error: {episode.fail('exec', exc)}. This rollout will not be scored."
         output = (result.stdout or "") + (result.stderr or "")
         if len(output) > self._max_output_chars:
             cut = len(output) - self._max_output_chars
@@ -292,6 +434,9 @@ class HarborEnv:
     async def _aexec(self, command: str, timeout: int, user: str | int | None = None) -> Any:
         """Async form of :meth:`_exec` returning Harbor's ``ExecResult`` (for ``_setup`` hooks).
 
+        Waits for the sandbox if it is still starting (except inside ``_setup``, which runs
+        once it has started).
+
         Args:
             command: The shell command.
             timeout: Seconds before the command is stopped.
@@ -301,31 +446,42 @@ class HarborEnv:
             Harbor's ``ExecResult`` (``stdout``, ``stderr``, ``return_code``).
 
         Raises:
-            RuntimeError: When no sandbox is running.
+            RuntimeError: When no sandbox is running, or it could not be started.
         """
-        episode = self._episode
-        if episode is None or episode.environment is None:
+        episode = _PROVISIONING.get() or self._episode
+        if episode is None:
             raise RuntimeError("no sandbox is running")
+        if _PROVISIONING.get() is None:
+            await episode.wait_ready()
+        if episode.infra_error is not None:
+            raise RuntimeError(episode.infra_error)
+        if episode.environment is None:
+            raise RuntimeError("no sandbox is running (it was stopped)")
         if user is None:
             user = episode.task.config.agent.user
-        return await episode.environment.exec(command, timeout_sec=timeout, user=user)
+        return await asyncio.wait_for(
+            episode.environment.exec(command, timeout_sec=timeout, user=user), timeout=timeout + 60
+        )
 
     async def _setup(self) -> None:
         """Hook for harnesses: prepare the sandbox after it started (default: nothing).
 
-        Runs on the shared event loop once per ``reset``; use ``self._environment`` (Harbor's
-        ``BaseEnvironment``) or ``await self._aexec(...)``.
+        Runs on the shared event loop once per ``reset``, in the background: use
+        ``self._environment`` (Harbor's ``BaseEnvironment``) or ``await self._aexec(...)``,
+        which refer to the episode being set up. An exception fails the episode's start.
         """
 
     @property
     def _environment(self) -> BaseEnvironment | None:
-        """The running Harbor environment of this episode, or ``None``."""
-        return None if self._episode is None else self._episode.environment
+        """The running Harbor environment of this episode (the one being set up, in ``_setup``)."""
+        episode = _PROVISIONING.get() or self._episode
+        return None if episode is None else episode.environment
 
     @property
     def _task(self) -> Task | None:
         """Harbor's ``Task`` of this episode, or ``None`` before the first reset."""
-        return None if self._episode is None else self._episode.task
+        episode = _PROVISIONING.get() or self._episode
+        return None if episode is None else episode.task
 
     # ── Harbor lifecycle (async, on the shared loop) ────────────────────────────────
 
@@ -343,72 +499,70 @@ class HarborEnv:
             **options,
         )
 
-    async def _start(self, task_dir: Path) -> str:
-        from harbor.models.task.task import Task
+    async def _provision(self, episode: _Episode) -> None:
+        """Start the episode's sandbox (in the background of ``reset``); never raises."""
         from harbor.models.trial.paths import TrialPaths
 
-        task = Task(task_dir)
-        if task.has_steps:
-            raise ValueError(f"{task_dir}: multi-step Harbor tasks are not supported by HarborEnv.")
         from trl_harbor.backends import network_plan
 
-        plan = network_plan(task, self._trial_config())
-        paths = TrialPaths(trial_dir=Path(tempfile.mkdtemp(prefix="trl_harbor_")))
-        paths.mkdir()
-        episode = _Episode(task, paths, plan)
-        shared = plan.verifier_env_baseline is None
-        phases = [plan.agent_phase, plan.verifier_phase] if shared else [plan.agent_phase]
+        token = _PROVISIONING.set(episode)
         try:
-            environment = self._create_environment(
-                task,
-                paths,
-                "env",
-                task_env_config=task.config.environment,
-                network_policy=plan.agent_env_baseline,
-                phase_network_policies=phases,
-            )
-            episode.environment = environment
-            episode.cleanup_handle = runtime.register_cleanup(episode.stop)
-            self._episode = episode
-            await environment.start(force_build=False)
-            if plan.agent_phase != plan.agent_env_baseline:
-                await environment.set_network_policy(plan.agent_phase)
-            await environment.run_healthcheck()
+            async with runtime.limit("harbor-sandbox-starts", self._max_concurrent_starts):
+                episode.paths = TrialPaths(trial_dir=episode.trial_dir)
+                episode.plan = plan = network_plan(episode.task, self._trial_config())
+                shared = plan.verifier_env_baseline is None
+                environment = self._create_environment(
+                    episode.task,
+                    episode.paths,
+                    "env",
+                    network_policy=plan.agent_env_baseline,
+                    phase_network_policies=[plan.agent_phase, plan.verifier_phase] if shared else [plan.agent_phase],
+                )
+                episode.environment = environment
+                timeout = episode.task.config.environment.build_timeout_sec
+                await asyncio.wait_for(environment.start(force_build=False), timeout=timeout)
+                if plan.agent_phase != plan.agent_env_baseline:
+                    await environment.set_network_policy(plan.agent_phase)
+                await environment.run_healthcheck()
             await self._setup()
-        except BaseException:
-            self._episode = None
-            await episode.stop()
+        except asyncio.CancelledError:
+            episode.infra_error = episode.infra_error or "the episode was replaced before its sandbox started"
             raise
-        return task.instruction
+        except Exception as exc:
+            episode.fail("start", exc)
+        finally:
+            _PROVISIONING.reset(token)
 
-    async def _stop(self) -> None:
+    def _retire(self) -> None:
+        """Stop the current episode's sandbox in the background (without waiting)."""
         episode, self._episode = self._episode, None
         if episode is not None:
-            try:
-                await episode.stop()
-            except Exception as exc:
-                logger.warning("trl-harbor: stopping the sandbox of %s failed: %r", episode.task.name, exc)
+            runtime.submit(_stop_episode(episode))
 
-    async def _verify(self, episode: _Episode) -> float:
+    async def _reward_of(self, episode: _Episode) -> float | None:
+        """The episode's reward, verified at most once however many callers ask concurrently."""
+        if episode.verification is None:
+            episode.verification = asyncio.ensure_future(self._verify(episode))
+        return await asyncio.shield(episode.verification)
+
+    async def _verify(self, episode: _Episode) -> float | None:
+        await episode.wait_ready()
         try:
-            rewards = await self._run_verifier(episode)
-            return self._select_reward(rewards)
+            if episode.infra_error is not None:
+                raise RuntimeError(episode.infra_error)
+            return select_reward(await self._run_verifier(episode), self._reward_key)
         except Exception as exc:
-            if self._on_verifier_error == "raise":
+            if self._on_infra_error == "raise":
                 raise
-            logger.warning(
-                "trl-harbor: verification of %s failed, scoring 0.0: %s: %s",
-                episode.task.name,
-                type(exc).__name__,
-                exc,
-            )
-            return 0.0
+            if episode.infra_error is None:
+                episode.fail("verify", exc)
+            return None if self._on_infra_error == "skip" else 0.0
 
     async def _run_verifier(self, episode: _Episode) -> dict[str, float | int]:
         from harbor.models.trial.paths import EnvironmentPaths
 
         environment = episode.environment
-        if environment is None:
+        if environment is None or episode.plan is None:
             raise RuntimeError("the sandbox is gone (it was stopped before verification)")
         plan = episode.plan
         if plan.verifier_env_baseline is not None:
@@ -420,10 +574,9 @@ class HarborEnv:
             return await self._verifier_result(episode, environment)
 
     async def _verifier_result(self, episode: _Episode, environment: BaseEnvironment) -> dict[str, float | int]:
-        import asyncio
-
         from harbor.verifier.verifier import Verifier
 
+        assert episode.paths is not None
         verifier = Verifier(task=episode.task, trial_paths=episode.paths, environment=environment)
         result = await asyncio.wait_for(verifier.verify(), timeout=episode.task.config.verifier.timeout_sec)
         return dict(result.rewards or {})
@@ -438,6 +591,7 @@ class HarborEnv:
         from harbor.models.trial.paths import EnvironmentPaths
 
         task, plan = episode.task, episode.plan
+        assert plan is not None and episode.paths is not None
         definition = resolve_verifier_environment_definition(task.config, task.paths)
         if definition is None or plan.verifier_env_baseline is None:
             raise RuntimeError("separate verifier mode did not resolve a verifier environment")
@@ -494,10 +648,41 @@ class HarborEnv:
         episode = getattr(self, "_episode", None)
         if episode is None or sys.is_finalizing():
             return
-        try:
-            runtime.run(self._stop(), timeout=60)
-        except Exception:  # best effort; close_all() at exit is the safety net
-            pass
+        with contextlib.suppress(Exception):  # best effort; close_all() at exit is the safety net
+            runtime.submit(_stop_episode(episode))
+
+
+async def _stop_episode(episode: _Episode) -> None:
+    await episode.stop()
+
+
+def verify_all(environments: Sequence[HarborEnv]) -> list[float | None]:
+    """Verify a batch of rollouts concurrently and return each one's reward.
+
+    What ``spec.reward_funcs`` does with a generation batch: every verifier runs at once, so
+    a batch of N rollouts costs about one verification. Each environment's ``reward`` (and
+    ``get_reward()``) then returns the same value without verifying again.
+
+    Args:
+        environments: The rollouts' environments, in completion order.
+
+    Returns:
+        One reward per environment (``None`` for a skipped infrastructure failure; ``0.0``
+        for an environment never reset).
+    """
+
+    async def one(env: HarborEnv) -> float | None:
+        episode = env._episode
+        if episode is None:
+            return 0.0
+        value = await env._reward_of(episode)
+        episode.reward_reported = True
+        return value
+
+    async def every() -> list[float | None]:
+        return list(await asyncio.gather(*(one(env) for env in environments)))
+
+    return runtime.run(every())
 
 
 _BASH_PROMPT_SUFFIX = (

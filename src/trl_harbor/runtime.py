@@ -8,7 +8,9 @@ to it and blocks until the result is ready. Every environment in the process sha
 loop, so backend state created by one environment is valid for all the others.
 
 It also keeps a registry of teardown coroutines (:func:`register_cleanup`) that
-:func:`close_all` runs, and that run at interpreter exit.
+:func:`close_all` runs: on demand, at interpreter exit, and on SIGTERM (after which the
+signal's previous handler runs, or the process exits). Ctrl-C (SIGINT) raises
+``KeyboardInterrupt`` as usual, and the exit runs the teardowns.
 
 This module knows nothing about TRL, Harbor or the rest of the project.
 """
@@ -17,18 +19,23 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
+import contextlib
 import itertools
 import logging
+import signal
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
-__all__ = ["close_all", "get_loop", "register_cleanup", "run", "unregister_cleanup"]
+__all__ = ["close_all", "get_loop", "limit", "register_cleanup", "run", "submit", "unregister_cleanup"]
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
+# Re-entrant: the SIGTERM handler runs close_all on the main thread, which may be inside
+# one of these critical sections when the signal arrives.
+_lock = threading.RLock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
 _cleanups: dict[int, Callable[[], Awaitable[Any]]] = {}
@@ -48,7 +55,47 @@ def get_loop() -> asyncio.AbstractEventLoop:
             thread = threading.Thread(target=loop.run_forever, name="trl-harbor-event-loop", daemon=True)
             thread.start()
             _loop, _thread = loop, thread
+            _install_signal_handlers()
         return _loop
+
+
+def submit[T](coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Start a coroutine on the shared loop without waiting for it.
+
+    Args:
+        coro: The coroutine to run.
+
+    Returns:
+        A future for its result (``result()`` blocks; ``cancel()`` cancels the coroutine).
+    """
+    loop = get_loop()
+    try:
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+    except BaseException:
+        coro.close()
+        raise
+
+
+_limits: dict[tuple[str, int], asyncio.Semaphore] = {}
+
+
+@contextlib.asynccontextmanager
+async def limit(name: str, concurrency: int | None) -> AsyncIterator[None]:
+    """Bound how many holders of ``(name, concurrency)`` run at once on the shared loop.
+
+    Args:
+        name: What is limited (e.g. sandbox starts).
+        concurrency: At most this many at once; ``None`` for no limit.
+
+    Yields:
+        Nothing; the body runs while holding a slot.
+    """
+    if concurrency is None:
+        yield
+        return
+    semaphore = _limits.setdefault((name, concurrency), asyncio.Semaphore(concurrency))
+    async with semaphore:
+        yield
 
 
 def run[T](coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -142,6 +189,31 @@ def close_all(timeout: float | None = 120.0) -> None:
         run(_run_cleanups(cleanups), timeout=timeout)
     except Exception as exc:
         logger.warning("trl-harbor: closing sandboxes failed: %r", exc)
+
+
+_previous_handlers: dict[int, Any] = {}
+
+
+def _on_termination(signum: int, frame: Any) -> None:
+    close_all(timeout=60)
+    previous = _previous_handlers.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        raise SystemExit(128 + signum)
+
+
+def _install_signal_handlers() -> None:
+    """Stop every sandbox on SIGTERM before the process goes (main thread only, chained)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM,):
+        with contextlib.suppress(ValueError, OSError):
+            current = signal.getsignal(signum)
+            if current is _on_termination or current is None:
+                continue
+            _previous_handlers[signum] = current
+            signal.signal(signum, _on_termination)
 
 
 atexit.register(close_all)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trl_harbor.agents import resolve_agent
-from trl_harbor.env import HarborEnv
+from trl_harbor.env import HarborEnv, verify_all
 from trl_harbor.suite import TaskInfo, load_suite, metadata_columns, select_tasks
 
 if TYPE_CHECKING:
@@ -39,35 +39,49 @@ __all__ = ["EnvironmentFactory", "HarborSpec", "harbor_reward"]
 def harbor_reward(
     completions: Sequence[Any] | None = None,
     environments: Sequence[HarborEnv] | None = None,
-    environment_reward: Sequence[float] | None = None,
+    environment_reward: Sequence[float | None] | None = None,
+    log_metric: Callable[[str, float], None] | None = None,
+    log_extra: Callable[[str, list], None] | None = None,
     **kwargs: Any,
-) -> list[float]:
-    """Outcome reward: the Harbor verifier's scalar for each rollout.
+) -> list[float | None]:
+    """Outcome reward: the Harbor verifier's scalar for each rollout, verified concurrently.
 
-    ``GRPOTrainer`` passes the live environments (``environments=``, in completion order);
-    trainers that run environments elsewhere pass the already computed scores as
-    ``environment_reward=``. Both are supported.
+    ``GRPOTrainer`` passes the live environments (``environments=``, in completion order):
+    every rollout of the batch is verified at once (:func:`trl_harbor.env.verify_all`).
+    Trainers that run environments elsewhere pass the already computed scores as
+    ``environment_reward=``. A rollout lost to an infrastructure failure scores ``None``
+    (left out of the batch by TRL) or ``0.0``, per the environment's ``on_infra_error``; the
+    batch's count is logged as the ``harbor/infra_failures`` metric and each rollout's
+    reason in the ``harbor_error`` column of the completions table.
 
     Args:
         completions: The completions (unused; part of TRL's reward-function signature).
-        environments: The rollouts' environments; each one's ``reward`` is read.
+        environments: The rollouts' environments.
         environment_reward: Per-rollout rewards computed elsewhere; used as given.
+        log_metric: TRL's metric logger (passed by ``GRPOTrainer``).
+        log_extra: TRL's completions-table logger (passed by ``GRPOTrainer``).
         **kwargs: Other columns TRL passes (ignored).
 
     Returns:
-        One float per rollout.
+        One reward per rollout.
 
     Raises:
         ValueError: When neither ``environments`` nor ``environment_reward`` is given.
     """
     if environment_reward is not None:
-        return [float(r) for r in environment_reward]
+        return [None if r is None else float(r) for r in environment_reward]
     if environments is None:
         raise ValueError(
             "harbor_reward needs `environments=` (GRPOTrainer with environment_factory) or "
             "`environment_reward=`; got neither."
         )
-    return [float(env.reward) for env in environments]
+    rewards = verify_all(environments)
+    errors = [env._episode.infra_error if env._episode is not None else None for env in environments]
+    if log_metric is not None:
+        log_metric("harbor/infra_failures", float(sum(e is not None for e in errors)))
+    if log_extra is not None:
+        log_extra("harbor_error", [e or "" for e in errors])
+    return rewards
 
 
 class EnvironmentFactory:

@@ -321,8 +321,10 @@ _LIVE: weakref.WeakSet[Box] = weakref.WeakSet()
 class Box:
     """A running bubblewrap sandbox (see the module docstring)."""
 
-    def __init__(self, config: BoxConfig, state_dir: Path, name: str | None = None):
+    def __init__(self, config: BoxConfig, state_dir: Path, name: str | None = None, owned_dir: Path | None = None):
         self.config = config
+        # Removed by kill_now (at interpreter exit or on a signal) with the box's state.
+        self.owned_dir = owned_dir
         self.state_dir = state_dir
         self.socket_path = state_dir / "supervisor.sock"
         self._proc: asyncio.subprocess.Process | None = None
@@ -564,6 +566,9 @@ class Box:
         self._signal_all()
         self._cgroups.kill_and_remove()
         self._cleanup_files()
+        if self.owned_dir is not None:
+            with contextlib.suppress(OSError):
+                remove_tree(self.owned_dir)
         _LIVE.discard(self)
 
     async def kill(self) -> None:

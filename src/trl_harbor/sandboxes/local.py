@@ -207,6 +207,7 @@ class LocalEnvironment(BaseEnvironment):
             ),
             self._dir / "run",
             name=self._dir.name,
+            owned_dir=self._dir,
         )
         try:
             await self._box.start()
@@ -239,7 +240,7 @@ class LocalEnvironment(BaseEnvironment):
             await self._box.kill()
             self._box = None
         if self._dir is not None:
-            await asyncio.to_thread(remove_tree, self._dir)
+            await _off_loop(remove_tree, self._dir)
             self._dir = None
 
     # -- commands --------------------------------------------------------------
@@ -337,6 +338,20 @@ class LocalEnvironment(BaseEnvironment):
         """Copy a sandbox directory's regular files and folders to the host, skipping links."""
         self._check_writable_path(source_dir)
         await asyncio.to_thread(_hostfs.download_dir, self._root, source_dir, Path(target_dir))
+
+
+async def _off_loop(func, *args) -> None:
+    """Run blocking file work in a thread, or inline once the interpreter is shutting down.
+
+    At exit, ``concurrent.futures`` stops accepting work before ``atexit`` handlers run,
+    and teardown must still happen then.
+    """
+    try:
+        await asyncio.to_thread(func, *args)
+    except RuntimeError as error:
+        if "shutdown" not in str(error):
+            raise
+        func(*args)
 
 
 def _hostname(name: str) -> str:

@@ -1,0 +1,253 @@
+"""A generation batch starts its sandboxes together, verifies them together, and survives failures.
+
+``LatencyLocalEnvironment`` (the local sandbox plus an injected start delay) stands in for a
+cloud backend, which cannot be reached here; it records when each start and verifier run
+happened, so these tests check what overlapped, never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, REPO, requires_local
+
+from trl_harbor import HarborSpec, close_all
+from trl_harbor.env import infra_failures
+from trl_harbor.sandboxes._bwrap import state_root
+from trl_harbor.sandboxes.latency import LatencyLocalEnvironment
+
+LATENCY = "trl_harbor.sandboxes.latency:LatencyLocalEnvironment"
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    LatencyLocalEnvironment.intervals.clear()
+    yield
+    close_all()
+
+
+def _spec(tmp_path: Path, names: list[str], **env_kwargs) -> HarborSpec:
+    suite = tmp_path / "suite"
+    for name in names:
+        if not (suite / name).exists():
+            shutil.copytree(BUNDLED_SUITE / name, suite / name)
+    return HarborSpec(suite, environment_type=LATENCY, env_kwargs=env_kwargs)
+
+
+def _overlapping(intervals) -> bool:
+    """Whether every interval began before any of them ended."""
+    return max(i.begin for i in intervals) < min(i.end for i in intervals)
+
+
+@requires_local
+def test_reset_returns_before_the_sandbox_and_a_batch_starts_together(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, [GOLD_TASK], environment_kwargs={"start_latency_sec": 1.0})
+    envs = [spec.environment_factory() for _ in range(8)]
+    for env in envs:
+        prompt = env.reset(task_dir=str(spec.task_dirs[0]))
+        assert prompt.startswith((BUNDLED_SUITE / GOLD_TASK / "instruction.md").read_text()[:40])
+        assert not env._episode.ready.done()  # still starting in the background
+    outputs = [env.bash("ls /workdir/data") for env in envs]  # each waits for its own sandbox
+    assert all("sensors.json" in out for out in outputs)
+    starts = [i for i in LatencyLocalEnvironment.intervals if i.kind == "start"]
+    assert len(starts) == 8 and _overlapping(starts)
+
+
+@requires_local
+def test_concurrent_starts_are_bounded(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, [GOLD_TASK], environment_kwargs={"start_latency_sec": 0.3}, max_concurrent_starts=3)
+    envs = [spec.environment_factory() for _ in range(9)]
+    for env in envs:
+        env.reset(task_dir=str(spec.task_dirs[0]))
+    for env in envs:
+        env.bash("true")
+    starts = sorted((i for i in LatencyLocalEnvironment.intervals if i.kind == "start"), key=lambda i: i.begin)
+    most = max(sum(1 for o in starts if o.begin <= s.begin < o.end) for s in starts)
+    assert len(starts) == 9 and most <= 3
+
+
+@requires_local
+def test_batch_verification_runs_concurrently_and_is_reused(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, [GOLD_TASK])
+    envs = [spec.environment_factory() for _ in range(6)]
+    for i, env in enumerate(envs):
+        env.reset(task_dir=str(spec.task_dirs[0]))
+        env.bash(f"echo {GOLD_ANSWER if i % 2 == 0 else 0} > /workdir/answer.txt")
+    [reward_func] = spec.reward_funcs
+    rewards = reward_func(completions=[None] * 6, environments=envs)
+    assert rewards == [1.0, 0.0] * 3
+    verifies = [i for i in LatencyLocalEnvironment.intervals if i.kind == "verify"]
+    assert len(verifies) == 6 and _overlapping(verifies)
+    assert [env.reward for env in envs] == rewards  # reused, not verified again
+    assert [env.get_reward() for env in envs] == [None] * 6  # and never counted twice
+    assert len([i for i in LatencyLocalEnvironment.intervals if i.kind == "verify"]) == 6
+
+
+def _broken_tasks(tmp_path: Path) -> Path:
+    suite = tmp_path / "suite"
+    shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "a_good")
+    shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "b_cannot_start")
+    (suite / "b_cannot_start" / "environment" / "Dockerfile").write_text(
+        "FROM python:3.12\nRUN apt-get install -y no-such-package-anywhere\n"
+    )
+    shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "c_verifier_crashes")
+    (suite / "c_verifier_crashes" / "tests" / "test.sh").write_text("#!/bin/bash\necho crashing >&2\nexit 3\n")
+    return suite
+
+
+@requires_local
+@pytest.mark.parametrize("mode", ["skip", "zero"])
+def test_one_failed_start_and_one_crashed_verifier_cost_only_their_rollouts(
+    tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    suite = _broken_tasks(tmp_path)
+    spec = HarborSpec(suite, environment_type="local", env_kwargs={"on_infra_error": mode})
+    by_name = {p.name: str(p) for p in spec.task_dirs}
+    order = ["a_good", "b_cannot_start", "c_verifier_crashes", "a_good"]
+    envs = [spec.environment_factory() for _ in order]
+    before = infra_failures()
+    with caplog.at_level(logging.WARNING, logger="trl_harbor"):
+        for env, name in zip(envs, order, strict=True):
+            env.reset(task_dir=by_name[name])
+        outputs = [env.bash(f"echo {GOLD_ANSWER} > /workdir/answer.txt && echo written") for env in envs]
+        assert outputs[0].strip() == outputs[2].strip() == outputs[3].strip() == "written"
+        assert "could not" not in outputs[0]
+        assert outputs[1].startswith("Error: sandbox start failed for task 'b_cannot_start'")
+        assert "no-such-package-anywhere" in outputs[1] and "will not be scored" in outputs[1]
+        logged_metrics, logged_extra = {}, {}
+        [reward_func] = spec.reward_funcs
+        rewards = reward_func(
+            completions=[None] * 4,
+            environments=envs,
+            log_metric=logged_metrics.__setitem__,
+            log_extra=logged_extra.__setitem__,
+        )
+    lost = None if mode == "skip" else 0.0
+    assert rewards == [1.0, lost, lost, 1.0]
+    assert logged_metrics["harbor/infra_failures"] == 2.0
+    assert logged_extra["harbor_error"][0] == "" and "verification failed" in logged_extra["harbor_error"][2]
+    after = infra_failures()
+    assert after["start"] == before["start"] + 1 and after["verify"] == before["verify"] + 1
+    reasons = [r.getMessage() for r in caplog.records if "not the policy's fault" in r.getMessage()]
+    assert len(reasons) == 2  # each failure logged once, with its task and cause
+    assert any("b_cannot_start" in r and "ImageBuildError" in r for r in reasons)
+    assert any("c_verifier_crashes" in r and "RewardFileNotFound" in r for r in reasons)
+
+
+def _live(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ")
+            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state not in ("Z", "X"):
+            found.append(int(name))
+    return found
+
+
+def _leftovers(pid: int) -> list[str]:
+    """Sandbox trees, cgroups and episode folders of the process ``pid`` that still exist.
+
+    For a process that has exited, its episode root must be gone too; for this (live) test
+    process, it must be empty.
+    """
+    import tempfile
+
+    found = [p.name for p in state_root().iterdir() if p.name.startswith(f"{pid}-")]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/trl-harbor/{pid}-*")]
+    trials = Path(tempfile.gettempdir()) / f"trl-harbor-trials-{os.getuid()}"
+    pattern = f"{pid}-*/*" if pid == os.getpid() else f"{pid}-*"
+    found += [str(p) for p in trials.glob(pattern)]
+    return found
+
+
+TRAINING_SCRIPT = """
+import sys
+from trl_harbor import HarborSpec
+spec = HarborSpec({suite!r}, environment_type="local")
+envs = [spec.environment_factory() for _ in range(8)]  # module level, as a trainer holds them
+for env in envs:
+    env.reset(task_dir=str(spec.task_dirs[0]))
+for env in envs:
+    env.bash("nohup sleep {marker} >/dev/null 2>&1 &")
+print("mid-batch", flush=True)
+{tail}
+"""
+
+
+def _run_script(tmp_path: Path, tail: str, marker: str) -> subprocess.Popen:
+    script = tmp_path / "train.py"  # a file, so that the marker is not in this process's command line
+    script.write_text(TRAINING_SCRIPT.format(suite=str(BUNDLED_SUITE), marker=marker, tail=tail))
+    return subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "HARBOR_TELEMETRY": "0"},
+    )
+
+
+@requires_local
+def test_script_ending_without_cleanup_exits_promptly_and_leaves_nothing(tmp_path: Path) -> None:
+    marker = f"4321.{os.getpid()}"
+    child = _run_script(tmp_path, "# and ends here, without closing anything", marker)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err[-2000:]
+    assert "mid-batch" in out
+    assert not _live(f"sleep {marker}")
+    assert _leftovers(child.pid) == []
+
+
+@requires_local
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_killing_training_mid_batch_leaves_nothing(tmp_path: Path, signum: int) -> None:
+    marker = f"{4000 + signum}.{os.getpid()}"
+    # Blocked in a tool call when the signal comes, as a trainer would be.
+    child = _run_script(tmp_path, 'envs[0].bash("sleep 600")', marker)
+    try:
+        assert child.stdout.readline().strip() == "mid-batch"
+        assert len(_live(f"sleep {marker}")) == 8
+    except BaseException:
+        child.kill()
+        raise
+    time.sleep(0.5)
+    child.send_signal(signum)
+    child.communicate(timeout=120)
+    assert child.returncode != 0
+    deadline = time.monotonic() + 10
+    while _live(f"sleep {marker}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _live(f"sleep {marker}")
+    assert _leftovers(child.pid) == []
+
+
+@requires_local
+@pytest.mark.slow
+def test_256_concurrent_sandboxes_complete_a_batch(tmp_path: Path) -> None:
+    spec = HarborSpec(BUNDLED_SUITE, environment_type="local", env_kwargs={"max_concurrent_starts": None})
+    gold = {t.path.name: t.metadata["gold_answer"] for t in spec.tasks}
+    envs = [spec.environment_factory() for _ in range(256)]
+    dirs = [spec.task_dirs[i % len(spec.task_dirs)] for i in range(256)]
+    for env, task_dir in zip(envs, dirs, strict=True):
+        env.reset(task_dir=str(task_dir))
+    for i, (env, task_dir) in enumerate(zip(envs, dirs, strict=True)):
+        answer = gold[task_dir.name] if i % 4 else "wrong"
+        assert env.bash(f"printf %s '{answer}' > /workdir/answer.txt && echo ok").strip() == "ok"
+    [reward_func] = spec.reward_funcs
+    rewards = reward_func(completions=[None] * 256, environments=envs)
+    assert rewards == [0.0 if i % 4 == 0 else 1.0 for i in range(256)]
+    close_all()
+    assert _leftovers(os.getpid()) == []
