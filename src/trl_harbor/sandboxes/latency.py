@@ -1,13 +1,14 @@
 """The local sandbox with an injected start latency, recording when each sandbox works.
 
-Cloud backends (E2B, Daytona, Modal, ...) take seconds to start a sandbox, which cannot be
-reproduced here without their APIs. ``LatencyLocalEnvironment`` is the local sandbox plus a
-fixed delay in ``start()``: the stand-in for a cloud backend in ``benchmarks/batch.py`` and
+Cloud backends (E2B, Daytona, Modal, ...) take seconds to start a sandbox and tens of
+milliseconds per command, which cannot be reproduced here without their APIs.
+``LatencyLocalEnvironment`` is the local sandbox plus a fixed delay in ``start()`` (and,
+optionally, in every ``exec()``): the stand-in for a cloud backend in ``benchmarks/batch.py`` and
 in the concurrency tests. It also records, per process, the interval of every start and
 every verifier run, so tests can check what overlapped without measuring speed.
 
     environment_type="trl_harbor.sandboxes.latency:LatencyLocalEnvironment"
-    environment_kwargs={"start_latency_sec": 2.0}
+    environment_kwargs={"start_latency_sec": 2.0, "exec_latency_sec": 0.05}
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ class LatencyLocalEnvironmentOptions(LocalEnvironmentOptions):
 
     Attributes:
         start_latency_sec: Seconds added to every ``start()`` (a cloud sandbox's start-up).
+        exec_latency_sec: Seconds added to every ``exec()`` (a cloud API's round trip).
         fail_start_for: Task names whose start fails (to test failure isolation).
     """
 
     start_latency_sec: float = Field(default=0.0, ge=0.0)
+    exec_latency_sec: float = Field(default=0.0, ge=0.0)
     fail_start_for: list[str] = Field(default_factory=list)
 
 
@@ -86,8 +89,11 @@ class LatencyLocalEnvironment(LocalEnvironment):
         self.intervals.append(Interval("start", self.environment_name, begin, time.monotonic()))
 
     async def exec(self, command: str, *args: Any, **kwargs: Any) -> ExecResult:
-        """Run a command; verifier runs (``/tests/test.sh``) are recorded."""
+        """Run a command after ``exec_latency_sec``; verifier runs (``/tests/test.sh``) are recorded."""
         begin = time.monotonic()
+        options = self.local_options
+        assert isinstance(options, LatencyLocalEnvironmentOptions)
+        await asyncio.sleep(options.exec_latency_sec)
         result = await super().exec(command, *args, **kwargs)
         if "/tests/test.sh" in command and "chmod" not in command:
             self.intervals.append(Interval("verify", self.environment_name, begin, time.monotonic()))
