@@ -51,3 +51,72 @@ def close_sandboxes() -> Iterator[None]:
     from trl_harbor import close_all
 
     close_all()
+
+
+def trl_tools(cls: type) -> list[str]:
+    """The tool names TRL's GRPOTrainer derives from an environment class (the same rule as TRL)."""
+    import inspect
+
+    return [
+        name
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
+def no_process_left(marker: str, within: float = 5.0) -> list[int]:
+    """Wait up to ``within`` seconds for every live host process with ``marker`` to go; return the rest."""
+    import time
+
+    from sandbox_helpers import live_processes_with
+
+    deadline = time.monotonic() + within
+    while (left := live_processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def tiny_grpo_trainer(tmp_path: Path, spec, tool_calls: list[str], prompt_suffix: str, reward_funcs: list):
+    """A GRPOTrainer for one CPU step, with a tiny model rigged to emit one of ``tool_calls``.
+
+    Args:
+        tmp_path: Where the trainer writes.
+        spec: The ``HarborSpec`` whose dataset and environment factory the trainer uses.
+        tool_calls: Tool-call texts (``trl_harbor.testing.tool_call_text``) the policy samples from.
+        prompt_suffix: The harness's prompt suffix (its words go into the tokenizer's corpus).
+        reward_funcs: The trainer's reward functions.
+
+    Returns:
+        The trainer (two rollouts of one prompt per step), not yet trained.
+    """
+    import torch
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_harbor.testing import build_model, build_tokenizer, script_tool_calls
+
+    instructions = [p.read_text() for p in BUNDLED_SUITE.glob("*/instruction.md")]
+    tokenizer = build_tokenizer(corpus=[*instructions, prompt_suffix], extra_tokens=tool_calls)
+    model = build_model(tokenizer, seed=0)
+    script_tool_calls(model, tokenizer, tool_calls)
+    torch.manual_seed(1)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        max_steps=1,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        max_completion_length=64,
+        max_tool_calling_iterations=2,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=1,  # with this seed the two rollouts end on different answers (reward std > 0)
+    )
+    return GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        args=args,
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=reward_funcs,
+    )

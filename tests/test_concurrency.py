@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, REPO, requires_local
 
+from sandbox_helpers import live_processes_with
 from trl_harbor import HarborSpec, close_all
 from trl_harbor.env import infra_failures
 from trl_harbor.sandboxes._bwrap import state_root
@@ -142,21 +143,6 @@ def test_one_failed_start_and_one_crashed_verifier_cost_only_their_rollouts(
     assert any("c_verifier_crashes" in r and "RewardFileNotFound" in r for r in reasons)
 
 
-def _live(marker: str) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ")
-            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in cmdline and state not in ("Z", "X"):
-            found.append(int(name))
-    return found
-
-
 def _leftovers(pid: int) -> list[str]:
     """Sandbox trees, cgroups and episode folders of the process ``pid`` that still exist.
 
@@ -207,7 +193,7 @@ def test_script_ending_without_cleanup_exits_promptly_and_leaves_nothing(tmp_pat
     out, err = child.communicate(timeout=120)
     assert child.returncode == 0, err[-2000:]
     assert "mid-batch" in out
-    assert not _live(f"sleep {marker}")
+    assert not live_processes_with(f"sleep {marker}")
     assert _leftovers(child.pid) == []
 
 
@@ -219,7 +205,7 @@ def test_killing_training_mid_batch_leaves_nothing(tmp_path: Path, signum: int) 
     child = _run_script(tmp_path, 'envs[0].bash("sleep 600")', marker)
     try:
         assert child.stdout.readline().strip() == "mid-batch"
-        assert len(_live(f"sleep {marker}")) == 8
+        assert len(live_processes_with(f"sleep {marker}")) == 8
     except BaseException:
         child.kill()
         raise
@@ -228,9 +214,9 @@ def test_killing_training_mid_batch_leaves_nothing(tmp_path: Path, signum: int) 
     child.communicate(timeout=120)
     assert child.returncode != 0
     deadline = time.monotonic() + 10
-    while _live(f"sleep {marker}") and time.monotonic() < deadline:
+    while live_processes_with(f"sleep {marker}") and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _live(f"sleep {marker}")
+    assert not live_processes_with(f"sleep {marker}")
     assert _leftovers(child.pid) == []
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
+from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local, tiny_grpo_trainer
 
 GOOD_COMMAND = f"echo -n {GOLD_ANSWER} > /workdir/answer.txt"
 BAD_COMMAND = "echo -n 0 > /workdir/answer.txt"
@@ -21,10 +21,9 @@ BAD_COMMAND = "echo -n 0 > /workdir/answer.txt"
 @pytest.mark.slow
 def test_grpo_step_runs_tools_in_sandboxes_and_scores_them(tmp_path: Path, close_sandboxes: None) -> None:
     import torch
-    from trl import GRPOConfig, GRPOTrainer
 
     from trl_harbor import HarborBashEnv, HarborSpec
-    from trl_harbor.testing import build_model, build_tokenizer, script_tool_calls, tool_call_text
+    from trl_harbor.testing import tool_call_text
 
     calls: list[tuple[int, str, str]] = []  # (env id, command, output)
     scored: list[tuple[list[float], list[list[str]]]] = []
@@ -57,33 +56,8 @@ def test_grpo_step_runs_tools_in_sandboxes_and_scores_them(tmp_path: Path, close
         return rewards
 
     good, bad = (tool_call_text("bash", {"command": c}) for c in (GOOD_COMMAND, BAD_COMMAND))
-    instructions = [p.read_text() for p in BUNDLED_SUITE.glob("*/instruction.md")]
-    tokenizer = build_tokenizer(corpus=[*instructions, HarborBashEnv.PROMPT_SUFFIX], extra_tokens=[good, bad])
-    model = build_model(tokenizer, seed=0)
-    script_tool_calls(model, tokenizer, [good, bad])
-    torch.manual_seed(1)
-
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        max_steps=1,
-        num_generations=2,
-        per_device_train_batch_size=2,
-        max_completion_length=64,
-        max_tool_calling_iterations=2,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        seed=1,  # with this seed the two rollouts end on different answers (reward std > 0)
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        processing_class=tokenizer,
-        args=args,
-        train_dataset=spec.train_dataset,
-        environment_factory=spec.environment_factory,
-        reward_funcs=[recorded_reward],
-    )
+    trainer = tiny_grpo_trainer(tmp_path, spec, [good, bad], HarborBashEnv.PROMPT_SUFFIX, [recorded_reward])
+    model = trainer.model
     assert [tool.__name__ for tool in trainer.tools] == ["bash"]  # exactly the harness's tool
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()

@@ -2,7 +2,9 @@
 
 Accepted forms:
 
-- a built-in name from :data:`AGENTS` (``"bash"``);
+- a built-in name from :data:`AGENTS` (``"bash"``) or :data:`EXAMPLE_AGENTS` (``"jupyter"``,
+  ``"terminal_notes"``: the harnesses of :mod:`trl_harbor.harnesses`, imported only when
+  selected, so ``import trl_harbor`` stays light);
 - ``"package.module:ClassName"``, imported from ``sys.path``;
 - ``"path/to/file.py:ClassName"`` (Windows paths such as ``C:\\work\\env.py:MyEnv`` too),
   loaded from the file;
@@ -20,10 +22,17 @@ from types import ModuleType
 
 from trl_harbor.env import HarborBashEnv, HarborEnv
 
-__all__ = ["AGENTS", "resolve_agent"]
+__all__ = ["AGENTS", "EXAMPLE_AGENTS", "resolve_agent"]
 
 #: Built-in harnesses selectable by name.
 AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv}
+
+#: The example harnesses (also loadable by their ``examples/grpo_harbor/harnesses/*/env.py`` paths),
+#: selectable by name and imported on first selection.
+EXAMPLE_AGENTS: dict[str, str] = {
+    "jupyter": "trl_harbor.harnesses.jupyter.env:JupyterEnv",
+    "terminal_notes": "trl_harbor.harnesses.terminal_notes.env:TerminalNotesEnv",
+}
 
 
 def _is_file_target(target: str) -> bool:
@@ -76,6 +85,9 @@ def resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
         raise TypeError(f"agent must be a string or a HarborEnv subclass, got {agent!r}")
     elif agent in AGENTS:
         cls = AGENTS[agent]
+    elif agent in EXAMPLE_AGENTS:
+        module, _, class_name = EXAMPLE_AGENTS[agent].rpartition(":")
+        cls = getattr(importlib.import_module(module), class_name)
     elif ":" in agent and not agent.endswith(":"):
         # rpartition keeps a Windows drive letter ("C:\\x\\env.py:Cls") in the target.
         target, _, class_name = agent.rpartition(":")
@@ -94,7 +106,7 @@ def resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
             raise ValueError(f"agent {agent!r}: {target!r} has no attribute {class_name!r}.") from None
     else:
         raise ValueError(
-            f"Unknown agent {agent!r}. Built-in agents: {sorted(AGENTS)}. Or pass an import path "
+            f"Unknown agent {agent!r}. Built-in agents: {sorted([*AGENTS, *EXAMPLE_AGENTS])}. Or pass an import path "
             "'package.module:ClassName', a file path 'path/to/file.py:ClassName', or a HarborEnv subclass."
         )
     if not (isinstance(cls, type) and issubclass(cls, HarborEnv)):

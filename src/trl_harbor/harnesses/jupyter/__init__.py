@@ -1,0 +1,1 @@
+"""``JupyterEnv``: a stateful Python kernel in the sandbox, plus a shell tool."""

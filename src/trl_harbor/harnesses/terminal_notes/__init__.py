@@ -1,0 +1,1 @@
+"""``TerminalNotesEnv``: shell commands (blocking or in the background), file writes and notes."""
