@@ -77,6 +77,12 @@ def test_environment_type_mapping() -> None:
         environment_config("dockerr")
 
 
+def test_unknown_backend_fails_at_reset_not_as_a_skipped_rollout() -> None:
+    env = HarborBashEnv(environment_type="dockerr")
+    with pytest.raises(ValueError, match="unknown environment_type 'dockerr'"):
+        env.reset(task_dir=GOLD_DIR)
+
+
 def test_constructor_validation() -> None:
     with pytest.raises(ValueError):
         HarborBashEnv(on_infra_error="ignore")

@@ -331,6 +331,7 @@ class HarborEnv:
         self._on_infra_error = on_infra_error
         self._max_concurrent_starts = max_concurrent_starts
         self._environment_kwargs = dict(environment_kwargs or {})
+        self._config: TrialEnvironmentConfig | None = None
         self._episode: _Episode | None = None
 
     # ── TRL lifecycle ──────────────────────────────────────────────────────────────
@@ -353,6 +354,7 @@ class HarborEnv:
         if task_dir is None:
             raise ValueError("HarborEnv.reset needs `task_dir` (the dataset row's task_dir column).")
         self._retire()
+        self._trial_config()  # an unknown environment_type fails here, not as a skipped rollout
         task = _load_task(Path(task_dir))
         if task.has_steps:
             raise ValueError(f"{task_dir}: multi-step Harbor tasks are not supported by HarborEnv.")
@@ -486,7 +488,9 @@ class HarborEnv:
     # ── Harbor lifecycle (async, on the shared loop) ────────────────────────────────
 
     def _trial_config(self) -> TrialEnvironmentConfig:
-        return environment_config(self._environment_type, self._environment_kwargs)
+        if self._config is None:
+            self._config = environment_config(self._environment_type, self._environment_kwargs)
+        return self._config
 
     def _create_environment(self, task: Task, paths: TrialPaths, role: str, **options: Any) -> BaseEnvironment:
         from trl_harbor.backends import create_environment
