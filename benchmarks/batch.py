@@ -27,7 +27,6 @@ import os
 import shutil
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +34,8 @@ from pathlib import Path
 
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from bench_task import write_bench_task  # noqa: E402
 
 from trl_harbor import HarborSpec, close_all  # noqa: E402
 from trl_harbor.backends import environment_config  # noqa: E402
@@ -48,32 +49,7 @@ EXEC_LATENCY = 0.05
 def _suite(root: Path) -> Path:
     """One small task. The reference ignores task network policies (everything is public),
     so the task allows network for both sides to do the same work."""
-    task = root / "tasks" / "bench"
-    (task / "environment").mkdir(parents=True)
-    (task / "tests").mkdir()
-    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /workdir\n")
-    (task / "instruction.md").write_text("Write 42 to /workdir/answer.txt\n")
-    (task / "task.toml").write_text(
-        textwrap.dedent(
-            """\
-            version = "1.0"
-            [metadata]
-            gold_answer = "42"
-            [verifier]
-            timeout_sec = 120
-            [environment]
-            network_mode = "public"
-            memory_mb = 512
-            """
-        )
-    )
-    test = task / "tests" / "test.sh"
-    test.write_text(
-        "#!/bin/bash\nmkdir -p /logs/verifier\n"
-        '[ "$(cat /workdir/answer.txt 2>/dev/null)" = 42 ] && echo 1 > /logs/verifier/reward.txt '
-        "|| echo 0 > /logs/verifier/reward.txt\n"
-    )
-    test.chmod(0o755)
+    write_bench_task(root / "tasks", network_mode="public", memory_mb=512)
     return root / "tasks"
 
 
@@ -198,11 +174,11 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(("reference", ref))
                 assert ref.rewards == ours.rewards == [1.0] * n, (ref.rewards[:4], ours.rewards[:4])
             for name, t in rows:
-                print(f"{n:>4} {latency:>9.0f}s {name:<10} {t.reset:>7.2f}s {t.first_tool:>10.2f}s {t.tools:>7.2f}s "
+                print(f"{n:>4} {latency:>9g}s {name:<10} {t.reset:>7.2f}s {t.first_tool:>10.2f}s {t.tools:>7.2f}s "
                       f"{t.verify:>7.2f}s {t.teardown:>8.2f}s {t.total:>7.2f}s")  # fmt: skip
             if ref is None:
                 need = n * latency
-                print(f"{n:>4} {latency:>9.0f}s reference  skipped (would need ~{need:.0f} s to reset; --full runs it)")
+                print(f"{n:>4} {latency:>9g}s reference  skipped (would need ~{need:.0f} s to reset; --full runs it)")
             else:
                 ratios = (ref.first_tool / ours.first_tool, ref.verify / ours.verify, ref.total / ours.total)
                 summary.append((n, latency, *ratios))
@@ -210,11 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     print("\nratios (reference / trl-harbor; verify also vs one verification of ours):")
     for n, latency, first, verify, total in summary:
         if first is None:
-            print(f"  N={n:<4} latency={latency:.0f}s  verify of the batch / one verification = {verify:.2f}x")
+            print(f"  N={n:<4} latency={latency:g}s  verify of the batch / one verification = {verify:.2f}x")
         else:
-            print(f"  N={n:<4} latency={latency:.0f}s  first tool {first:6.1f}x  verify {verify:6.1f}x  "
+            print(f"  N={n:<4} latency={latency:g}s  first tool {first:6.1f}x  verify {verify:6.1f}x  "
                   f"total {total:6.1f}x")  # fmt: skip
-    one = ", ".join(f"{seconds * 1000:.0f} ms at {lat:.0f} s start latency" for lat, seconds in single.items())
+    one = ", ".join(f"{seconds * 1000:.0f} ms at {lat:g} s start latency" for lat, seconds in single.items())
     print(f"\n(one verification: {one}; python {sys.version.split()[0]}; {os.cpu_count()} CPUs)")
     shutil.rmtree(scratch, ignore_errors=True)
 

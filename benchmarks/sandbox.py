@@ -17,10 +17,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
+from bench_task import write_bench_task
 from harbor.models.task.task import Task
 from harbor.models.trial.paths import TrialPaths
 from harbor.verifier.verifier import Verifier
@@ -29,29 +29,7 @@ from trl_harbor.backends import create_environment
 
 
 def _task(root: Path) -> Path:
-    task = root / "bench"
-    for sub in ("environment", "tests", "solution"):
-        (task / sub).mkdir(parents=True)
-    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /workdir\n")
-    (task / "instruction.md").write_text("Write 42 to /workdir/answer.txt\n")
-    (task / "task.toml").write_text(
-        textwrap.dedent(
-            """\
-            version = "1.0"
-            [verifier]
-            timeout_sec = 60
-            [environment]
-            network_mode = "no-network"
-            memory_mb = 1024
-            """
-        )
-    )
-    test = task / "tests" / "test.sh"
-    test.write_text("#!/bin/bash\nmkdir -p /logs/verifier\n"
-                    '[ "$(cat /workdir/answer.txt 2>/dev/null)" = 42 ] && echo 1 > /logs/verifier/reward.txt '
-                    "|| echo 0 > /logs/verifier/reward.txt\n")  # fmt: skip
-    test.chmod(0o755)
-    return task
+    return write_bench_task(root)
 
 
 class Bench:

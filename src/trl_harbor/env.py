@@ -169,9 +169,9 @@ class _Episode:
         return self.infra_error
 
     async def wait_ready(self) -> None:
+        """Wait until provisioning ended, however it ended; a cancellation of the caller propagates."""
         if self.ready is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.wrap_future(self.ready)
+            await asyncio.wait([asyncio.wrap_future(self.ready)])
 
     def stop(self) -> asyncio.Future[None]:
         """Stop the sandbox(es) and remove the scratch folder; idempotent, safe to call concurrently.

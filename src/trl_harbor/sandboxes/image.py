@@ -52,6 +52,8 @@ from trl_harbor.sandboxes._bwrap import (
 logger = logging.getLogger(__name__)
 
 BUILDER_VERSION = "2"
+#: Writable folders every sandbox starts with (besides the mount points), built into each layer.
+PRIVATE_DIRS = ("tmp", "root", "home/user", "logs/agent", "logs/verifier", "logs/artifacts")
 # Host variables a build may need to reach a package index (never the agent).
 _BUILD_PASSTHROUGH = (
     "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_CERT", "PIP_DEFAULT_TIMEOUT",
@@ -278,7 +280,7 @@ class ImageBuilder:
         make_venv(rootfs / SANDBOX_VENV.lstrip("/"), SANDBOX_VENV, layer=LAYER_VENV)
         # The skeleton every sandbox needs, so that starting one is a single copy.
         prepare_rootfs(rootfs)
-        for name in ("root", "home/user", "logs/agent", "logs/verifier", "logs/artifacts"):
+        for name in PRIVATE_DIRS:
             (rootfs / name).mkdir(parents=True, exist_ok=True)
         state = _BuildState(args=dict(self.build_args))
         box: Box | None = None

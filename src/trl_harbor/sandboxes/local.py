@@ -102,16 +102,9 @@ def _builder(cache_dir: str | None) -> ImageBuilder:
     return _BUILDERS[cache_dir]
 
 
-def sweep_stale_sandboxes() -> int:
-    """Remove what processes that died without stopping their sandboxes left behind.
-
-    Their processes died with them (bubblewrap's ``--die-with-parent``); this removes
-    their private trees and cgroups. Called once per process, at its first sandbox start.
-
-    Returns:
-        The number of trees removed.
-    """
-    return sweep_stale()
+#: Remove the sandbox trees and cgroups of processes that died without stopping them (their
+#: processes died with them); run once per process, at its first sandbox start.
+sweep_stale_sandboxes = sweep_stale
 
 
 _SWEPT = False
@@ -219,10 +212,9 @@ class LocalEnvironment(BaseEnvironment):
     def _make_root(self) -> None:
         assert self._image is not None and self._dir is not None
         self._dir.mkdir(parents=True)
-        # Copy-on-start: every sandbox gets its own writable copy of the layer's files.
+        # Copy-on-start: every sandbox gets its own writable copy of the layer's files,
+        # which include the private folders (image.PRIVATE_DIRS).
         _hostfs.copy_tree(self._image.rootfs, self._root)
-        for name in ("tmp", "root", "home/user", "logs/agent", "logs/verifier", "logs/artifacts"):
-            (self._root / name).mkdir(parents=True, exist_ok=True)
         if self.task_env_config.workdir:
             (self._root / self.task_env_config.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
 
