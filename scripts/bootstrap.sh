@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Prepare a development environment for trl-harbor on a Debian/Ubuntu machine:
-#   - system packages the local sandbox needs (bubblewrap, slirp4netns, python3-venv),
+#   - system packages the local sandbox needs (bubblewrap, slirp4netns, python3-venv; buildah
+#     builds task images), and those the image tests need (a loopback registry seeded with a
+#     Debian image: docker-registry, skopeo, umoci, mmdebstrap),
 #   - a Python >= 3.12 interpreter (harbor needs it), found wherever it is installed,
 #   - .venv with the project and its test/training extras.
 # Idempotent: a second run with nothing changed takes a second.
@@ -16,6 +18,9 @@ command -v slirp4netns >/dev/null || need+=(slirp4netns)
 [ -x /usr/bin/python3 ] || need+=(python3)
 /usr/bin/python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 /usr/bin/python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+for tool in buildah skopeo umoci mmdebstrap docker-registry; do
+  command -v "$tool" >/dev/null || need+=("$tool")
+done
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing ${need[*]}"
