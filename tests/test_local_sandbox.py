@@ -15,7 +15,7 @@ import pytest
 
 from sandbox_helpers import live_processes_with, make_task, open_env, run, wait_until
 from trl_harbor.sandboxes._bwrap import state_root
-from trl_harbor.sandboxes.local import SandboxTimeoutError, SandboxUserError
+from trl_harbor.sandboxes.local import SandboxCommandError, SandboxTimeoutError, SandboxUserError
 
 
 @pytest.fixture
@@ -287,3 +287,80 @@ def test_many_sandboxes_start_concurrently(task: Path, tmp_path: Path) -> None:
 
     run(scenario())
     assert not [p for p in state_root().iterdir() if p.name.startswith(f"{os.getpid()}-")]
+
+
+# ── what the verifier can trust (issue #12) ────────────────────────────────────────────
+
+
+def test_kill_processes_stops_every_detached_process_and_keeps_the_sandbox(
+    task: Path, tmp_path: Path, supervisor: str
+) -> None:
+    """Daemons in their own session, double forks and SIGTERM-ignoring loops all die; the sandbox lives."""
+    tag = f"{os.getpid() % 1000}"
+    detached = {
+        "nohup": f"nohup sleep 41{tag}.1 >/dev/null 2>&1 &",
+        "setsid double fork": f"setsid sh -c '(sleep 41{tag}.2 &) ; exit' >/dev/null 2>&1",
+        "ignores SIGTERM": f"sh -c 'trap \"\" TERM; while :; do sleep 41{tag}.3; done' >/dev/null 2>&1 &",
+    }
+
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        try:
+            for command in detached.values():
+                assert (await env.exec(command)).return_code == 0
+            assert wait_until(lambda: all(live_processes_with(f"41{tag}.{i}") for i in (1, 2, 3)))
+            killed = await env.kill_processes()
+            assert killed >= 3
+            assert wait_until(lambda: not any(live_processes_with(f"41{tag}.{i}") for i in (1, 2, 3)))
+            assert (await env.exec("echo still here")).stdout.strip() == "still here"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_agent_cannot_kill_the_supervisor_mount_or_trace(task: Path, tmp_path: Path, supervisor: str) -> None:
+    """`kill -9 -1`, mounting over /tests and ptrace are refused: the sandbox keeps answering."""
+
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        try:
+            try:  # kills the command's own handler, so this one command may get no answer
+                await env.exec("kill -9 -1; kill -9 1; true")
+            except SandboxCommandError:
+                pass
+            assert (await env.exec("echo alive")).stdout.strip() == "alive"
+            mounted = await env.exec("mkdir -p /tests && mount -t tmpfs fake /tests")
+            assert mounted.return_code != 0
+            caps = await env.exec("grep CapEff /proc/self/status")
+            effective = int(caps.stdout.split()[1], 16)
+            for bit in (21, 19, 9):  # CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_LINUX_IMMUTABLE
+                assert not effective & (1 << bit), caps.stdout
+            assert (await env.exec("unshare -U true")).return_code != 0  # no nested user namespaces
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_file_fingerprints_are_read_from_the_host_and_see_changes(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        try:
+            await env.exec("mkdir -p /root/.config && echo a > /root/.bashrc")
+            watched = [("/root", None), ("/usr/bin", 1), ("/home/*", None)]
+            before = await env.file_fingerprints(watched)
+            assert before["/root/.bashrc"].startswith("f|") and before["/root"].startswith("d|")
+            assert "/usr/bin/env" in before and not any(p.startswith("/usr/bin/x/") for p in before)
+            await env.exec("echo b > /root/.bashrc; touch /root/new")
+            after = await env.file_fingerprints(watched)
+            assert before["/root/.bashrc"] != after["/root/.bashrc"]
+            assert "/root/new" in after and "/root/new" not in before
+            assert before["/usr/bin/env"] == after["/usr/bin/env"]
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())

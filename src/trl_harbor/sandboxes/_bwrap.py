@@ -50,6 +50,15 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SYSTEM_MOUNTS = ("/usr", "/etc", "/proc", "/dev", "/sys", LAYER_VENV)
 _ETC_MASKED = ("shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "ssh", "security/opasswd")
 _SLIRP_GATEWAY_DNS = "10.0.2.3"
+# What the sandbox's root may do: Docker's default capability set. Notably absent:
+# CAP_SYS_ADMIN (no mounts, so nothing can be hidden under a mount before the
+# verifier runs), CAP_SYS_PTRACE (the supervisor cannot be traced) and
+# CAP_LINUX_IMMUTABLE (no file the verifier must replace can be made immutable).
+SANDBOX_CAPS = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+)  # fmt: skip
 NetworkMode = Literal["none", "user", "host"]
 
 
@@ -340,14 +349,20 @@ class Box:
         args = [
             bwrap_path(),
             "--unshare-user", "--uid", "0", "--gid", "0",
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL", *(arg for cap in SANDBOX_CAPS for arg in ("--cap-add", cap)),
             "--hostname", c.hostname,
             "--bind", str(c.rootfs), "/",
             "--ro-bind", "/usr", "/usr",
         ]  # fmt: skip
         if c.network != "host":
             args.append("--unshare-net")
+        if c.network != "user":
+            # No nested user namespaces (their root would regain every capability in
+            # them). Not with slirp4netns: it must join the box's own user namespace to
+            # reach its network, which the nesting hides.
+            args.append("--disable-userns")
         for directory in _root_dirs():
             args += ["--ro-bind", directory, directory]
         args += ["--ro-bind", "/etc", "/etc"]
@@ -439,7 +454,7 @@ class Box:
                     + (stderr.decode(errors="replace").strip() or "no error output")
                 )
             if cgroup_procs:
-                # The box's processes so far (bwrap, its init, the supervisor) join its
+                # The box's processes so far (bwrap and the supervisor) join its
                 # cgroups before any command runs; every later process is forked from
                 # them and so is counted too.
                 _join_cgroups(cgroup_procs, _process_tree(self._proc.pid))
@@ -544,6 +559,35 @@ class Box:
             streams.append((await reader.readexactly(size)).decode("utf-8", "replace"))
             dropped += lost
         return {"rc": rc, "timed_out": bool(flags & 1), "stdout": streams[0], "stderr": streams[1], "dropped": dropped}
+
+    async def kill_processes(self) -> int:
+        """Kill every process in the box except its supervisor, and wait until they are gone.
+
+        Reaches every process of the box's PID namespace, whatever it did to detach
+        (``nohup``, ``setsid``, double forks, ignoring SIGTERM), and any command still
+        running. The box stays usable for new commands.
+
+        Returns:
+            How many processes were killed.
+
+        Raises:
+            SandboxCommandError: If the box is gone or its supervisor does not answer.
+        """
+        if self.closed:
+            raise SandboxCommandError("the sandbox has been stopped")
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+        except OSError as error:
+            raise SandboxCommandError(f"the sandbox is not running ({error})") from error
+        try:
+            writer.write(struct.pack("<IIII", 12, 0, 0, 0))
+            await writer.drain()
+            answer = await asyncio.wait_for(self._read_answer(reader, 0), timeout=60)
+        except (TimeoutError, asyncio.IncompleteReadError, OSError) as error:
+            raise SandboxCommandError(f"the sandbox's supervisor did not stop its processes ({error!r})") from error
+        finally:
+            writer.close()
+        return int(answer["rc"])
 
     # -- teardown --------------------------------------------------------------
 

@@ -8,6 +8,11 @@
  * it appears nowhere in the sandbox's file system.
  *
  *   usage: supervisor LISTEN_FD AS_LIMIT_BYTES
+ *
+ * It runs as PID 1 of the sandbox's PID namespace (bubblewrap --as-pid-1): the
+ * kernel never delivers SIGKILL or SIGSTOP to a namespace's init from inside it,
+ * so the agent cannot kill it; it is not dumpable and commands run without
+ * CAP_SYS_PTRACE, so the agent cannot trace it either.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -188,6 +193,48 @@ static void kill_tree(void) {
     }
 }
 
+/* Reads a process's state letter from /proc/PID/stat ('?' when it is gone). */
+static char proc_state(const char *pid) {
+    char path[300], buf[512];
+    snprintf(path, sizeof path, "/proc/%s/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return '?';
+    ssize_t len = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (len <= 0) return '?';
+    buf[len] = 0;
+    char *close_paren = strrchr(buf, ')');
+    return close_paren && close_paren[1] && close_paren[2] ? close_paren[2] : '?';
+}
+
+/* Kills every process of the sandbox but the supervisor (PID 1) and this handler,
+ * repeating until a scan finds none alive; returns how many were killed. Every
+ * process in the namespace is reachable this way, whatever it did to detach
+ * (new session, double fork, ignoring SIGTERM). */
+static int kill_all(void) {
+    pid_t me = getpid();
+    int total = 0;
+    for (int round = 0; round < 1000; round++) {
+        int killed = 0;
+        DIR *proc = opendir("/proc");
+        struct dirent *entry;
+        while (proc && (entry = readdir(proc))) {
+            if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
+            pid_t pid = (pid_t)atoi(entry->d_name);
+            if (pid == 1 || pid == me) continue;
+            char state = proc_state(entry->d_name);
+            if (state == 'Z' || state == 'X' || state == '?') continue;
+            if (kill(pid, SIGKILL) == 0) killed++;
+        }
+        if (proc) closedir(proc);
+        total += killed;
+        if (!killed) break;
+        struct timespec pause = {0, 2000000};
+        nanosleep(&pause, NULL);
+    }
+    return total;
+}
+
 static void handle(int conn) {
     signal(SIGCHLD, SIG_DFL);
     prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
@@ -199,6 +246,17 @@ static void handle(int conn) {
     const char *p = req, *end = req + size;
     uint32_t timeout_ms = get_u32(&p), cap = get_u32(&p), nfields = get_u32(&p);
     if (cap < 64) cap = 64;
+    if (nfields == 0) { /* no command: stop every process of the sandbox */
+        int32_t killed = kill_all();
+        uint32_t flags = 0;
+        uint64_t none = 0;
+        uint32_t zero = 0;
+        if (!write_full(conn, &killed, 4) && !write_full(conn, &flags, 4))
+            for (int i = 0; i < 2; i++)
+                if (write_full(conn, &none, 8) || write_full(conn, &zero, 4)) break;
+        close(conn);
+        return;
+    }
     char **fields = calloc(nfields + 1, sizeof *fields);
     for (uint32_t i = 0; i < nfields; i++) {
         if (end - p < 4) return;
@@ -339,7 +397,8 @@ int main(int argc, char **argv) {
         }
     }
     fcntl(listener, F_SETFD, FD_CLOEXEC);
-    signal(SIGCHLD, SIG_IGN); /* handlers are reaped by the kernel */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* inherited by handlers, reset by a command's execve */
+    signal(SIGCHLD, SIG_IGN); /* handlers and orphans are reaped by the kernel */
     signal(SIGPIPE, SIG_IGN);
     if (write_full(1, "ready\n", 6)) return 1;
     int devnull = open("/dev/null", O_WRONLY);

@@ -6,13 +6,17 @@ sandbox's own Python (the host's ``/usr/bin/python3``, any version >= 3.9), its
 source read from standard input so that it leaves no file in the sandbox. It
 imports only built-in C modules, to start fast.
 
-It is the first process of the sandbox's PID namespace after bubblewrap's init.
-The host hands it an already listening Unix socket (descriptor number in
+It is PID 1 of the sandbox's PID namespace (bubblewrap ``--as-pid-1``), which the
+kernel protects from SIGKILL and SIGSTOP sent from inside the namespace, so the
+agent cannot kill it; it makes itself non-dumpable, and commands run without
+CAP_SYS_PTRACE, so the agent cannot trace it either. The host hands it an already listening Unix socket (descriptor number in
 ``argv[1]``; ``argv[2]`` is an address-space limit in bytes, 0 for none). Each
 connection carries one command, little-endian:
 
     request:  u32 size | u32 timeout_ms (0: none) | u32 cap | u32 n | n x (u32 len | bytes)
               fields: cwd, command, then "KEY=VALUE" environment entries
+              n = 0 (no fields): kill every process of the sandbox but PID 1 and
+              the handler; the exit code is how many were killed, streams empty
     response: i32 exit code | u32 flags (1: timed out)
               | stdout: u64 dropped | u32 len | bytes | stderr: the same
 
@@ -35,6 +39,7 @@ import sys
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_DUMPABLE = 4
 # After the command exits, output may still be held open by processes it left in
 # the background; wait this long for more before answering without them.
 DRAIN_GRACE_SEC = 0.05
@@ -90,6 +95,33 @@ def _kill_tree():
         if not alive:
             return
         time.sleep(0.005)
+
+
+def _kill_all():
+    """Kill every process of the sandbox but PID 1 and this handler; return how many."""
+    me, total = os.getpid(), 0
+    for _ in range(1000):
+        killed = 0
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in (1, me):
+                continue
+            try:
+                with open("/proc/%s/stat" % name, "rb") as handle:
+                    stat = handle.read()
+            except OSError:
+                continue
+            if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X"):
+                continue
+            try:
+                os.kill(int(name), _signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        total += killed
+        if not killed:
+            return total
+        time.sleep(0.002)
+    return total
 
 
 class _Bounded:
@@ -171,6 +203,11 @@ def _handle(conn):
         length, offset = _u32(request, offset)
         fields.append(request[offset : offset + length])
         offset += length
+    if not fields:  # no command: stop every process of the sandbox
+        answer = _kill_all().to_bytes(4, "little", signed=True) + bytes(4) + bytes(24)
+        os.write(conn, answer)
+        os.close(conn)
+        return
     cwd, command = fields[0].decode(), fields[1].decode()
     env = dict(entry.decode().split("=", 1) for entry in fields[2:])
     deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms else None
@@ -259,6 +296,7 @@ def main():
         import ctypes
 
         _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     except Exception:  # noqa: BLE001 - without it only double-forked orphans escape
         _LIBC = None
     while True:

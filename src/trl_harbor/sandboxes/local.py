@@ -24,7 +24,12 @@ See ``docs/local-sandbox.md`` for the details and the limits.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import logging
+import os
+import posixpath
+import stat
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -300,6 +305,101 @@ class LocalEnvironment(BaseEnvironment):
         if result["timed_out"]:
             raise SandboxTimeoutError(f"Command timed out after {timeout_sec} seconds")
         return ExecResult(stdout=result["stdout"], stderr=result["stderr"], return_code=result["rc"])
+
+    # -- what the verifier can trust -------------------------------------------
+
+    async def kill_processes(self) -> int:
+        """Kill every process in the sandbox but its supervisor (before verification).
+
+        Nothing the agent started survives, whatever it did to detach: the supervisor sees
+        every process of the sandbox's PID namespace. The sandbox stays usable.
+
+        Returns:
+            How many processes were killed.
+
+        Raises:
+            SandboxCommandError: If the sandbox is not running.
+        """
+        if self._box is None:
+            raise SandboxCommandError("the sandbox is not running (call start() first)")
+        return await self._box.kill_processes()
+
+    async def file_fingerprints(self, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:
+        """Fingerprint sandbox paths from the host, without running anything in the sandbox.
+
+        Args:
+            patterns: ``(absolute sandbox path, depth)`` pairs; wildcards allowed in the path;
+                depth ``0`` is the entry itself, ``None`` everything below it. Read-only host
+                mounts (``/usr``, ``/etc``, the shared layer) are listed one level deep only:
+                nothing in them can change.
+
+        Returns:
+            ``{sandbox path: signature}``; a signature changes when the entry's content,
+            inode, mode or type does (folders: type and mode only).
+        """
+        if self._dir is None:
+            raise SandboxCommandError("the sandbox is not running (call start() first)")
+        return await asyncio.to_thread(self._fingerprints, list(patterns))
+
+    def _host_path(self, path: str) -> tuple[Path | None, bool]:
+        """Where a sandbox path lives on the host, and whether it is a read-only mount."""
+        for mount in SYSTEM_MOUNTS:
+            if path == mount or path.startswith(mount + "/"):
+                if mount in ("/proc", "/dev", "/sys"):
+                    return None, True
+                base = str(self._image.venv) if mount == LAYER_VENV and self._image else mount
+                return Path(base + path[len(mount) :]), True
+        return self._root / path.lstrip("/"), False
+
+    def _fingerprints(self, patterns: list[tuple[str, int | None]]) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for pattern, depth in patterns:
+            for path in self._glob(posixpath.normpath(pattern)):
+                self._walk(path, depth, found)
+        return found
+
+    def _glob(self, pattern: str) -> list[str]:
+        current = ["/"]
+        for part in pattern.strip("/").split("/"):
+            if not any(ch in part for ch in "*?["):
+                current = [posixpath.join(base, part) for base in current]
+                continue
+            expanded = []
+            for base in current:
+                host, _ = self._host_path(base)
+                if host is None or host.is_symlink() or not host.is_dir():
+                    continue
+                with os.scandir(host) as entries:
+                    expanded += [posixpath.join(base, e.name) for e in entries if fnmatch.fnmatchcase(e.name, part)]
+            current = sorted(expanded)
+        return current
+
+    def _walk(self, path: str, depth: int | None, found: dict[str, str]) -> None:
+        host, read_only = self._host_path(path)
+        if host is None:
+            return
+        try:
+            info = os.lstat(host)
+        except OSError:
+            return
+        mode = stat.S_IMODE(info.st_mode)
+        if stat.S_ISDIR(info.st_mode):
+            found[path] = f"d|{mode:o}"
+        else:
+            kind = "f" if stat.S_ISREG(info.st_mode) else "l" if stat.S_ISLNK(info.st_mode) else "o"
+            found[path] = f"{kind}|{mode:o}|{info.st_size}|{info.st_ino}|{info.st_ctime_ns}"
+            return
+        if depth == 0:
+            return
+        below = None if depth is None else depth - 1
+        if read_only:
+            below = 0  # listed for names only: a read-only mount cannot change
+        try:
+            names = os.listdir(host)
+        except OSError:
+            return
+        for name in names:
+            self._walk(posixpath.join(path, name), below, found)
 
     # -- files -----------------------------------------------------------------
 
