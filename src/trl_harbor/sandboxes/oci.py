@@ -1,0 +1,541 @@
+"""Task images for the local sandbox: ``FROM`` honoured, Dockerfiles built by buildah.
+
+A task's ``environment/Dockerfile`` is built by `buildah <https://buildah.io>`_, a
+daemonless builder packaged by Debian, Ubuntu and Fedora, exactly as ``docker build``
+would build it: base images pulled from OCI registries, multi-stage builds,
+``COPY --from``, ``USER``, ``ARG``/``ENV`` substitution, ``.dockerignore``. The result is
+exported once to a plain directory, the *image root*, which every sandbox of the task
+then mounts read-only under its own copy-on-write layer (see ``local.py``).
+
+Registries are found the way every containers tool finds them: ``registries.conf``
+(mirrors, insecure registries, short-name aliases; ``CONTAINERS_REGISTRIES_CONF``
+overrides its path) and ``auth.json`` (``REGISTRY_AUTH_FILE``). Nothing here is
+trl-harbor specific.
+
+Cache layout under ``<cache_dir>`` (default ``~/.cache/trl-harbor``, ``TRL_HARBOR_CACHE_DIR``
+overrides):
+
+* ``containers/`` -- buildah's storage: pulled base images, one copy per layer however
+  many tasks use them;
+* ``images/<key>/rootfs`` -- a built task image, read-only to sandboxes, and
+  ``images/<key>/image.json`` -- its :class:`ImageRecord` (``ENV``, ``WORKDIR``, ``USER``,
+  ``ENTRYPOINT``, ``CMD``). ``<key>`` hashes the Dockerfile, the build context and the
+  build arguments: an unchanged task never rebuilds.
+
+Builds need root (buildah runs with ``--isolation chroot``, which needs no cgroups, no
+daemon and no OCI runtime).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import time
+from functools import cache
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from trl_harbor.sandboxes._bwrap import SYSTEM_PATH, SandboxUnavailableError, remove_tree
+
+logger = logging.getLogger(__name__)
+
+#: Part of every image key: bump when a change here changes what a build produces.
+BUILDER_VERSION = "oci-1"
+#: Proxy settings ``docker build`` passes to ``RUN`` without persisting them (predefined ARGs).
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "FTP_PROXY", "NO_PROXY", "ALL_PROXY")
+#: Where the host's CA bundle appears inside builds and sandboxes.
+HOST_CA_BUNDLE = "/run/trl-harbor/host-ca.crt"
+_DEFAULT_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+_EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
+
+
+class ImageError(RuntimeError):
+    """Base class of the image errors."""
+
+
+class ImageBuildError(ImageError):
+    """A task's Dockerfile failed to build; the message names the Dockerfile and holds the builder's output."""
+
+
+class BaseImageUnavailableError(ImageBuildError):
+    """A ``FROM`` image could not be pulled; the message names the image, the registries tried and the fixes."""
+
+
+class ImageConfig(BaseModel):
+    """What ``docker run`` takes from an image's configuration.
+
+    Attributes:
+        env: ``ENV`` variables (in order).
+        workdir: ``WORKDIR`` (``None``: ``/``).
+        user: ``USER`` (``None``: root).
+        entrypoint: ``ENTRYPOINT`` (exec form).
+        cmd: ``CMD`` (exec form).
+    """
+
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    entrypoint: list[str] = Field(default_factory=list)
+    cmd: list[str] = Field(default_factory=list)
+
+
+class ImageRecord(BaseModel):
+    """A built task image, stored as ``image.json`` next to its root.
+
+    Attributes:
+        key: Content key (Dockerfile, context, build arguments, builder version).
+        image_id: buildah's image ID of the build.
+        source: The environment folder it was built from (informative).
+        bases: The ``FROM`` images it was built on.
+        built_at: Unix time of the build.
+        build_seconds: How long the build (pulls included) took.
+        config: The image's run configuration.
+    """
+
+    key: str
+    image_id: str = ""
+    source: str = ""
+    bases: list[str] = Field(default_factory=list)
+    built_at: float = 0.0
+    build_seconds: float = 0.0
+    config: ImageConfig = Field(default_factory=ImageConfig)
+
+
+class BuiltImage:
+    """A built image on disk: its folder, root and record."""
+
+    def __init__(self, path: Path, record: ImageRecord):
+        self.path = path
+        self.record = record
+
+    @property
+    def rootfs(self) -> Path:
+        """The image's root directory (read-only to sandboxes)."""
+        return self.path / "rootfs"
+
+    @property
+    def config(self) -> ImageConfig:
+        """The image's run configuration."""
+        return self.record.config
+
+    def __repr__(self) -> str:
+        return f"BuiltImage({self.path}, bases={self.record.bases})"
+
+
+def default_cache_dir() -> Path:
+    """``$TRL_HARBOR_CACHE_DIR``, else ``~/.cache/trl-harbor``."""
+    configured = os.environ.get("TRL_HARBOR_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "trl-harbor"
+
+
+@cache
+def buildah_path() -> str:
+    """The ``buildah`` executable.
+
+    Raises:
+        SandboxUnavailableError: If buildah is not installed.
+    """
+    found = shutil.which("buildah", path=os.environ.get("PATH", "") + ":" + SYSTEM_PATH)
+    if not found:
+        raise SandboxUnavailableError(
+            "Building task images for the local sandbox needs buildah, which is not installed. "
+            "Install it (`apt-get install buildah`, `dnf install buildah`), or run tasks on the host "
+            "root instead (environment kwarg root='host'; the Dockerfile's FROM is then not honoured)."
+        )
+    return found
+
+
+# -- host CA certificates and proxies ---------------------------------------------
+
+
+def host_ca_bundle() -> Path | None:
+    """The host's CA bundle: ``SSL_CERT_FILE`` (or ``REQUESTS_CA_BUNDLE``/``PIP_CERT``), else Debian's."""
+    for variable in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT"):
+        value = os.environ.get(variable)
+        if value and os.path.isfile(value):
+            return Path(value)
+    return Path(_DEFAULT_BUNDLE) if os.path.isfile(_DEFAULT_BUNDLE) else None
+
+
+@cache
+def _extra_cas() -> tuple[tuple[str, str], ...]:
+    """``(host file, OpenSSL hashed name)`` of the host's local CAs (``/usr/local/share/ca-certificates``)."""
+    found = []
+    openssl = shutil.which("openssl")
+    if openssl is None or not _EXTRA_CA_DIR.is_dir():
+        return ()
+    for path in sorted(_EXTRA_CA_DIR.rglob("*.crt")):
+        result = subprocess.run(
+            [openssl, "x509", "-subject_hash", "-noout", "-in", str(path)], capture_output=True, text=True
+        )
+        if result.returncode == 0 and re.fullmatch(r"[0-9a-f]{8}", result.stdout.strip()):
+            found.append((str(path), f"{result.stdout.strip()}.0"))
+    return tuple(found)
+
+
+def host_trust_mounts(scratch: Path) -> list[tuple[str, str]]:
+    """Read-only ``(host path, target)`` mounts that make the host's CAs trusted inside.
+
+    * the host bundle at :data:`HOST_CA_BUNDLE`;
+    * each local CA as an OpenSSL hashed name in ``/etc/ssl/certs`` (OpenSSL, Python's
+      ``ssl``, curl and recent pip look there), so the image's own bundle stays untouched
+      and ``apt-get install ca-certificates`` still works;
+    * a ``pip.conf`` naming the host bundle (older pip uses its own bundle otherwise).
+
+    Nothing on the host is written except ``scratch/pip.conf``.
+
+    Args:
+        scratch: A private folder for the generated ``pip.conf``.
+
+    Returns:
+        The mounts (empty when the host has no CA bundle).
+    """
+    bundle = host_ca_bundle()
+    if bundle is None:
+        return []
+    pip_conf = scratch / "pip.conf"
+    if not pip_conf.exists():
+        scratch.mkdir(parents=True, exist_ok=True)
+        pip_conf.write_text(f"[global]\ncert = {HOST_CA_BUNDLE}\n")
+    mounts = [(str(bundle), HOST_CA_BUNDLE), (str(pip_conf), "/etc/pip.conf")]
+    mounts += [(path, f"/etc/ssl/certs/{hashed}") for path, hashed in _extra_cas()]
+    return mounts
+
+
+def host_proxy_env() -> dict[str, str]:
+    """The host's proxy variables (both spellings), as ``docker build`` forwards them."""
+    found = {}
+    for name in PROXY_VARIABLES:
+        for variant in (name, name.lower()):
+            if os.environ.get(variant):
+                found[variant] = os.environ[variant]
+    return found
+
+
+# -- Dockerfile facts needed before the build ---------------------------------------
+
+
+def base_images(dockerfile_text: str) -> list[str]:
+    """The registry images a Dockerfile's ``FROM`` lines name (stage names and ``scratch`` left out).
+
+    References with unresolved ``${...}`` variables are left to the builder.
+    """
+    stages: set[str] = set()
+    images: list[str] = []
+    text = re.sub(r"\\\n", " ", dockerfile_text)
+    for line in text.splitlines():
+        words = line.strip().split()
+        if not words or words[0].upper() != "FROM":
+            continue
+        words = [w for w in words[1:] if not w.startswith("--")]
+        if not words:
+            continue
+        ref = words[0]
+        if len(words) >= 3 and words[1].upper() == "AS":
+            stages.add(words[2].lower())
+        if ref.lower() in stages or ref == "scratch" or "$" in ref or ref in images:
+            continue
+        images.append(ref)
+    return images
+
+
+# -- the store ---------------------------------------------------------------------
+
+
+class ImageStore:
+    """Builds task images with buildah and caches their roots by content.
+
+    Concurrent requests for one image (in this process or others) share one build, and
+    concurrent builds share each base image's pull.
+
+    Args:
+        cache_dir: Cache root (default: :func:`default_cache_dir`).
+        build_args: ``--build-arg`` values for every build.
+        host_trust: Forward the host's proxy settings and CA certificates to builds.
+    """
+
+    def __init__(self, cache_dir: Path | None = None, build_args: dict[str, str] | None = None, host_trust: bool = True):
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.images_dir = self.cache_dir / "images"
+        self.storage_dir = self.cache_dir / "containers"
+        self.build_args = dict(build_args or {})
+        self.host_trust = host_trust
+        self._memo: dict[tuple, BuiltImage] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- keys --------------------------------------------------------------------
+
+    def content_key(self, environment_dir: Path) -> str:
+        """Hash of everything a build depends on: the Dockerfile, the context, the arguments.
+
+        Args:
+            environment_dir: The task's ``environment/`` folder (the build context).
+
+        Returns:
+            A 24-hex-digit key.
+        """
+        digest = hashlib.sha256()
+        digest.update(f"{BUILDER_VERSION};trust={self.host_trust};".encode())
+        digest.update(json.dumps(sorted(self.build_args.items())).encode())
+        for path in sorted(p for p in environment_dir.rglob("*") if p.is_file() or p.is_symlink()):
+            rel = path.relative_to(environment_dir).as_posix()
+            digest.update(rel.encode() + b"\0")
+            if path.is_symlink():
+                digest.update(b"link:" + os.readlink(path).encode())
+            else:
+                digest.update(oct(path.stat().st_mode & 0o777).encode())
+                digest.update(hashlib.sha256(path.read_bytes()).digest())
+        return digest.hexdigest()[:24]
+
+    def _signature(self, environment_dir: Path) -> tuple:
+        entries = []
+        for path in sorted(environment_dir.rglob("*")):
+            with contextlib.suppress(OSError):
+                st = path.lstat()
+                entries.append((str(path), st.st_size, st.st_mtime_ns, st.st_mode))
+        return (str(environment_dir.resolve()), tuple(entries))
+
+    def cached(self, environment_dir: Path) -> BuiltImage | None:
+        """The cached image for ``environment_dir``, or ``None`` if it is not built."""
+        final = self.images_dir / self.content_key(Path(environment_dir))
+        return load_image(final) if (final / "image.json").exists() else None
+
+    # -- buildah -------------------------------------------------------------------
+
+    def _buildah(self) -> list[str]:
+        return [
+            buildah_path(),
+            "--root", str(self.storage_dir / "storage"),
+            "--runroot", str(self.storage_dir / "run"),
+        ]  # fmt: skip
+
+    async def _run_buildah(self, *args: str, timeout: float = 3600) -> tuple[int, str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "BUILDAH_ISOLATION"}
+        proc = await asyncio.create_subprocess_exec(
+            *self._buildah(), *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            await proc.wait()
+            raise
+        return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+
+    # -- pulls ---------------------------------------------------------------------
+
+    async def pull(self, ref: str) -> None:
+        """Pull ``ref`` into the store unless it is there; concurrent callers share one pull.
+
+        Args:
+            ref: The image reference, as written after ``FROM``.
+
+        Raises:
+            BaseImageUnavailableError: If no registry could provide it.
+        """
+        lock = self._locks.setdefault(f"pull:{ref}", asyncio.Lock())
+        async with lock:
+            lock_dir = self.storage_dir / "locks"
+            lock_dir.mkdir(parents=True, exist_ok=True)
+            name = hashlib.sha256(ref.encode()).hexdigest()[:16]
+            with open(lock_dir / f"pull-{name}.lock", "w") as lock_file:
+                await asyncio.to_thread(fcntl.flock, lock_file, fcntl.LOCK_EX)
+                rc, _, err = await self._run_buildah("pull", "--quiet", "--policy", "missing", ref)
+                if rc != 0:
+                    raise BaseImageUnavailableError(_pull_error(ref, err))
+
+    # -- builds --------------------------------------------------------------------
+
+    async def get(self, environment_dir: Path, task_name: str = "task", force: bool = False) -> BuiltImage:
+        """Return the image for ``environment_dir``, building it on first use.
+
+        Args:
+            environment_dir: The task's ``environment/`` folder (with its ``Dockerfile``).
+            task_name: Used in error messages.
+            force: Rebuild even if a cached image exists.
+
+        Returns:
+            The built image.
+
+        Raises:
+            ImageBuildError: If the build fails (the message holds the builder's output).
+            BaseImageUnavailableError: If a ``FROM`` image cannot be pulled.
+        """
+        environment_dir = Path(environment_dir)
+        signature = self._signature(environment_dir)
+        if not force and signature in self._memo:
+            return self._memo[signature]
+        key = await asyncio.to_thread(self.content_key, environment_dir)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if not force and signature in self._memo:
+                return self._memo[signature]
+            final = self.images_dir / key
+            await self._build_locked(environment_dir, final, task_name, force)
+            image = load_image(final)
+            self._memo[signature] = image
+            return image
+
+    async def _build_locked(self, environment_dir: Path, final: Path, task_name: str, force: bool) -> None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with open(final.parent / f"{final.name}.lock", "w") as lock_file:
+            await asyncio.to_thread(fcntl.flock, lock_file, fcntl.LOCK_EX)
+            if (final / "image.json").exists() and not force:
+                return
+            staging = final.parent / f".build-{final.name}-{os.getpid()}"
+            await asyncio.to_thread(remove_tree, staging)
+            try:
+                await self._build(environment_dir, staging, final.name, task_name)
+                old = final.parent / f".old-{final.name}-{os.getpid()}"
+                if final.exists():
+                    final.rename(old)
+                staging.rename(final)
+                await asyncio.to_thread(remove_tree, old)
+            finally:
+                await asyncio.to_thread(remove_tree, staging)
+
+    async def _build(self, environment_dir: Path, out: Path, key: str, task_name: str) -> None:
+        dockerfile = environment_dir / "Dockerfile"
+        if not dockerfile.is_file():
+            raise ImageBuildError(f"task {task_name!r}: {dockerfile} does not exist (every task needs one)")
+        started = time.monotonic()
+        bases = base_images(dockerfile.read_text())
+        await asyncio.gather(*(self.pull(ref) for ref in bases))
+        out.mkdir(parents=True)
+        args = [
+            "bud", "--isolation", "chroot", "--pull=false", "--format", "oci", "--network", "host",
+            "-f", str(dockerfile), "--iidfile", str(out / "iid"),
+            "-o", f"type=local,dest={out / 'rootfs'}",
+        ]  # fmt: skip
+        for name, value in self.build_args.items():
+            args += ["--build-arg", f"{name}={value}"]
+        if self.host_trust:
+            for name, value in host_proxy_env().items():
+                args += ["--build-arg", f"{name}={value}"]
+            for source, target in host_trust_mounts(self.storage_dir / "trust"):
+                args += ["-v", f"{source}:{target}:ro"]
+        args.append(str(environment_dir))
+        logger.info("building the image of task %r (%s)", task_name, environment_dir)
+        rc, stdout, stderr = await self._run_buildah(*args)
+        if rc != 0:
+            output = (stdout + stderr).strip()
+            pull = re.search(r"(initializing source|pinging container registry|reading manifest|"
+                             r"short-name resolution|no such host|connection refused)", output)  # fmt: skip
+            if pull and "FROM" not in output[-200:]:
+                raise BaseImageUnavailableError(_pull_error(", ".join(bases) or "the base image", output))
+            raise ImageBuildError(
+                f"task {task_name!r}: building {dockerfile} with buildah failed (exit code {rc}). "
+                f"Its last output:\n{output[-4000:]}"
+            )
+        image_id = (out / "iid").read_text().strip()
+        config = await self._inspect(image_id)
+        # The exported root is kept; buildah's copy of the final image is not needed.
+        await self._run_buildah("rmi", "--force", image_id)
+        (out / "rootfs").chmod(0o755)
+        record = ImageRecord(
+            key=key,
+            image_id=image_id,
+            source=str(environment_dir.resolve()),
+            bases=bases,
+            built_at=time.time(),
+            build_seconds=round(time.monotonic() - started, 3),
+            config=config,
+        )
+        (out / "image.json").write_text(record.model_dump_json(indent=2))
+
+    async def _inspect(self, image_id: str) -> ImageConfig:
+        rc, stdout, stderr = await self._run_buildah("inspect", "--type", "image", image_id)
+        if rc != 0:
+            raise ImageBuildError(f"buildah could not inspect the built image {image_id}: {stderr.strip()}")
+        return image_config(json.loads(stdout))
+
+    # -- maintenance ------------------------------------------------------------------
+
+    def images(self) -> list[BuiltImage]:
+        """Every built image in the cache."""
+        found = []
+        if self.images_dir.is_dir():
+            for entry in sorted(self.images_dir.iterdir()):
+                if (entry / "image.json").is_file() and not entry.name.startswith("."):
+                    with contextlib.suppress(ValueError, OSError):
+                        found.append(load_image(entry))
+        return found
+
+    def remove(self, image: BuiltImage) -> None:
+        """Delete a built image (sandboxes running on it keep their mounts until they stop)."""
+        remove_tree(image.path)
+        self._memo = {k: v for k, v in self._memo.items() if v.path != image.path}
+
+    async def prune_bases(self) -> None:
+        """Remove base images no longer needed from buildah's storage."""
+        await self._run_buildah("rmi", "--prune")
+
+
+def image_config(inspect: dict) -> ImageConfig:
+    """Read ``docker run``'s settings from ``buildah inspect --type image`` output.
+
+    Args:
+        inspect: The parsed JSON.
+
+    Returns:
+        The image's configuration.
+    """
+    config = (inspect.get("OCIv1") or {}).get("config") or {}
+    env: dict[str, str] = {}
+    for item in config.get("Env") or []:
+        name, _, value = item.partition("=")
+        env[name] = value
+    return ImageConfig(
+        env=env,
+        workdir=config.get("WorkingDir") or None,
+        user=config.get("User") or None,
+        entrypoint=list(config.get("Entrypoint") or []),
+        cmd=list(config.get("Cmd") or []),
+    )
+
+
+def load_image(path: Path) -> BuiltImage:
+    """Load a built image from its folder.
+
+    Raises:
+        ValueError: If ``image.json`` is malformed.
+    """
+    record = ImageRecord.model_validate_json((path / "image.json").read_text())
+    return BuiltImage(path, record)
+
+
+def _registries_conf() -> str:
+    configured = os.environ.get("CONTAINERS_REGISTRIES_CONF")
+    if configured:
+        return configured
+    user = Path.home() / ".config" / "containers" / "registries.conf"
+    return str(user) if user.exists() else "/etc/containers/registries.conf"
+
+
+def _pull_error(ref: str, output: str) -> str:
+    tried = sorted(set(re.findall(r"(?:https?://)?([a-z0-9.-]+(?:\.[a-z]{2,}|:\d+|localhost)[a-z0-9.:-]*)/v2/", output)))
+    registries = ", ".join(tried) if tried else (ref.split("/")[0] if "/" in ref else "docker.io (short name)")
+    return (
+        f"the base image {ref} could not be pulled (registries tried: {registries}). The builder said:\n"
+        f"{output.strip()[-1500:]}\n"
+        "Fixes: add a reachable mirror for that registry to registries.conf "
+        f"({_registries_conf()}; see `man containers-registries.conf`, [[registry]] ... [[registry.mirror]]); "
+        "or load the image from an archive (`buildah pull oci-archive:FILE` or `docker-archive:FILE` "
+        f"with --root {default_cache_dir() / 'containers' / 'storage'}); or run the task on the host "
+        "root (environment kwarg root='host': no image, the host's /usr, FROM not honoured)."
+    )

@@ -1,0 +1,115 @@
+"""Task images built by buildah from a real registry on loopback (``oci.ImageStore``).
+
+The base image is Debian bookworm, bootstrapped from Debian packages and served by
+Debian's ``docker-registry`` on 127.0.0.1 (see ``registry.py``): no test reaches a
+registry off this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from registry import loopback_registry  # noqa: F401 - the session fixture
+
+from trl_harbor.sandboxes.oci import BaseImageUnavailableError, ImageBuildError, ImageStore, base_images
+
+pytestmark = pytest.mark.local
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory, loopback_registry) -> ImageStore:  # noqa: F811
+    return ImageStore(tmp_path_factory.mktemp("image-cache"))
+
+
+def _context(root: Path, dockerfile: str, files: dict[str, str] | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "Dockerfile").write_text(dockerfile)
+    for name, text in (files or {}).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_base_images_skips_stages_scratch_and_variables():
+    text = "ARG V=1\nFROM a/b:1 AS build\nFROM build\nFROM scratch\nFROM --platform=x c:2\nFROM ${V}\nFROM a/b:1\n"
+    assert base_images(text) == ["a/b:1", "c:2"]
+
+
+def test_multi_stage_build_exports_root_and_config(store, loopback_registry, tmp_path):  # noqa: F811
+    base = loopback_registry.base
+    context = _context(
+        tmp_path / "env",
+        f"""FROM {base} AS build
+ARG GREETING=hello
+RUN echo "$GREETING from stage one" > /built.txt
+FROM {base}
+ENV PATH="/opt/tool/bin:${{PATH}}" APP_MODE=test
+RUN mkdir -p /opt/tool/bin && useradd -m agent
+COPY --from=build /built.txt /etc/myapp/built.txt
+COPY app.conf /etc/myapp/app.conf
+COPY tool.sh /usr/local/bin/tool
+COPY . /app/
+WORKDIR /app
+USER agent
+ENTRYPOINT ["/usr/local/bin/tool"]
+CMD ["serve"]
+""",
+        {"app.conf": "mode=1\n", "tool.sh": "#!/bin/sh\necho tool\n", "secret.txt": "x", ".dockerignore": "secret.txt\n"},
+    )
+    (context / "tool.sh").chmod(0o755)
+    image = asyncio.run(store.get(context, "multi"))
+    root = image.rootfs
+    assert (root / "etc/myapp/built.txt").read_text() == "hello from stage one\n"
+    assert (root / "etc/myapp/app.conf").read_text() == "mode=1\n"
+    assert (root / "usr/local/bin/tool").stat().st_mode & 0o111
+    assert (root / "home/agent").is_dir()
+    assert "agent:" in (root / "etc/passwd").read_text()
+    assert not (root / "app/secret.txt").exists(), ".dockerignore must keep secret.txt out"
+    config = image.config
+    assert config.env["PATH"].startswith("/opt/tool/bin:/usr/local/sbin:")
+    assert config.env["APP_MODE"] == "test"
+    assert (config.workdir, config.user) == ("/app", "agent")
+    assert (config.entrypoint, config.cmd) == (["/usr/local/bin/tool"], ["serve"])
+    assert json.loads((image.path / "image.json").read_text())["bases"] == [base]
+
+    # Unchanged: the cached root is reused, in this process and by a fresh store.
+    again = asyncio.run(ImageStore(store.cache_dir).get(context, "multi"))
+    assert again.path == image.path and again.record.built_at == image.record.built_at
+    # Changed context: a new key.
+    (context / "app.conf").write_text("mode=2\n")
+    changed = asyncio.run(store.get(context, "multi"))
+    assert changed.path != image.path
+    assert (changed.rootfs / "etc/myapp/app.conf").read_text() == "mode=2\n"
+
+
+def test_concurrent_requests_share_one_build(store, loopback_registry, tmp_path):  # noqa: F811
+    context = _context(tmp_path / "env", f"FROM {loopback_registry.base}\nRUN date +%s%N > /stamp\n")
+
+    async def many():
+        return await asyncio.gather(*(store.get(context, "shared") for _ in range(8)))
+
+    images = asyncio.run(many())
+    assert len({image.path for image in images}) == 1
+    assert len({image.record.built_at for image in images}) == 1
+
+
+def test_failing_run_names_the_dockerfile_and_output(store, loopback_registry, tmp_path):  # noqa: F811
+    context = _context(tmp_path / "env", f"FROM {loopback_registry.base}\nRUN echo boom-marker >&2 && false\n")
+    with pytest.raises(ImageBuildError) as error:
+        asyncio.run(store.get(context, "broken"))
+    assert "Dockerfile" in str(error.value) and "boom-marker" in str(error.value)
+    assert store.cached(context) is None
+
+
+def test_unpullable_base_names_image_registries_and_fixes(store, loopback_registry, tmp_path):  # noqa: F811
+    missing = f"{loopback_registry.address}/nothing/here:1"
+    context = _context(tmp_path / "env", f"FROM {missing}\nRUN true\n")
+    with pytest.raises(BaseImageUnavailableError) as error:
+        asyncio.run(store.get(context, "offline"))
+    message = str(error.value)
+    assert missing in message
+    assert loopback_registry.address in message.split("registries tried:")[1]
+    assert "registries.conf" in message and "archive" in message and "root='host'" in message
