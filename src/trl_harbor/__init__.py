@@ -3,6 +3,7 @@
 ``HarborSpec`` plugs a suite into the trainer (``train_dataset``, ``environment_factory``,
 ``reward_funcs``); ``HarborEnv`` is the sandbox-backed TRL environment and ``HarborBashEnv``
 its built-in one-tool harness; ``close_all()`` stops every live sandbox.
+``HarborGRPOTrainer`` is ``GRPOTrainer`` with a turn's tool calls run at the same time.
 
 Importing this package imports neither torch, TRL, ``datasets`` nor Harbor: names are
 loaded on first use.
@@ -17,8 +18,17 @@ if TYPE_CHECKING:
     from trl_harbor.env import HarborBashEnv, HarborEnv, close_all
     from trl_harbor.spec import HarborSpec
     from trl_harbor.suite import TaskSuiteError
+    from trl_harbor.trainer import ConcurrentToolsMixin, HarborGRPOTrainer
 
-__all__ = ["HarborBashEnv", "HarborEnv", "HarborSpec", "TaskSuiteError", "close_all"]
+__all__ = [
+    "ConcurrentToolsMixin",
+    "HarborBashEnv",
+    "HarborEnv",
+    "HarborGRPOTrainer",
+    "HarborSpec",
+    "TaskSuiteError",
+    "close_all",
+]
 
 _LAZY = {
     "HarborSpec": "trl_harbor.spec",
@@ -26,6 +36,8 @@ _LAZY = {
     "HarborBashEnv": "trl_harbor.env",
     "close_all": "trl_harbor.env",
     "TaskSuiteError": "trl_harbor.suite",
+    "HarborGRPOTrainer": "trl_harbor.trainer",
+    "ConcurrentToolsMixin": "trl_harbor.trainer",
 }
 
 

@@ -1,0 +1,373 @@
+"""A ``GRPOTrainer`` whose batch runs each turn's tool calls at the same time.
+
+TRL's ``GRPOTrainer`` executes the tool calls of one turn rollout after rollout: it walks the
+batch, runs the rollout's sync tools one by one, awaits its async tools, and only then moves on
+to the next rollout. With sandboxes that answer in tens of milliseconds (a cloud API) or seconds
+(a test suite, a build), a batch of 64 rollouts waits 64 commands per turn.
+
+:class:`ConcurrentToolsMixin` (and :class:`HarborGRPOTrainer`, the mixin on ``GRPOTrainer``)
+leaves TRL's tool loop in charge of everything it decides — which calls run, their order, the
+tool messages, the token accounting, the roll-back of results that would overflow
+``max_completion_length``, the failure counts — and changes only *when* the calls run. When
+the loop asks for the first tool result of a turn, every call of that turn is started at once:
+one thread per rollout (the rollout's sync calls in order, then its async calls together on
+TRL's event loop, as TRL orders them). The loop then walks the batch as before and collects
+finished results instead of running each command itself. A tool that raises raises again at
+the moment the loop collects it, so TRL turns it into the same ``{"error": ...}`` message.
+
+The calls of a turn are read from the same messages TRL reads (the rollout's last assistant
+message); a call is started only when the loop is certain to ask for it. This depends on how a
+TRL release walks its loop, so the mixin is pinned to the releases it is tested against
+(:data:`SUPPORTED_TRL_VERSIONS`): on any other, it warns once and runs TRL's own loop.
+
+Tools run in worker threads: the tools of *different* rollouts run concurrently, the tools of
+one rollout never do (except async ones, which TRL gathers too). trl-harbor's environments are
+safe for that; standalone ``tools=[...]`` functions passed to the trainer must be thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import inspect
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOTrainer
+
+__all__ = ["SUPPORTED_TRL_VERSIONS", "ConcurrentToolsMixin", "HarborGRPOTrainer", "concurrent_tools_supported"]
+
+logger = logging.getLogger(__name__)
+
+#: The TRL releases whose ``GRPOTrainer._tool_call_loop`` the mixin is tested against.
+SUPPORTED_TRL_VERSIONS: tuple[str, ...] = ("1.16.0",)
+
+_warned_unsupported = False
+
+
+def concurrent_tools_supported(version: str | None = None) -> bool:
+    """Whether :class:`ConcurrentToolsMixin` runs tool calls concurrently with this TRL release.
+
+    Args:
+        version: A TRL version string; ``None`` takes the installed one.
+
+    Returns:
+        ``True`` for a release in :data:`SUPPORTED_TRL_VERSIONS`; on any other the mixin runs
+        TRL's own, sequential loop.
+    """
+    if version is None:
+        import trl
+
+        version = trl.__version__
+    return version in SUPPORTED_TRL_VERSIONS
+
+
+def _warn_unsupported_once() -> None:
+    global _warned_unsupported
+    if _warned_unsupported:
+        return
+    _warned_unsupported = True
+    import trl
+
+    warnings.warn(
+        f"trl-harbor: concurrent tool calls are tested with TRL {', '.join(SUPPORTED_TRL_VERSIONS)}, "
+        f"but TRL {trl.__version__} is installed; HarborGRPOTrainer runs TRL's own tool loop instead "
+        "(one rollout's tool calls after another: same results, slower). Install a tested TRL release "
+        "to run a turn's tool calls at the same time.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+@dataclass(eq=False)
+class _Call:
+    """One tool call started ahead of TRL's loop, and its outcome."""
+
+    name: str
+    kwargs: dict[str, Any]
+    function: Callable[..., Any]
+    is_async: bool
+    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+    #: For an async tool: its coroutine, or the error calling the tool raised (bad arguments),
+    #: which TRL's loop meets when it calls the tool, not when it awaits it.
+    coroutine: Coroutine[Any, Any, Any] | None = None
+    call_error: BaseException | None = None
+
+    def matches(self, name: str, kwargs: Mapping[str, Any]) -> bool:
+        # Identity first: the loop passes the very objects this call was read from (and
+        # NaN != NaN would otherwise run a call twice).
+        return (
+            name == self.name
+            and kwargs.keys() == self.kwargs.keys()
+            and all(kwargs[k] is v or kwargs[k] == v for k, v in self.kwargs.items())
+        )
+
+
+async def _collect(future: concurrent.futures.Future[Any]) -> Any:
+    """Await a started async call's outcome on TRL's event loop (where the loop gathers it)."""
+    return await asyncio.wrap_future(future)
+
+
+def _run_rollout(calls: Sequence[_Call], async_loop: asyncio.AbstractEventLoop | None) -> None:
+    """Run one rollout's calls the way TRL's loop does: sync ones in order, then async ones together."""
+    for call in calls:
+        if call.is_async:
+            continue
+        try:
+            call.future.set_result(call.function(**call.kwargs))
+        except BaseException as exc:  # handed to the loop, which reports it like TRL does
+            call.future.set_exception(exc)
+    pending = [call for call in calls if call.is_async and call.coroutine is not None]
+    if not pending:
+        return
+
+    async def gather() -> list[Any]:
+        return await asyncio.gather(*(call.coroutine for call in pending), return_exceptions=True)
+
+    try:
+        if async_loop is None:
+            raise RuntimeError("the trainer has no event loop for async tools")
+        outcomes = asyncio.run_coroutine_threadsafe(gather(), async_loop).result()
+    except BaseException as exc:
+        outcomes = [exc] * len(pending)
+    for call, outcome in zip(pending, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            call.future.set_exception(outcome)
+        else:
+            call.future.set_result(outcome)
+
+
+class _TurnDispatcher:
+    """Starts a turn's tool calls together and hands their results to TRL's loop, in its order.
+
+    It stands in for the loop's per-rollout tool dicts. The loop keeps its own bookkeeping; the
+    dispatcher reads only the messages the loop appends to ``completions`` (in place), which
+    tell which rollouts call tools this turn:
+
+    - a rollout's latest message is an assistant message with ``tool_calls`` that nothing has
+      answered yet (no tool message after it), and
+    - that message is newer than the one whose calls were last started (a result the loop
+      rolled back for length leaves the old message last: that rollout is done).
+
+    The calls started are exactly those the loop will make through the dicts: function calls of
+    a tool the rollout has, with keyword arguments. Anything else (an unknown tool, a call type
+    TRL rejects) the loop answers itself, as before.
+    """
+
+    def __init__(
+        self,
+        completions: list[list[dict[str, Any]]],
+        sync_dicts: Sequence[Mapping[str, Callable[..., Any]]],
+        async_dicts: Sequence[Mapping[str, Callable[..., Any]]],
+        async_loop: asyncio.AbstractEventLoop | None,
+        max_threads: int | None,
+    ) -> None:
+        self._completions = completions
+        self._sync = sync_dicts
+        self._async = async_dicts
+        self._async_loop = async_loop
+        self._max_threads = max_threads
+        self._queues: dict[int, collections.deque[_Call]] = {}
+        self._started: list[_Call] = []
+        self._answered_up_to = [0] * len(completions)  # index of the first message not yet started
+        self._warned_mismatch = False
+        self.sync_dicts = [
+            {name: self._proxy(i, name, fn, is_async=False) for name, fn in tools.items()}
+            for i, tools in enumerate(sync_dicts)
+        ]
+        self.async_dicts = [
+            {name: self._proxy(i, name, fn, is_async=True) for name, fn in tools.items()}
+            for i, tools in enumerate(async_dicts)
+        ]
+
+    # ── what the loop calls ─────────────────────────────────────────────────────────────
+
+    def _proxy(self, rollout: int, name: str, function: Callable[..., Any], *, is_async: bool) -> Callable[..., Any]:
+        def proxy(**kwargs: Any) -> Any:
+            call = self._take(rollout, name, kwargs)
+            if call is None:  # not started ahead: exactly what TRL's loop would have done
+                return function(**kwargs)
+            if not is_async:
+                return call.future.result()
+            if call.call_error is not None:
+                raise call.call_error
+            return _collect(call.future)
+
+        proxy.__name__ = name
+        return proxy
+
+    def _take(self, rollout: int, name: str, kwargs: Mapping[str, Any]) -> _Call | None:
+        if not any(self._queues.values()):  # the first call the loop asks for this turn
+            self._start_turn()
+        queue = self._queues.get(rollout)
+        if queue and queue[0].matches(name, kwargs):
+            return queue.popleft()
+        self._mismatch(rollout, name)
+        return None
+
+    def _mismatch(self, rollout: int, name: str) -> None:
+        if not self._warned_mismatch:
+            self._warned_mismatch = True
+            logger.warning(
+                "trl-harbor: TRL's tool loop asked rollout %d for a %r call that was not started ahead; "
+                "running it now. (This TRL release walks its loop differently from the tested ones.)",
+                rollout,
+                name,
+            )
+
+    # ── starting a turn ─────────────────────────────────────────────────────────────────
+
+    def _start_turn(self) -> None:
+        batch: list[list[_Call]] = []
+        for index, messages in enumerate(self._completions):
+            calls = self._pending_calls(index, messages)
+            if calls:
+                self._queues[index] = collections.deque(calls)
+                self._started.extend(calls)
+                batch.append(calls)
+        if not batch:
+            return
+        work = collections.deque(batch)
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not work:
+                        return
+                    calls = work.popleft()
+                _run_rollout(calls, self._async_loop)
+
+        threads = len(batch) if self._max_threads is None else min(self._max_threads, len(batch))
+        for _ in range(threads):
+            # Daemon threads: an interrupted run must not wait at exit for commands still in flight.
+            threading.Thread(target=worker, name="trl-harbor-tools", daemon=True).start()
+
+    def _pending_calls(self, index: int, messages: list[dict[str, Any]]) -> list[_Call]:
+        if not messages or len(messages) - 1 < self._answered_up_to[index]:
+            return []
+        last = messages[-1]
+        if not isinstance(last, dict) or last.get("role") != "assistant" or not last.get("tool_calls"):
+            return []
+        self._answered_up_to[index] = len(messages)
+        calls = []
+        for tool_call in last["tool_calls"]:
+            if not isinstance(tool_call, dict) or tool_call.get("type") != "function":
+                continue
+            function = tool_call.get("function")
+            if not isinstance(function, dict) or "name" not in function or "arguments" not in function:
+                continue
+            name = function["name"]
+            try:
+                kwargs = dict(**function["arguments"])  # what `f(**arguments)` accepts, the loop's call
+            except TypeError:
+                continue
+            if name in self._sync[index]:
+                calls.append(_Call(name, kwargs, self._sync[index][name], is_async=False))
+            elif name in self._async[index]:
+                call = _Call(name, kwargs, self._async[index][name], is_async=True)
+                try:
+                    call.coroutine = call.function(**kwargs)
+                except Exception as exc:
+                    call.call_error = exc
+                    call.future.set_exception(exc)
+                calls.append(call)
+        return calls
+
+    # ── after the loop ──────────────────────────────────────────────────────────────────
+
+    def finish(self, *, wait: bool) -> None:
+        """Wait for every started call (so no command outlives the tool phase); report leftovers.
+
+        Args:
+            wait: Whether to wait for calls still running (not when the loop was interrupted).
+        """
+        leftovers = [call for queue in self._queues.values() for call in queue]
+        if wait:
+            concurrent.futures.wait([call.future for call in self._started])
+        if leftovers:
+            logger.warning(
+                "trl-harbor: %d tool call(s) ran ahead that TRL's tool loop never collected (%s).",
+                len(leftovers),
+                ", ".join(sorted({call.name for call in leftovers})),
+            )
+
+
+class ConcurrentToolsMixin:
+    """Mixin for ``GRPOTrainer``: every rollout's tool calls of a turn run at the same time.
+
+    Put it before ``GRPOTrainer`` (or a subclass) in the bases. TRL's own tool loop still
+    decides everything (calls, order, messages, token ids, roll-back, failure counts); only
+    the waiting overlaps, so a turn of N rollouts costs about one command instead of N. On a
+    TRL release not in :data:`SUPPORTED_TRL_VERSIONS` it warns once and runs TRL's loop.
+
+    Args:
+        *args: Passed on to the trainer.
+        tool_concurrency: How many rollouts run their tool calls at once (one thread each);
+            ``None`` (default): every rollout of the turn.
+        **kwargs: Passed on to the trainer.
+
+    Raises:
+        ValueError: When ``tool_concurrency`` is below 1.
+    """
+
+    def __init__(self, *args: Any, tool_concurrency: int | None = None, **kwargs: Any) -> None:
+        if tool_concurrency is not None and tool_concurrency < 1:
+            raise ValueError(f"tool_concurrency must be at least 1 (or None for no limit); got {tool_concurrency!r}")
+        self._tool_concurrency = tool_concurrency
+        if not concurrent_tools_supported():
+            _warn_unsupported_once()
+        super().__init__(*args, **kwargs)
+
+    def _tool_call_loop(self, *args: Any, **kwargs: Any) -> Any:
+        parent = super()._tool_call_loop  # type: ignore[misc]
+        if not concurrent_tools_supported():
+            _warn_unsupported_once()
+            return parent(*args, **kwargs)
+        completions = inspect.signature(parent).bind(*args, **kwargs).arguments["completions"]
+        sync_dicts, async_dicts = self._sync_tool_dicts, self._async_tool_dicts
+        dispatcher = _TurnDispatcher(
+            completions,
+            sync_dicts,
+            async_dicts,
+            getattr(self, "async_loop", None),
+            self._tool_concurrency,
+        )
+        self._sync_tool_dicts, self._async_tool_dicts = dispatcher.sync_dicts, dispatcher.async_dicts
+        interrupted = True
+        try:
+            result = parent(*args, **kwargs)
+            interrupted = False
+            return result
+        finally:
+            self._sync_tool_dicts, self._async_tool_dicts = sync_dicts, async_dicts
+            dispatcher.finish(wait=not interrupted)
+
+
+class HarborGRPOTrainer(ConcurrentToolsMixin, GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with each turn's tool calls run at the same time across the batch.
+
+    A drop-in for ``GRPOTrainer``: same arguments, same results (tool messages, their order,
+    token ids, roll-back at ``max_completion_length``, failure counts), plus
+    ``tool_concurrency``. See :class:`ConcurrentToolsMixin`.
+
+    Example:
+        ```python
+        from trl import GRPOConfig
+        from trl_harbor import HarborGRPOTrainer, HarborSpec
+
+        spec = HarborSpec("path/to/tasks", agent="bash", environment_type="local")
+        trainer = HarborGRPOTrainer(
+            model="Qwen/Qwen3-0.6B",
+            args=GRPOConfig(num_generations=8, max_tool_calling_iterations=25),
+            train_dataset=spec.train_dataset,
+            environment_factory=spec.environment_factory,
+            reward_funcs=spec.reward_funcs,
+        )
+        ```
+    """

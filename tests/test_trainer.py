@@ -1,0 +1,424 @@
+"""``HarborGRPOTrainer``: a turn's tool calls run at the same time, with TRL's loop's results.
+
+Real CPU ``GRPOTrainer`` steps (a tiny model rigged to emit scripted tool calls, see
+``trl_harbor.testing``) on the local sandbox, once with TRL's own tool loop and once with
+``HarborGRPOTrainer``, from the same seed: the logged completions, rewards, advantages and token
+ids must be identical, and only the concurrent run may overlap the calls of different rollouts.
+The scripted calls cover one and several calls per turn, sync and async tools, a tool that
+raises, a result long enough to be rolled back at ``max_completion_length``, and a sandbox that
+cannot start.
+
+The last tests drive trl-harbor's environments the way ``AsyncGRPOTrainer``'s rollout worker
+does — resets, tools and rewards from a thread pool, many environments, reused across
+rollouts — and check that nothing is mixed up, lost or left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import os
+import shutil
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
+
+from trl_harbor import HarborBashEnv, HarborSpec, close_all
+from trl_harbor.env import infra_failures
+from trl_harbor.sandboxes._bwrap import state_root
+
+EXPLOSION = "sandbox API down"
+GOOD = f"echo -n {GOLD_ANSWER} > /workdir/answer.txt"
+WRONG = "echo -n 0 > /workdir/answer.txt"
+READ = "cat /workdir/answer.txt"
+LONG = "seq 1 400"  # a result far longer than max_completion_length: rolled back by TRL's loop
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    close_all()
+
+
+class _Log:
+    """Every tool call of a run: (environment id, tool, command, begin, end)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str, str, float, float]] = []
+        self.lock = threading.Lock()
+
+    def add(self, env: object, tool: str, command: str, begin: float) -> None:
+        with self.lock:
+            self.calls.append((id(env), tool, command, begin, time.monotonic()))
+
+    def first_calls(self) -> list[tuple[float, float]]:
+        """The first call of each environment: (begin, end)."""
+        seen: dict[int, tuple[float, float]] = {}
+        for env, _, _, begin, end in sorted(self.calls, key=lambda c: c[3]):
+            seen.setdefault(env, (begin, end))
+        return list(seen.values())
+
+
+def _probe_env(log: _Log) -> type:
+    class ProbeEnv(HarborBashEnv):
+        """The bash harness plus an async tool, recording every call; ``explode`` raises."""
+
+        def bash(self, command: str) -> str:
+            """Run a shell command in the sandbox and return its combined stdout and stderr.
+
+            Args:
+                command: The shell command to run.
+
+            Returns:
+                The command's combined stdout and stderr.
+            """
+            begin = time.monotonic()
+            try:
+                if command == "explode":
+                    raise RuntimeError(EXPLOSION)
+                return super().bash(command)
+            finally:
+                log.add(self, "bash", command, begin)
+
+        async def abash(self, command: str) -> str:
+            """Run a shell command in the sandbox, asynchronously; return its stdout and stderr.
+
+            Args:
+                command: The shell command to run.
+
+            Returns:
+                The command's combined stdout and stderr.
+            """
+            begin = time.monotonic()
+            try:
+                return await asyncio.to_thread(self._exec, command)
+            finally:
+                log.add(self, "abash", command, begin)
+
+    return ProbeEnv
+
+
+def _recording(cls: type) -> type:
+    """``cls`` recording what ``_generate`` returns (prompt ids, completion ids, tool mask)."""
+
+    class Recording(cls):  # type: ignore[misc, valid-type]
+        def _generate(self, prompts: list) -> Any:
+            output = super()._generate(prompts)
+            self.generated = getattr(self, "generated", [])
+            self.generated.append(tuple(output[:3]))
+            return output
+
+    return Recording
+
+
+def _train(
+    trainer_cls: type, tmp_path: Path, spec: HarborSpec, calls: list[str], batch: int, prompts: int = 1, **extra: Any
+) -> Any:
+    """One CPU GRPO step (``batch`` rollouts of ``prompts`` prompts) with a tiny policy sampling ``calls``."""
+    import torch
+    from trl import GRPOConfig
+
+    from trl_harbor.testing import build_model, build_tokenizer, script_tool_calls
+
+    instructions = [p.read_text() for p in BUNDLED_SUITE.glob("*/instruction.md")]
+    tokenizer = build_tokenizer(corpus=[*instructions, HarborBashEnv.PROMPT_SUFFIX], extra_tokens=calls)
+    model = build_model(tokenizer, seed=0)
+    script_tool_calls(model, tokenizer, calls)
+    torch.manual_seed(1)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / trainer_cls.__name__),
+        use_cpu=True,
+        max_steps=1,
+        num_generations=batch // prompts,
+        per_device_train_batch_size=batch,
+        max_completion_length=128,
+        max_tool_calling_iterations=2,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=1,
+        log_completions=True,
+    )
+    trainer = _recording(trainer_cls)(
+        model=model,
+        processing_class=tokenizer,
+        args=args,
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+        **extra,
+    )
+    trainer.train()
+    close_all()
+    return trainer
+
+
+def _nan_free(values: Any) -> list[Any]:
+    """The values with NaN (a reward source that abstained) made comparable."""
+    return ["nan" if isinstance(v, float) and math.isnan(v) else v for v in values]
+
+
+def _outcome(trainer: Any) -> dict[str, Any]:
+    """What a run logged: completions, rewards, advantages, extra columns, token ids, metrics."""
+    logs = trainer._logs
+    history = trainer.state.log_history[0]
+    return {
+        "prompt": list(logs["prompt"]),
+        "completion": list(logs["completion"]),
+        "rewards": {k: _nan_free(v) for k, v in logs["rewards"].items()},
+        "advantages": _nan_free(logs["advantages"]),
+        "extra": {k: list(v) for k, v in logs["extra"].items()},
+        "ids": trainer.generated,
+        "metrics": {k: v for k, v in history.items() if k.startswith(("tools/", "rewards/", "reward", "completions/"))},
+    }
+
+
+def _overlapping(intervals: list[tuple[float, float]]) -> bool:
+    """Whether every interval began before any of them ended."""
+    return max(b for b, _ in intervals) < min(e for _, e in intervals)
+
+
+def _tool_messages(outcome: dict[str, Any]) -> list[str]:
+    return [m["content"] for c in outcome["completion"] for m in c if m["role"] == "tool"]
+
+
+def _gold_spec(agent: Any, tmp_path: Path, names: tuple[str, ...] = (GOLD_TASK,)) -> HarborSpec:
+    suite = tmp_path / "suite"
+    for name in names:
+        if not (suite / name).exists():
+            shutil.copytree(BUNDLED_SUITE / name, suite / name)
+    return HarborSpec(suite, agent=agent, environment_type="local")
+
+
+@requires_local
+@pytest.mark.slow
+def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(tmp_path: Path) -> None:
+    from trl import GRPOTrainer
+
+    from trl_harbor import HarborGRPOTrainer
+    from trl_harbor.testing import tool_call_text
+
+    def call(tool: str, command: str) -> str:
+        return tool_call_text(tool, {"command": command})
+
+    scripted = [
+        call("bash", GOOD),
+        call("bash", WRONG) + "\n" + call("bash", READ),  # two sync calls in one turn
+        call("bash", WRONG) + "\n" + call("abash", READ),  # a sync and an async call in one turn
+        call("abash", GOOD),
+        call("bash", LONG),
+        call("bash", "explode"),
+    ]
+    outcomes, logs = {}, {}
+    for trainer_cls in (GRPOTrainer, HarborGRPOTrainer):
+        logs[trainer_cls] = log = _Log()
+        spec = _gold_spec(_probe_env(log), tmp_path)
+        trainer = _train(trainer_cls, tmp_path, spec, scripted, batch=8)
+        assert sorted(t.__name__ for t in trainer.tools) == ["abash", "bash"]
+        outcomes[trainer_cls] = _outcome(trainer)
+    ours, trls = outcomes[HarborGRPOTrainer], outcomes[GRPOTrainer]
+
+    # the run covered what it is meant to cover (fixed seed: deterministic)
+    commands = [c[2] for c in logs[GRPOTrainer].calls]
+    tools = {c[1] for c in logs[GRPOTrainer].calls}
+    assert {GOOD, WRONG, READ, LONG, "explode"} <= set(commands) and tools == {"bash", "abash"}, commands
+    messages = _tool_messages(trls)
+    assert str({"error": EXPLOSION}) in messages  # TRL's report of a tool that raised
+    assert not any(m.startswith("1\n2\n3\n") for m in messages)  # the long result was rolled back
+    assert "0" in messages  # a read after a write in the same turn sees it
+    assert trls["metrics"]["tools/failure_frequency"] > 0
+
+    # identical results, token for token
+    assert ours["completion"] == trls["completion"]
+    assert ours["prompt"] == trls["prompt"]
+    assert ours["ids"] == trls["ids"]
+    assert ours["rewards"] == trls["rewards"] and ours["advantages"] == trls["advantages"]
+    assert ours["extra"] == trls["extra"]
+    assert ours["metrics"] == trls["metrics"]
+    assert sorted(c[1:3] for c in logs[HarborGRPOTrainer].calls) == sorted(c[1:3] for c in logs[GRPOTrainer].calls)
+
+    # TRL's loop runs one rollout's call after another; ours runs them together
+    assert not _overlapping(logs[GRPOTrainer].first_calls())
+    assert _overlapping(logs[HarborGRPOTrainer].first_calls())
+
+
+@requires_local
+@pytest.mark.slow
+def test_a_sandbox_that_cannot_start_costs_its_rollouts_alike(tmp_path: Path) -> None:
+    from trl import GRPOTrainer
+
+    from trl_harbor import HarborGRPOTrainer
+    from trl_harbor.testing import tool_call_text
+
+    suite = tmp_path / "suite"
+    shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "a_good")
+    shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "b_cannot_start")
+    (suite / "b_cannot_start" / "environment" / "Dockerfile").write_text(
+        "FROM python:3.12\nRUN apt-get install -y no-such-package-anywhere\n"
+    )
+    scripted = [tool_call_text("bash", {"command": GOOD}), tool_call_text("bash", {"command": WRONG})]
+    outcomes = {}
+    for trainer_cls in (GRPOTrainer, HarborGRPOTrainer):
+        spec = HarborSpec(suite, agent="bash", environment_type="local", env_kwargs={"on_infra_error": "zero"})
+        before = infra_failures()["start"]
+        outcomes[trainer_cls] = _outcome(_train(trainer_cls, tmp_path, spec, scripted, batch=4, prompts=2))
+        assert infra_failures()["start"] == before + 2  # both rollouts of the broken task, once each
+    ours, trls = outcomes[HarborGRPOTrainer], outcomes[GRPOTrainer]
+    errors = trls["extra"]["harbor_error"]
+    assert sum("sandbox start failed for task 'b_cannot_start'" in e for e in errors) == 2, errors
+    assert trls["rewards"]["harbor_reward"].count(0.0) >= 2
+    assert ours["completion"] == trls["completion"] and ours["ids"] == trls["ids"]
+    assert ours["rewards"] == trls["rewards"] and ours["extra"] == trls["extra"]
+
+
+HARNESS_CALLS = {
+    "jupyter": [
+        ("add_and_execute_code_cell", {"code": f"open('/workdir/answer.txt', 'w').write('{GOLD_ANSWER}')"}),
+        ("execute_shell_command", {"command": READ}),
+    ],
+    "terminal_notes": [
+        ("shell_write_content_to_file", {"path": "/workdir/answer.txt", "content": GOLD_ANSWER}),
+        ("shell_exec", {"command": READ}),
+        ("create_note", {"title": "plan", "content": "write the answer"}),
+    ],
+}
+
+
+@requires_local
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", sorted(HARNESS_CALLS))
+def test_every_harness_gives_the_same_results(tmp_path: Path, agent: str) -> None:
+    from trl import GRPOTrainer
+
+    from trl_harbor import HarborGRPOTrainer
+    from trl_harbor.testing import tool_call_text
+
+    texts = [tool_call_text(name, args) for name, args in HARNESS_CALLS[agent]]
+    scripted = [*texts, "\n".join(texts)]  # each tool alone, and all in one turn
+    outcomes = {}
+    for trainer_cls in (GRPOTrainer, HarborGRPOTrainer):
+        spec = _gold_spec(agent, tmp_path)
+        outcomes[trainer_cls] = _outcome(_train(trainer_cls, tmp_path, spec, scripted, batch=4))
+    ours, trls = outcomes[HarborGRPOTrainer], outcomes[GRPOTrainer]
+    assert GOLD_ANSWER in _tool_messages(trls)
+    assert ours["completion"] == trls["completion"] and ours["ids"] == trls["ids"]
+    assert ours["rewards"] == trls["rewards"] and ours["metrics"] == trls["metrics"]
+
+
+@requires_local
+@pytest.mark.slow
+def test_an_untested_trl_release_runs_trls_loop_after_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trl_harbor.trainer as trainer_module
+    from trl_harbor import HarborGRPOTrainer
+    from trl_harbor.testing import tool_call_text
+
+    assert trainer_module.concurrent_tools_supported()  # the installed TRL is a tested one
+    assert not trainer_module.concurrent_tools_supported("99.0.0")
+    monkeypatch.setattr(trainer_module, "SUPPORTED_TRL_VERSIONS", ())
+    monkeypatch.setattr(trainer_module, "_warned_unsupported", False)
+    log = _Log()
+    spec = _gold_spec(_probe_env(log), tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(HarborGRPOTrainer, tmp_path, spec, [tool_call_text("bash", {"command": GOOD})], batch=4)
+    ours = [w for w in caught if "trl-harbor" in str(w.message)]
+    assert len(ours) == 1 and "TRL's own tool loop" in str(ours[0].message)
+    assert len(log.calls) == 8  # 4 rollouts, 2 turns
+    assert not _overlapping(log.first_calls())
+
+
+def test_tool_concurrency_must_be_positive() -> None:
+    from trl_harbor import HarborGRPOTrainer
+
+    with pytest.raises(ValueError, match="tool_concurrency"):
+        HarborGRPOTrainer(model=None, tool_concurrency=0)
+
+
+# ── AsyncGRPOTrainer-style driving: everything from a thread pool ───────────────────────────
+
+ASYNC_GRPO_TOOLS = {
+    "bash": lambda token, answer: [
+        ("bash", {"command": f"echo -n {token} > /workdir/mine.txt && echo -n {answer} > /workdir/answer.txt"}),
+        ("bash", {"command": "cat /workdir/mine.txt"}),
+    ],
+    "jupyter": lambda token, answer: [
+        ("add_and_execute_code_cell", {"code": f"token = '{token}'\nopen('/workdir/answer.txt', 'w').write('{answer}')"}),
+        ("add_and_execute_code_cell", {"code": "print(token, end='')"}),
+    ],
+    "terminal_notes": lambda token, answer: [
+        ("create_note", {"title": "token", "content": token}),
+        ("shell_write_content_to_file", {"path": "/workdir/answer.txt", "content": answer}),
+        ("read_note", {"title": "token"}),
+    ],
+}
+
+
+def _leftovers() -> list[str]:
+    pid = os.getpid()
+    found = [p.name for p in state_root().iterdir() if p.name.startswith(f"{pid}-")]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/trl-harbor/{pid}-*")]
+    return found
+
+
+@requires_local
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", sorted(ASYNC_GRPO_TOOLS))
+def test_environments_driven_from_a_thread_pool_like_async_grpo(tmp_path: Path, agent: str) -> None:
+    """Like ``AsyncGRPOTrainer``'s rollout worker: an asyncio loop of rollouts, each drawing an
+    environment from a pool (a new one only when the pool is empty), resetting it, calling its
+    tools and reading ``get_reward`` through ``run_in_executor`` on a shared thread pool, then
+    returning it to the pool — 12 rollouts in flight, 36 in all, so environments are reset again
+    from other threads while their neighbours run."""
+    spec = _gold_spec(agent, tmp_path)
+    [row] = spec.train_dataset.to_list()
+    before = infra_failures()
+    pool: list[Any] = []
+    created: list[Any] = []
+    executor = ThreadPoolExecutor(max_workers=12, thread_name_prefix="grpo-tool")
+
+    async def rollout(index: int, inflight: asyncio.Semaphore) -> tuple[str, float | None]:
+        async with inflight:
+            loop = asyncio.get_running_loop()
+            if pool:
+                env = pool.pop()
+            else:
+                env = spec.environment_factory()
+                created.append(env)
+            await loop.run_in_executor(executor, functools.partial(env.reset, **row))
+            token = f"rollout-{index}"
+            answer = GOLD_ANSWER if index % 2 == 0 else "0"
+            outputs = []
+            for name, arguments in ASYNC_GRPO_TOOLS[agent](token, answer):
+                tool = getattr(env, name)
+                outputs.append(await loop.run_in_executor(executor, functools.partial(tool, **arguments)))
+            reward = await loop.run_in_executor(executor, env.get_reward)
+            pool.append(env)
+            return outputs[-1], reward
+
+    async def main() -> list[tuple[str, float | None]]:
+        inflight = asyncio.Semaphore(12)
+        return await asyncio.gather(*(rollout(i, inflight) for i in range(36)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        executor.shutdown()
+    for index, (output, reward) in enumerate(results):
+        assert output.strip() == f"rollout-{index}", (index, output)  # no rollout saw another's sandbox
+        assert reward == (1.0 if index % 2 == 0 else 0.0), (index, reward)
+    assert len(created) <= 12  # environments were reused, reset from other threads
+    assert infra_failures() == before
+    close_all()
+    deadline = time.monotonic() + 10
+    while _leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _leftovers() == []
