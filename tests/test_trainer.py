@@ -422,3 +422,58 @@ def test_environments_driven_from_a_thread_pool_like_async_grpo(tmp_path: Path, 
     while _leftovers() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _leftovers() == []
+
+
+THREADED_SCRIPT = """
+import time
+from concurrent.futures import ThreadPoolExecutor
+from trl_harbor import HarborSpec
+spec = HarborSpec({suite!r}, environment_type="local", num_tasks=1)
+envs = [spec.environment_factory() for _ in range(4)]
+# Like AsyncGRPOTrainer's rollout worker: every environment call comes from a thread pool.
+pool = ThreadPoolExecutor(4)
+list(pool.map(lambda env: env.reset(task_dir=str(spec.task_dirs[0])), envs))
+list(pool.map(lambda env: env.bash("nohup sleep {marker} >/dev/null 2>&1 &"), envs))
+print("mid-batch", flush=True)
+time.sleep(600)
+"""
+
+
+@requires_local
+def test_sigterm_stops_sandboxes_only_ever_used_from_worker_threads(tmp_path: Path) -> None:
+    """``AsyncGRPOTrainer`` ends its rollout process with SIGTERM when it does not stop in time;
+    the sandboxes must go with it even though no environment call came from the main thread."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from sandbox_helpers import live_processes_with
+
+    marker = f"4515.{os.getpid()}"
+    script = tmp_path / "worker.py"
+    script.write_text(THREADED_SCRIPT.format(suite=str(BUNDLED_SUITE), marker=marker))
+    child = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "HARBOR_TELEMETRY": "0"},
+    )
+    try:
+        assert child.stdout.readline().strip() == "mid-batch", child.stderr.read()[-2000:]
+        assert len(live_processes_with(f"sleep {marker}")) == 4
+    except BaseException:
+        child.kill()
+        raise
+    child.send_signal(signal.SIGTERM)
+    child.communicate(timeout=120)
+    assert child.returncode == 128 + signal.SIGTERM  # trl-harbor's handler ran (not the default action)
+    deadline = time.monotonic() + 10
+    while live_processes_with(f"sleep {marker}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not live_processes_with(f"sleep {marker}")
+    leftovers = [p.name for p in state_root().iterdir() if p.name.startswith(f"{child.pid}-")]
+    assert leftovers == []

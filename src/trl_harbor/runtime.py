@@ -217,3 +217,7 @@ def _install_signal_handlers() -> None:
 
 
 atexit.register(close_all)
+# Now as well as when the loop starts: where every environment call comes from worker threads
+# (AsyncGRPOTrainer's rollout worker), the loop never starts on the main thread, the only one
+# that may install a signal handler.
+_install_signal_handlers()
