@@ -131,16 +131,19 @@ def test_one_failed_start_and_one_crashed_verifier_cost_only_their_rollouts(
             log_metric=logged_metrics.__setitem__,
             log_extra=logged_extra.__setitem__,
         )
+    # The start failure is the backend's: skipped (or 0, as configured). The verifier that wrote
+    # no reward ran in a healthy sandbox, which the rollout may have broken: always 0, never skipped.
     lost = None if mode == "skip" else 0.0
-    assert rewards == [1.0, lost, lost, 1.0]
-    assert logged_metrics["harbor/infra_failures"] == 2.0
-    assert logged_extra["harbor_error"][0] == "" and "verification failed" in logged_extra["harbor_error"][2]
+    assert rewards == [1.0, lost, 0.0, 1.0]
+    assert logged_metrics["harbor/infra_failures"] == 1.0
+    assert logged_metrics["harbor/verifier_failures"] == 1.0
+    assert logged_extra["harbor_error"][0] == "" and "ImageBuildError" in logged_extra["harbor_error"][1]
+    assert "RewardFileNotFound" in logged_extra["harbor_error"][2] and "healthy" in logged_extra["harbor_error"][2]
     after = infra_failures()
-    assert after["start"] == before["start"] + 1 and after["verify"] == before["verify"] + 1
+    assert after["start"] == before["start"] + 1 and after["verify"] == before["verify"]
     reasons = [r.getMessage() for r in caplog.records if "not the policy's fault" in r.getMessage()]
-    assert len(reasons) == 2  # each failure logged once, with its task and cause
-    assert any("b_cannot_start" in r and "ImageBuildError" in r for r in reasons)
-    assert any("c_verifier_crashes" in r and "RewardFileNotFound" in r for r in reasons)
+    assert len(reasons) == 1  # the failure logged once, with its task and cause
+    assert "b_cannot_start" in reasons[0] and "ImageBuildError" in reasons[0]
 
 
 def _leftovers(pid: int) -> list[str]:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
-import concurrent.futures
 import contextlib
 import contextvars
 import logging
@@ -34,6 +32,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trl_harbor import runtime
+from trl_harbor.episode import (
+    INFRA_MODES,
+    Episode,
+    RewardError,
+    Verification,
+    infra_failures,
+    select_reward,
+    verification_failures,
+)
 from trl_harbor.sandboxes import LOCAL_ENVIRONMENT_IMPORT_PATH
 
 if TYPE_CHECKING:
@@ -41,7 +48,6 @@ if TYPE_CHECKING:
     from harbor.models.task.task import Task
     from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
     from harbor.models.trial.paths import TrialPaths
-    from harbor.trial.network_policy import TrialNetworkPlan
 
 __all__ = [
     "DEFAULT_COMMAND_TIMEOUT_SEC",
@@ -50,10 +56,12 @@ __all__ = [
     "HarborBashEnv",
     "HarborEnv",
     "RewardError",
+    "Verification",
     "close_all",
     "environment_config",
     "infra_failures",
     "select_reward",
+    "verification_failures",
     "verify_all",
 ]
 
@@ -63,9 +71,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMMAND_TIMEOUT_SEC: int = 180
 #: Default cap on the characters of one command's output handed back to the model.
 DEFAULT_MAX_OUTPUT_CHARS: int = 8000
-
-class RewardError(RuntimeError):
-    """The verifier's result cannot be turned into one scalar reward."""
 
 
 def close_all() -> None:
@@ -100,127 +105,9 @@ def environment_config(environment_type: str, kwargs: dict[str, Any] | None = No
     return backend_config(environment_type, kwargs)
 
 
-def select_reward(rewards: dict[str, float | int] | None, reward_key: str | None = None) -> float:
-    """Pick the scalar reward out of a verifier's rewards.
-
-    Args:
-        rewards: The verifier's rewards (``reward.json``'s keys, or ``{"reward": x}``).
-        reward_key: The key to use; ``None`` takes ``"reward"``, or the only key.
-
-    Returns:
-        The reward.
-
-    Raises:
-        RewardError: When there are no rewards, ``reward_key`` is missing, or there are
-            several keys, none is ``"reward"`` and no ``reward_key`` was chosen.
-    """
-    if not isinstance(rewards, dict) or not rewards:
-        raise RewardError(f"the verifier returned no rewards ({rewards!r})")
-    if reward_key is not None:
-        if reward_key not in rewards:
-            raise RewardError(
-                f"reward_key={reward_key!r} is not among the verifier's rewards {sorted(rewards)}; pick one of them."
-            )
-        return float(rewards[reward_key])
-    if "reward" in rewards:
-        return float(rewards["reward"])
-    if len(rewards) == 1:
-        return float(next(iter(rewards.values())))
-    raise RewardError(
-        f"the verifier returned several rewards {sorted(rewards)} and none is named 'reward'; "
-        "choose one with HarborEnv(reward_key=...)."
-    )
-
-
-class _Episode:
-    """Everything one ``reset`` brings up: the task, its sandbox(es) and scratch folder.
-
-    Provisioning runs in the background on the shared loop (``ready``); the first tool call
-    waits for it. Every coroutine here runs on that one loop, so no locking is needed.
-    """
-
-    def __init__(self, task: Task, trial_dir: Path) -> None:
-        self.task = task
-        self.trial_dir = trial_dir
-        self.paths: TrialPaths | None = None
-        self.plan: TrialNetworkPlan | None = None
-        self.environment: BaseEnvironment | None = None
-        self.ready: concurrent.futures.Future[None] | None = None
-        self.infra_error: str | None = None
-        self.verification: asyncio.Future[float | None] | None = None
-        self.reward_reported = False
-        self.stopped = False
-        self.cleanup_handle = runtime.register_cleanup(self.stop)
-        self._stopping: asyncio.Future[None] | None = None
-
-    def fail(self, stage: str, error: BaseException | str) -> str:
-        """Record an infrastructure failure of this episode (once) and return its message.
-
-        Args:
-            stage: ``"start"``, ``"exec"`` or ``"verify"``.
-            error: What went wrong.
-        """
-        if self.infra_error is None:
-            cause = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-            what = _STAGE_LABELS[stage]
-            self.infra_error = f"{what} failed for task {self.task.name!r}: {cause}"
-            _INFRA_FAILURES[stage] += 1
-            logger.warning("trl-harbor: %s (the rollout is not the policy's fault)", self.infra_error)
-        return self.infra_error
-
-    async def wait_ready(self) -> None:
-        """Wait until provisioning ended, however it ended; a cancellation of the caller propagates."""
-        if self.ready is not None:
-            await asyncio.wait([asyncio.wrap_future(self.ready)])
-
-    def stop(self) -> asyncio.Future[None]:
-        """Stop the sandbox(es) and remove the scratch folder; idempotent, safe to call concurrently.
-
-        Must be called on the shared loop (it is what ``close_all`` and the next ``reset`` schedule).
-        """
-        if self._stopping is None:
-            self._stopping = asyncio.ensure_future(self._stop())
-        return self._stopping
-
-    async def _stop(self) -> None:
-        self.stopped = True
-        if self.ready is not None and not self.ready.done():
-            self.ready.cancel()  # a start in progress is abandoned, then cleaned up below
-        await self.wait_ready()
-        environment, self.environment = self.environment, None
-        try:
-            if environment is not None:
-                await environment.stop(delete=True)
-        except Exception as exc:
-            logger.warning("trl-harbor: stopping the sandbox of %s failed: %r", self.task.name, exc)
-        finally:
-            shutil.rmtree(self.trial_dir, ignore_errors=True)
-            runtime.unregister_cleanup(self.cleanup_handle)
-
-
 #: The episode whose ``_setup`` is running (setup runs in the background, after ``reset``
 #: returned, so ``self._episode`` may already belong to a newer episode).
-_PROVISIONING: contextvars.ContextVar[_Episode | None] = contextvars.ContextVar("provisioning", default=None)
-
-#: Infrastructure failures of this process, by stage (``start``, ``exec``, ``verify``).
-_INFRA_FAILURES: collections.Counter[str] = collections.Counter()
-
-_INFRA_MODES = ("skip", "zero", "raise")
-_STAGE_LABELS = {"start": "sandbox start", "exec": "a tool call", "verify": "verification"}
-
-
-def infra_failures() -> dict[str, int]:
-    """Count this process's infrastructure failures so far, by stage.
-
-    A failure is a sandbox that did not start, a tool call the backend could not run (not a
-    command that failed or timed out: that is the policy's doing), or a verifier that
-    errored or timed out. Each one costs only its rollout; see ``on_infra_error``.
-
-    Returns:
-        ``{"start": n, "exec": n, "verify": n}``.
-    """
-    return {stage: _INFRA_FAILURES[stage] for stage in ("start", "exec", "verify")}
-
+_PROVISIONING: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("provisioning", default=None)
 
 _TASKS: dict[Path, Task] = {}
 
@@ -290,16 +177,20 @@ class HarborEnv:
             rest is cut and marked.
         reward_key: Which entry of the verifier's rewards is the scalar reward. ``None``
             takes ``"reward"``, or the only entry when there is just one.
-        on_infra_error: What an infrastructure failure (sandbox did not start, backend
-            error on a tool call, verifier error or timeout) makes of the rollout's reward:
-            ``"skip"`` (default) gives ``None``, which ``GRPOTrainer`` leaves out of the
-            batch (it is not the policy's fault); ``"zero"`` gives ``0.0``; ``"raise"``
-            propagates the error (for debugging). Either way the failure is logged once and
-            counted (:func:`infra_failures`).
+        on_infra_error: What an infrastructure failure (the sandbox did not start, or
+            stopped answering) makes of the rollout's reward: ``"skip"`` (default) gives
+            ``None``, which ``GRPOTrainer`` leaves out of the batch (it is not the policy's
+            fault); ``"zero"`` gives ``0.0``; ``"raise"`` propagates the error (for
+            debugging). Either way the failure is logged once and counted
+            (:func:`infra_failures`). A verification the rollout broke in a healthy sandbox
+            (no reward file, a malformed one, a timeout, tampering) always scores ``0.0``.
         max_concurrent_starts: How many sandboxes this process starts at once (across all
             environments with the same value), to respect cloud quotas; ``None``: no limit.
         environment_kwargs: Options for the backend, passed as Harbor's environment
             ``kwargs`` (e.g. ``{"auto_mounting": True}``).
+        allowed_changes: Globs of sandbox paths the agent may change although the verifier
+            runs them (see ``docs/rewards.md``); tasks can declare their own in
+            ``[metadata] allowed_changes``.
 
     Attributes:
         PROMPT_SUFFIX: Text appended to the task instruction returned by ``reset``.
@@ -317,9 +208,10 @@ class HarborEnv:
         on_infra_error: str = "skip",
         max_concurrent_starts: int | None = 64,
         environment_kwargs: dict[str, Any] | None = None,
+        allowed_changes: Sequence[str] = (),
     ) -> None:
-        if on_infra_error not in _INFRA_MODES:
-            raise ValueError(f"on_infra_error must be one of {', '.join(_INFRA_MODES)}; got {on_infra_error!r}")
+        if on_infra_error not in INFRA_MODES:
+            raise ValueError(f"on_infra_error must be one of {', '.join(INFRA_MODES)}; got {on_infra_error!r}")
         if command_timeout_sec <= 0 or max_output_chars <= 0:
             raise ValueError("command_timeout_sec and max_output_chars must be positive")
         if max_concurrent_starts is not None and max_concurrent_starts < 1:
@@ -331,8 +223,9 @@ class HarborEnv:
         self._on_infra_error = on_infra_error
         self._max_concurrent_starts = max_concurrent_starts
         self._environment_kwargs = dict(environment_kwargs or {})
+        self._allowed_changes = [allowed_changes] if isinstance(allowed_changes, str) else list(allowed_changes)
         self._config: TrialEnvironmentConfig | None = None
-        self._episode: _Episode | None = None
+        self._episode: Episode | None = None
 
     # ── TRL lifecycle ──────────────────────────────────────────────────────────────
 
@@ -358,7 +251,14 @@ class HarborEnv:
         task = _load_task(Path(task_dir))
         if task.has_steps:
             raise ValueError(f"{task_dir}: multi-step Harbor tasks are not supported by HarborEnv.")
-        episode = _Episode(task, Path(tempfile.mkdtemp(prefix="episode-", dir=_trial_root())))
+        episode = Episode(
+            task,
+            Path(tempfile.mkdtemp(prefix="episode-", dir=_trial_root())),
+            create_environment=self._create_environment,
+            reward_key=self._reward_key,
+            on_infra_error=self._on_infra_error,
+            allowed_changes=self._allowed_changes,
+        )
         self._episode = episode
         episode.ready = runtime.submit(self._provision(episode))
         return task.instruction + self.PROMPT_SUFFIX
@@ -373,9 +273,25 @@ class HarborEnv:
         episode = self._episode
         if episode is None:
             return 0.0
-        value = runtime.run(self._reward_of(episode))
+        value = runtime.run(episode.grade()).reward
         episode.reward_reported = True
         return value
+
+    @property
+    def verification(self) -> Verification | None:
+        """How the current episode was graded (``None`` before its reward was read).
+
+        Holds every reward component, the reason a rollout scored 0 or was skipped, whether
+        that was an infrastructure failure, and what the agent changed.
+        """
+        episode = self._episode
+        return None if episode is None else episode.verification
+
+    @property
+    def infra_error(self) -> str | None:
+        """The current episode's infrastructure failure, or ``None`` (it is not the policy's fault)."""
+        episode = self._episode
+        return None if episode is None else episode.infra_error
 
     def get_reward(self) -> float | None:
         """Return the episode's reward for trainers that read it from the environment.
@@ -420,8 +336,13 @@ class HarborEnv:
         except Exception as exc:  # the model gets the error, training goes on
             if episode.infra_error is not None:
                 return f"Error: {episode.infra_error}. This rollout will not be scored."
+            if episode.sealed:
+                return "Error: the rollout is over; its sandbox is being graded."
             if _is_command_timeout(exc):
                 return f"Error: the command timed out after {timeout} s."
+            if runtime.run(episode.healthy()):
+                # The sandbox answers: the command itself was killed (e.g. by the agent's own `kill -9 -1`).
+                return f"Error: the command ended without an answer ({type(exc).__name__}: {exc})."
             return f"Error: {episode.fail('exec', exc)}. This rollout will not be scored."
         output = (result.stdout or "") + (result.stderr or "")
         if len(output) > self._max_output_chars:
@@ -450,20 +371,11 @@ class HarborEnv:
         Raises:
             RuntimeError: When no sandbox is running, or it could not be started.
         """
-        episode = _PROVISIONING.get() or self._episode
+        provisioning = _PROVISIONING.get()
+        episode = provisioning or self._episode
         if episode is None:
             raise RuntimeError("no sandbox is running")
-        if _PROVISIONING.get() is None:
-            await episode.wait_ready()
-        if episode.infra_error is not None:
-            raise RuntimeError(episode.infra_error)
-        if episode.environment is None:
-            raise RuntimeError("no sandbox is running (it was stopped)")
-        if user is None:
-            user = episode.task.config.agent.user
-        return await asyncio.wait_for(
-            episode.environment.exec(command, timeout_sec=timeout, user=user), timeout=timeout + 60
-        )
+        return await episode.exec(command, timeout, user, wait=provisioning is None)
 
     async def _setup(self) -> None:
         """Hook for harnesses: prepare the sandbox after it started (default: nothing).
@@ -485,6 +397,11 @@ class HarborEnv:
         episode = _PROVISIONING.get() or self._episode
         return None if episode is None else episode.task
 
+    @property
+    def _env(self) -> BaseEnvironment | None:
+        """The reference integration's name for :attr:`_environment` (harnesses written for it use it)."""
+        return self._environment
+
     # ── Harbor lifecycle (async, on the shared loop) ────────────────────────────────
 
     def _trial_config(self) -> TrialEnvironmentConfig:
@@ -503,7 +420,7 @@ class HarborEnv:
             **options,
         )
 
-    async def _provision(self, episode: _Episode) -> None:
+    async def _provision(self, episode: Episode) -> None:
         """Start the episode's sandbox (in the background of ``reset``); never raises."""
         from harbor.models.trial.paths import TrialPaths
 
@@ -528,7 +445,9 @@ class HarborEnv:
                 if plan.agent_phase != plan.agent_env_baseline:
                     await environment.set_network_policy(plan.agent_phase)
                 await environment.run_healthcheck()
+                await episode.snapshot_processes()  # before the harness: its kernels are the agent's
             await self._setup()
+            await episode.snapshot_files()  # after the harness: its files are not the agent's
         except asyncio.CancelledError:
             episode.infra_error = episode.infra_error or "the episode was replaced before its sandbox started"
             raise
@@ -543,110 +462,9 @@ class HarborEnv:
         if episode is not None:
             runtime.submit(_stop_episode(episode))
 
-    async def _reward_of(self, episode: _Episode) -> float | None:
-        """The episode's reward, verified at most once however many callers ask concurrently."""
-        if episode.verification is None:
-            episode.verification = asyncio.ensure_future(self._verify(episode))
-        return await asyncio.shield(episode.verification)
-
-    async def _verify(self, episode: _Episode) -> float | None:
-        await episode.wait_ready()
-        try:
-            if episode.infra_error is not None:
-                raise RuntimeError(episode.infra_error)
-            return select_reward(await self._run_verifier(episode), self._reward_key)
-        except Exception as exc:
-            if self._on_infra_error == "raise":
-                raise
-            if episode.infra_error is None:
-                episode.fail("verify", exc)
-            return None if self._on_infra_error == "skip" else 0.0
-
-    async def _run_verifier(self, episode: _Episode) -> dict[str, float | int]:
-        from harbor.models.trial.paths import EnvironmentPaths
-
-        environment = episode.environment
-        if environment is None or episode.plan is None:
-            raise RuntimeError("the sandbox is gone (it was stopped before verification)")
-        plan = episode.plan
-        if plan.verifier_env_baseline is not None:
-            return await self._run_separate_verifier(episode)
-        with environment.with_default_user(episode.task.config.verifier.user):
-            await environment.empty_dirs([EnvironmentPaths.for_os(environment.os).verifier_dir], chmod=True)
-            if plan.verifier_phase != plan.agent_phase:
-                await environment.set_network_policy(plan.verifier_phase)
-            return await self._verifier_result(episode, environment)
-
-    async def _verifier_result(self, episode: _Episode, environment: BaseEnvironment) -> dict[str, float | int]:
-        from harbor.verifier.verifier import Verifier
-
-        assert episode.paths is not None
-        verifier = Verifier(task=episode.task, trial_paths=episode.paths, environment=environment)
-        result = await asyncio.wait_for(verifier.verify(), timeout=episode.task.config.verifier.timeout_sec)
-        return dict(result.rewards or {})
-
-    async def _run_separate_verifier(self, episode: _Episode) -> dict[str, float | int]:
-        """Verify in a second sandbox built from the task's verifier environment.
-
-        The agent sandbox's declared ``artifacts`` (and Harbor's ``/logs/artifacts`` folder) are
-        copied into the verifier sandbox at the same paths before ``tests/test.sh`` runs.
-        """
-        from harbor.models.task.verifier_mode import resolve_verifier_environment_definition
-        from harbor.models.trial.paths import EnvironmentPaths
-
-        task, plan = episode.task, episode.plan
-        assert plan is not None and episode.paths is not None
-        definition = resolve_verifier_environment_definition(task.config, task.paths)
-        if definition is None or plan.verifier_env_baseline is None:
-            raise RuntimeError("separate verifier mode did not resolve a verifier environment")
-        verifier_env = self._create_environment(
-            task,
-            episode.paths,
-            "verifier",
-            environment_dir=definition.directory,
-            task_env_config=definition.config,
-            network_policy=plan.verifier_env_baseline,
-            phase_network_policies=[plan.verifier_phase],
-            enable_environment_dir_upload=not definition.bundled_tests,
-        )
-        handle = runtime.register_cleanup(lambda: verifier_env.stop(delete=True))
-        try:
-            await verifier_env.start(force_build=False)
-            with verifier_env.with_default_user(task.config.verifier.user):
-                env_paths = EnvironmentPaths.for_os(verifier_env.os)
-                await verifier_env.empty_dirs([env_paths.verifier_dir], chmod=True)
-                await self._copy_artifacts(episode, verifier_env)
-                if plan.verifier_phase != plan.verifier_env_baseline:
-                    await verifier_env.set_network_policy(plan.verifier_phase)
-                return await self._verifier_result(episode, verifier_env)
-        finally:
-            runtime.unregister_cleanup(handle)
-            await verifier_env.stop(delete=True)
-
-    async def _copy_artifacts(self, episode: _Episode, target: BaseEnvironment) -> None:
-        from harbor.models.trial.paths import EnvironmentPaths
-
-        source = episode.environment
-        assert source is not None
-        paths = [str(EnvironmentPaths.for_os(source.os).artifacts_dir)]
-        for artifact in episode.task.config.artifacts:
-            paths.append(artifact if isinstance(artifact, str) else artifact.source)
-        staging = Path(tempfile.mkdtemp(prefix="artifacts_", dir=episode.paths.trial_dir))
-        for index, path in enumerate(paths):
-            local = staging / str(index)
-            if await source.is_dir(path, user="root"):
-                await source.download_dir(path, local)
-                parent = path.rstrip("/").rsplit("/", 1)[0] or "/"
-                await target.exec(f"mkdir -p '{parent}'", user="root")
-                await target.upload_dir(local, path)
-            elif (await source.exec(f"test -f '{path}'", user="root")).return_code == 0:
-                await source.download_file(path, local)
-                parent = path.rsplit("/", 1)[0] or "/"
-                await target.exec(f"mkdir -p '{parent}'", user="root")
-                await target.upload_file(local, path)
-
-    def _select_reward(self, rewards: dict[str, float | int]) -> float:
-        return select_reward(rewards, self._reward_key)
+    async def _reward_of(self, episode: Episode) -> float | None:
+        """The episode's reward, graded at most once however many callers ask concurrently."""
+        return (await episode.grade()).reward
 
     def __del__(self) -> None:
         episode = getattr(self, "_episode", None)
@@ -656,7 +474,7 @@ class HarborEnv:
             runtime.submit(_stop_episode(episode))
 
 
-async def _stop_episode(episode: _Episode) -> None:
+async def _stop_episode(episode: Episode) -> None:
     await episode.stop()
 
 

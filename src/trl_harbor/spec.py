@@ -47,12 +47,15 @@ def harbor_reward(
     """Outcome reward: the Harbor verifier's scalar for each rollout, verified concurrently.
 
     ``GRPOTrainer`` passes the live environments (``environments=``, in completion order):
-    every rollout of the batch is verified at once (:func:`trl_harbor.env.verify_all`).
+    every rollout of the batch is verified at once (:func:`trl_harbor.env.verify_all`);
+    environments that are not ``HarborEnv`` are read through their public ``reward``.
     Trainers that run environments elsewhere pass the already computed scores as
     ``environment_reward=``. A rollout lost to an infrastructure failure scores ``None``
-    (left out of the batch by TRL) or ``0.0``, per the environment's ``on_infra_error``; the
-    batch's count is logged as the ``harbor/infra_failures`` metric and each rollout's
-    reason in the ``harbor_error`` column of the completions table.
+    (left out of the batch by TRL) or ``0.0``, per the environment's ``on_infra_error``; a
+    rollout that broke its own verification scores ``0.0``. Logged per batch: the metrics
+    ``harbor/infra_failures``, ``harbor/verifier_failures``, ``harbor/tampered`` and the mean
+    of every reward component (``harbor/reward/<key>``), and each rollout's reason in the
+    ``harbor_error`` column of the completions table.
 
     Args:
         completions: The completions (unused; part of TRL's reward-function signature).
@@ -75,13 +78,28 @@ def harbor_reward(
             "harbor_reward needs `environments=` (GRPOTrainer with environment_factory) or "
             "`environment_reward=`; got neither."
         )
-    rewards = verify_all(environments)
-    errors = [env._episode.infra_error if env._episode is not None else None for env in environments]
+    harbor_envs = [env for env in environments if isinstance(env, HarborEnv)]
+    verified = iter(verify_all(harbor_envs))
+    # Any other environment (e.g. one written for the reference) is read through its public `reward`.
+    rewards = [next(verified) if isinstance(env, HarborEnv) else _as_reward(env.reward) for env in environments]
+    outcomes = [env.verification if isinstance(env, HarborEnv) else None for env in environments]
     if log_metric is not None:
-        log_metric("harbor/infra_failures", float(sum(e is not None for e in errors)))
+        log_metric("harbor/infra_failures", float(sum(bool(o and o.infra) for o in outcomes)))
+        log_metric("harbor/verifier_failures", float(sum(bool(o and o.reason and not o.infra) for o in outcomes)))
+        log_metric("harbor/tampered", float(sum(bool(o and o.tampered) for o in outcomes)))
+        components: dict[str, list[float]] = {}
+        for outcome in outcomes:
+            for key, value in (outcome.rewards if outcome else {}).items():
+                components.setdefault(key, []).append(value)
+        for key, values in sorted(components.items()):
+            log_metric(f"harbor/reward/{key}", sum(values) / len(values))
     if log_extra is not None:
-        log_extra("harbor_error", [e or "" for e in errors])
+        log_extra("harbor_error", [(o.reason if o else "") for o in outcomes])
     return rewards
+
+
+def _as_reward(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 class EnvironmentFactory:
