@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -151,6 +152,51 @@ def supervisor_binary() -> str | None:
             return None
         out.replace(binary)  # atomic: concurrent builders race harmlessly
     return str(binary)
+
+
+@cache
+def static_binary(name: str) -> str:
+    """A helper of this package compiled statically (cached by source hash).
+
+    Image roots (``BoxConfig.image_root``) have their own C library, or none: what runs
+    in them from the host must not depend on the host's. Compiled once, cached in
+    ``~/.cache/trl-harbor/bin``.
+
+    Args:
+        name: ``"supervisor"`` or ``"runas"`` (``_<name>.c`` in this package).
+
+    Returns:
+        The binary's path.
+
+    Raises:
+        SandboxUnavailableError: If no C compiler can link statically.
+    """
+    source = resources.files("trl_harbor.sandboxes").joinpath(f"_{name}.c").read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("TRL_HARBOR_CACHE_DIR") or Path.home() / ".cache" / "trl-harbor") / "bin"
+    binary = cache_dir / f"{name}-static-{digest}"
+    if binary.exists():
+        return str(binary)
+    compiler = _which(os.environ.get("CC", "cc")) or _which("gcc") or _which("clang")
+    error = "no C compiler found"
+    if compiler is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+            src = Path(scratch) / f"{name}.c"
+            src.write_bytes(source)
+            out = Path(scratch) / name
+            result = subprocess.run(
+                [compiler, "-O2", "-static", "-o", str(out), str(src)], capture_output=True, text=True
+            )
+            if result.returncode == 0:
+                out.replace(binary)  # atomic: concurrent builders race harmlessly
+                return str(binary)
+            error = result.stderr.strip()[-1500:]
+    raise SandboxUnavailableError(
+        "Sandboxes on task images run a small statically linked supervisor, which could not be "
+        f"compiled ({error}). Install a C compiler and the static C library (`apt-get install gcc "
+        "libc6-dev`), or run tasks on the host root (environment kwarg root='host')."
+    )
 
 
 @cache
@@ -311,6 +357,11 @@ class BoxConfig:
         cpus: CPU limit, or ``None``.
         pids_max: Limit on the number of processes, or ``None``.
         hostname: The box's host name.
+        extra_ro_binds: More ``(host path, box path)`` read-only mounts.
+        image_root: ``rootfs`` is a complete image root (its own ``/usr``, ``/etc``):
+            nothing of the host is mounted, the supervisor is linked statically, and
+            the box's user namespace maps uids and gids 0-65535 (needs root), so the
+            image's users, ``chown`` and ``useradd`` work.
     """
 
     rootfs: Path
@@ -322,6 +373,10 @@ class BoxConfig:
     pids_max: int | None = 4096
     hostname: str = "sandbox"
     extra_ro_binds: list[tuple[str, str]] = field(default_factory=list)
+    image_root: bool = False
+
+#: uids and gids an image-rooted box maps (identity: the image root's owners are kept).
+ID_MAP_RANGE = 65536
 
 
 _LIVE: weakref.WeakSet[Box] = weakref.WeakSet()
@@ -341,37 +396,44 @@ class Box:
         self._slirp: asyncio.subprocess.Process | None = None
         self._cgroups = _Cgroups(name or state_dir.name, config.memory_mb, config.cpus, config.pids_max)
         self.closed = False
+        #: Host mounts (the copy-on-write root) to detach when the box goes.
+        self.mounts: list[Path] = []
 
     # -- start -----------------------------------------------------------------
 
-    def _bwrap_args(self, info_fd: int | None) -> list[str]:
+    def _bwrap_args(self, info_fd: int | None, block_fd: int | None = None) -> list[str]:
         c = self.config
         args = [
             bwrap_path(),
             "--unshare-user", "--uid", "0", "--gid", "0",
+            *(("--userns-block-fd", str(block_fd)) if block_fd is not None else ()),
             "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session",
             "--cap-drop", "ALL", *(arg for cap in SANDBOX_CAPS for arg in ("--cap-add", cap)),
             "--hostname", c.hostname,
             "--bind", str(c.rootfs), "/",
-            "--ro-bind", "/usr", "/usr",
         ]  # fmt: skip
+        if not c.image_root:
+            args += ["--ro-bind", "/usr", "/usr"]
         if c.network != "host":
             args.append("--unshare-net")
-        if c.network != "user":
+        if c.network != "user" and block_fd is None:
+            # (Image roots: bubblewrap cannot combine this with --userns-block-fd;
+            # _write_id_maps sets the same limit from the host.)
             # No nested user namespaces (their root would regain every capability in
             # them). Not with slirp4netns: it must join the box's own user namespace to
             # reach its network, which the nesting hides.
             args.append("--disable-userns")
-        for directory in _root_dirs():
-            args += ["--ro-bind", directory, directory]
-        args += ["--ro-bind", "/etc", "/etc"]
-        for name in _ETC_MASKED:
-            path = Path("/etc") / name
-            if path.is_dir() and not path.is_symlink():
-                args += ["--tmpfs", str(path), "--remount-ro", str(path)]
-            elif path.exists():
-                args += ["--ro-bind", "/dev/null", str(path)]
+        if not c.image_root:
+            for directory in _root_dirs():
+                args += ["--ro-bind", directory, directory]
+            args += ["--ro-bind", "/etc", "/etc"]
+            for name in _ETC_MASKED:
+                path = Path("/etc") / name
+                if path.is_dir() and not path.is_symlink():
+                    args += ["--tmpfs", str(path), "--remount-ro", str(path)]
+                elif path.exists():
+                    args += ["--ro-bind", "/dev/null", str(path)]
         if c.network == "user":
             resolv = self.state_dir / "resolv.conf"
             resolv.write_text(f"nameserver {_SLIRP_GATEWAY_DNS}\n")
@@ -399,15 +461,27 @@ class Box:
             SandboxStartError: If bubblewrap fails to set up the sandbox.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        prepare_rootfs(self.config.rootfs)
+        image_root = self.config.image_root
+        if image_root:
+            if os.geteuid() != 0:
+                raise SandboxStartError(
+                    "sandboxes on task images need root for now (the image's users are mapped "
+                    "into the sandbox, and its copy-on-write root is mounted on the host); run as "
+                    "root, or run tasks on the host root (environment kwarg root='host')"
+                )
+            binary = static_binary("supervisor")
+        else:
+            prepare_rootfs(self.config.rootfs)
+            binary = supervisor_binary()
         cgroup_procs = self._cgroups.create()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.socket_path))
         listener.listen(128)
-        info_r = info_w = None
-        if self.config.network == "user":
+        info_r = info_w = block_r = block_w = None
+        if self.config.network == "user" or image_root:
             info_r, info_w = os.pipe()
-        binary = supervisor_binary()
+        if image_root:
+            block_r, block_w = os.pipe()
         exe_fd = None
         if binary is not None:
             # Executed through its descriptor: the binary appears nowhere in the box.
@@ -415,8 +489,10 @@ class Box:
             supervisor = [f"/proc/self/fd/{exe_fd}"]
         else:
             supervisor = [sandbox_python(), "-I", "-S", "-"]
-        command = self._bwrap_args(info_w) + [*supervisor, str(listener.fileno()), str(self._address_space_limit())]
-        pass_fds = [listener.fileno()] + [fd for fd in (info_w, exe_fd) if fd is not None]
+        command = self._bwrap_args(info_w, block_r) + [
+            *supervisor, str(listener.fileno()), str(self._address_space_limit())
+        ]  # fmt: skip
+        pass_fds = [listener.fileno()] + [fd for fd in (info_w, exe_fd, block_r) if fd is not None]
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *command,
@@ -431,15 +507,24 @@ class Box:
         except OSError as error:
             listener.close()
             self._cleanup_files()
+            for fd in (info_r, block_w):
+                if fd is not None:
+                    os.close(fd)
             raise SandboxStartError(f"could not run bubblewrap: {error}") from error
         finally:
-            for fd in (info_w, exe_fd):
+            for fd in (info_w, exe_fd, block_r):
                 if fd is not None:
                     os.close(fd)
         self._bwrap_pid = self._proc.pid
         _LIVE.add(self)
         listener.close()
+        child_pid = None
         try:
+            if block_w is not None and info_r is not None:
+                # bubblewrap waits (--userns-block-fd) while the full uid/gid map is written.
+                child_pid = await asyncio.to_thread(_read_child_pid, info_r)
+                _write_id_maps(child_pid)
+                os.write(block_w, b"1")
             assert self._proc.stdin is not None and self._proc.stdout is not None
             if binary is None:
                 self._proc.stdin.write(_supervisor_source())
@@ -458,18 +543,20 @@ class Box:
                 # cgroups before any command runs; every later process is forked from
                 # them and so is counted too.
                 _join_cgroups(cgroup_procs, _process_tree(self._proc.pid))
-            if info_r is not None:
+            if self.config.network == "user" and info_r is not None:
                 # Only once bubblewrap has finished setting up the namespace's loopback:
                 # configuring it concurrently races on netlink.
-                child_pid = await asyncio.to_thread(_read_child_pid, info_r)
+                if child_pid is None:
+                    child_pid = await asyncio.to_thread(_read_child_pid, info_r)
                 await self._start_user_network(child_pid)
         except BaseException:
             await self.kill()
             raise
         finally:
-            if info_r is not None:
-                with contextlib.suppress(OSError):
-                    os.close(info_r)
+            for fd in (info_r, block_w):
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
     async def _start_user_network(self, child_pid: int) -> None:
         tool = _which("slirp4netns")
@@ -610,6 +697,7 @@ class Box:
         self._signal_all()
         self._cgroups.kill_and_remove()
         self._cleanup_files()
+        self.unmount()
         if self.owned_dir is not None:
             with contextlib.suppress(OSError):
                 remove_tree(self.owned_dir)
@@ -628,7 +716,14 @@ class Box:
         # Usually empty by now; anything that escaped the namespace's death is killed here.
         self._cgroups.kill_and_remove()
         self._cleanup_files()
+        self.unmount()
         _LIVE.discard(self)
+
+    def unmount(self) -> None:
+        """Detach the box's host mounts (idempotent)."""
+        while self.mounts:
+            with contextlib.suppress(OSError):
+                unmount(self.mounts.pop())
 
     def _cleanup_files(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -677,6 +772,29 @@ def prepare_rootfs(root: Path) -> None:
             path.symlink_to(target)
 
 
+def _write_id_maps(pid: int) -> None:
+    """Map uids and gids ``0..ID_MAP_RANGE-1`` of the box to the same host ids (root only).
+
+    Then forbid nested user namespaces in the box (their root would regain every
+    capability in them), as ``--disable-userns`` does for host-rooted boxes: the box's
+    user namespace gets ``user.max_user_namespaces = 0``, set from inside it by ``nsenter``.
+    """
+    try:
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{name}", "w") as handle:
+                handle.write(f"0 0 {ID_MAP_RANGE}\n")
+    except OSError as error:
+        raise SandboxStartError(f"could not map the image's users into the sandbox: {error}") from error
+    nsenter = _which("nsenter")
+    result = subprocess.run(
+        [nsenter or "nsenter", f"--user=/proc/{pid}/ns/user", "--", "/bin/sh", "-c",
+         "echo 0 > /proc/sys/user/max_user_namespaces"],
+        capture_output=True, text=True, env={"PATH": SYSTEM_PATH},
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise SandboxStartError(f"could not forbid nested user namespaces in the sandbox: {result.stderr.strip()}")
+
+
 def _read_child_pid(fd: int) -> int:
     data = b""
     while b"}" not in data:
@@ -703,6 +821,46 @@ def remove_tree(path: Path) -> None:
 
     if path.exists():
         shutil.rmtree(path, onexc=_retry)
+
+
+@cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
+    """Mount a copy-on-write view of ``lower`` at ``target`` (root only): writes go to ``upper``.
+
+    Raises:
+        SandboxStartError: If the kernel refuses the mount.
+    """
+    for path in (lower, upper, work, target):
+        if any(ch in str(path) for ch in ",:\\"):
+            raise SandboxStartError(f"{path}: paths with ',', ':' or '\\' cannot be overlay layers")
+    options = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+    if _libc().mount(b"overlay", str(target).encode(), b"overlay", 0, options) != 0:
+        code = ctypes.get_errno()
+        raise SandboxStartError(f"mounting the sandbox's copy-on-write root failed: {os.strerror(code)}")
+
+
+def unmount(target: Path) -> None:
+    """Detach a mount (lazily: it goes once nothing uses it)."""
+    if _libc().umount2(str(target).encode(), 2) != 0:  # MNT_DETACH
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOENT):
+            raise OSError(code, os.strerror(code), str(target))
+
+
+def _unmount_under(path: Path) -> None:
+    """Detach every mount at or below ``path`` (the leftovers of a dead owner's boxes)."""
+    prefix = str(path).rstrip("/")
+    with contextlib.suppress(OSError):
+        targets = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+        for target in sorted(targets, key=len, reverse=True):
+            target = target.replace("\\040", " ")
+            if target == prefix or target.startswith(prefix + "/"):
+                with contextlib.suppress(OSError):
+                    unmount(Path(target))
 
 
 def new_box_name(prefix: str) -> str:
@@ -734,6 +892,7 @@ def sweep_stale() -> int:
     with contextlib.suppress(OSError):
         for entry in os.scandir(state_root()):
             if _owner_dead(entry.name):
+                _unmount_under(Path(entry.path))
                 remove_tree(Path(entry.path))
                 removed += 1
     for parent in (*_Cgroups.V1.glob("*/trl-harbor"), _Cgroups.V1 / "trl-harbor"):

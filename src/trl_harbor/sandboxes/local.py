@@ -28,10 +28,11 @@ import fnmatch
 import logging
 import os
 import posixpath
+import shlex
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
@@ -53,14 +54,18 @@ from trl_harbor.sandboxes._bwrap import (
     SandboxTimeoutError,
     SandboxUnavailableError,
     bwrap_path,
+    mount_overlay,
     new_box_name,
     remove_tree,
     state_root,
+    static_binary,
     sweep_stale,
 )
 from trl_harbor.sandboxes.image import Image, ImageBuilder, ImageBuildError
+from trl_harbor.sandboxes.oci import BaseImageUnavailableError, BuiltImage, ImageStore, host_trust_mounts
 
 __all__ = [
+    "BaseImageUnavailableError",
     "ImageBuildError",
     "LocalEnvironment",
     "LocalEnvironmentOptions",
@@ -78,7 +83,13 @@ _ROOT_USERS = (None, 0, "0", "root")
 
 
 class SandboxUserError(SandboxError, ValueError):
-    """A command asked for a non-root user, which the local sandbox cannot provide."""
+    """A command asked for a non-root user, which the host-rooted local sandbox cannot provide."""
+
+
+#: ``docker run``'s PATH when the image sets none.
+DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: Where the user-switching helper appears inside image-rooted sandboxes.
+RUNAS = "/run/trl-harbor/runas"
 
 
 class LocalEnvironmentOptions(EnvironmentOptions):
@@ -89,16 +100,33 @@ class LocalEnvironmentOptions(EnvironmentOptions):
             is read and dropped, so a command printing gigabytes cannot exhaust memory.
         default_memory_mb: Memory limit when the task sets none.
         pids_max: Maximum number of processes in one sandbox (fork-bomb containment).
-        cache_dir: Where built layers are cached (default ``~/.cache/trl-harbor``).
+        cache_dir: Where built layers and images are cached (default ``~/.cache/trl-harbor``).
+        root: What the sandbox's ``/`` is. ``"image"``: the task's image, built from its
+            Dockerfile by buildah (``FROM`` honoured), under a private copy-on-write layer;
+            ``ENV``, ``WORKDIR``, ``USER`` and ``ENTRYPOINT`` apply as with ``docker run``.
+            ``"host"``: the host's ``/usr`` and ``/etc`` read-only, ``FROM`` not honoured
+            (no image to pull or build; the fastest). Never a fallback of one for the other.
+        host_trust: Forward the host's proxy settings and CA certificates to image builds
+            and image-rooted sandboxes (for networks that intercept TLS).
     """
 
     output_cap_bytes: int = Field(default=1 << 20, ge=1024)
     default_memory_mb: int | None = Field(default=4096, ge=16)
     pids_max: int | None = Field(default=2048, ge=16)
     cache_dir: str | None = None
+    root: Literal["host", "image"] = "host"
+    host_trust: bool = True
 
 
 _BUILDERS: dict[str | None, ImageBuilder] = {}
+_STORES: dict[tuple[str | None, bool], ImageStore] = {}
+
+
+def _store(cache_dir: str | None, host_trust: bool) -> ImageStore:
+    key = (cache_dir, host_trust)
+    if key not in _STORES:
+        _STORES[key] = ImageStore(Path(cache_dir) if cache_dir else None, host_trust=host_trust)
+    return _STORES[key]
 
 
 def _builder(cache_dir: str | None) -> ImageBuilder:
@@ -127,6 +155,7 @@ class LocalEnvironment(BaseEnvironment):
     def __init__(self, *args: Any, **kwargs: Any):
         self._box: Box | None = None
         self._image: Image | None = None
+        self._oci: BuiltImage | None = None
         self._dir: Path | None = None
         super().__init__(*args, **kwargs)
         assert isinstance(self.options, LocalEnvironmentOptions)
@@ -183,6 +212,9 @@ class LocalEnvironment(BaseEnvironment):
         if not _SWEPT:
             _SWEPT = True
             await asyncio.to_thread(sweep_stale_sandboxes)
+        if self.local_options.root == "image":
+            await self._start_on_image(force_build)
+            return
         builder = _builder(self.local_options.cache_dir)
         if force_build:
             key = await asyncio.to_thread(builder.content_key, self.environment_dir)
@@ -213,6 +245,64 @@ class LocalEnvironment(BaseEnvironment):
             await self._teardown()
             raise
         await self._upload_environment_dir_after_start()
+
+    async def _start_on_image(self, force_build: bool) -> None:
+        store = _store(self.local_options.cache_dir, self.local_options.host_trust)
+        self._oci = image = await store.get(self.environment_dir, self.environment_name, force=force_build)
+        self._dir = state_root() / new_box_name(self.session_id or self.environment_name)
+        network = "none" if self._network_policy.network_mode == NetworkMode.NO_NETWORK else "user"
+        cpus = self._effective_cpus
+        binds = [(await asyncio.to_thread(static_binary, "runas"), RUNAS)]
+        if self.local_options.host_trust:
+            mounts = host_trust_mounts(store.storage_dir / "trust")
+            has_pip_conf = os.path.lexists(image.rootfs / "etc" / "pip.conf")
+            binds += [m for m in mounts if not (m[1] == "/etc/pip.conf" and has_pip_conf)]
+        self._box = Box(
+            BoxConfig(
+                rootfs=self._root,
+                network=network,
+                memory_mb=self._effective_memory_mb or self.local_options.default_memory_mb,
+                cpus=float(cpus) if cpus else None,
+                pids_max=self.local_options.pids_max,
+                hostname=_hostname(self.environment_name),
+                extra_ro_binds=binds,
+                image_root=True,
+            ),
+            self._dir / "run",
+            name=self._dir.name,
+            owned_dir=self._dir,
+        )
+        try:
+            await asyncio.to_thread(self._mount_image_root, image)
+            await self._box.start()
+            if image.config.entrypoint:
+                await self._start_entrypoint(image)
+        except BaseException:
+            await self._teardown()
+            raise
+        await self._upload_environment_dir_after_start()
+
+    def _mount_image_root(self, image: BuiltImage) -> None:
+        assert self._dir is not None and self._box is not None
+        for name in ("upper", "work", "rootfs", "run"):
+            (self._dir / name).mkdir(parents=True)
+        mount_overlay(image.rootfs, self._dir / "upper", self._dir / "work", self._root)
+        self._box.mounts.append(self._root)
+        if self.task_env_config.workdir:
+            # Made without following links (the image's tree is the task author's).
+            os.close(_hostfs._open_dir(self._root, _hostfs._parts(self.task_env_config.workdir), create=True))
+
+    async def _start_entrypoint(self, image: BuiltImage) -> None:
+        """Run the image's ENTRYPOINT in the background, as ``docker run`` does under Harbor.
+
+        Harbor's Docker backend keeps the container alive with the command
+        ``sh -c "sleep infinity"``, which becomes the entrypoint's arguments.
+        """
+        argv = [*image.config.entrypoint, "sh", "-c", "sleep infinity"]
+        command = f"{shlex.join(argv)} </dev/null >/dev/null 2>&1 &"
+        result = await self._run_as(self._image_user(None), command, None, None, None)
+        if result["rc"] != 0:
+            raise SandboxStartError(f"the image's ENTRYPOINT {image.config.entrypoint} could not start")
 
     def _make_root(self) -> None:
         assert self._image is not None and self._dir is not None
@@ -245,7 +335,38 @@ class LocalEnvironment(BaseEnvironment):
     @property
     def workdir(self) -> str:
         """The default working directory: the task's, else the Dockerfile's last WORKDIR, else ``/``."""
+        if self._oci is not None:
+            return self.task_env_config.workdir or self._oci.config.workdir or "/"
         return self.task_env_config.workdir or (self._image.workdir if self._image else None) or "/"
+
+    def _image_user(self, user: str | int | None) -> str:
+        """The user a command runs as on an image root: the requested one, else the image's USER."""
+        assert self._oci is not None
+        if user is None:
+            user = self._oci.config.user or "root"
+        return str(user)
+
+    def _image_env(self, user: str, env: dict[str, str] | None) -> dict[str, str]:
+        assert self._oci is not None
+        base = {"PATH": DOCKER_DEFAULT_PATH, "HOSTNAME": _hostname(self.environment_name)}
+        if user in ("root", "0") or user.startswith(("root:", "0:")):
+            base["HOME"] = "/root"
+        return {**base, **self._oci.config.env, **(env or {})}
+
+    async def _run_as(
+        self, user: str, command: str, cwd: str | None, env: dict[str, str] | None, timeout: float | None
+    ) -> dict:
+        if self._box is None:
+            raise SandboxCommandError("the sandbox is not running (call start() first)")
+        if not (user in ("root", "0") or user.startswith(("root:", "0:"))):
+            command = f"exec {RUNAS} {shlex.quote(user)} bash -c {shlex.quote(command)}"
+        return await self._box.run(
+            command,
+            cwd=cwd or self.workdir,
+            env=self._image_env(user, env),
+            timeout=timeout,
+            output_cap=self.local_options.output_cap_bytes,
+        )
 
     def _command_env(self, env: dict[str, str] | None) -> dict[str, str]:
         base = {
@@ -276,17 +397,24 @@ class LocalEnvironment(BaseEnvironment):
             cwd: Working directory (default: the task's working directory).
             env: Extra environment variables.
             timeout_sec: Kill the command's whole process tree after this many seconds.
-            user: Only the sandbox's root (``None``, ``0`` or ``"root"``) is available.
+            user: A user of the image (name or uid, ``user:group`` too) when the sandbox
+                runs on the task's image (default: the image's ``USER``); on the host
+                root, only the sandbox's root (``None``, ``0`` or ``"root"``).
 
         Returns:
             The exit code and the (bounded) standard output and error.
 
         Raises:
-            SandboxUserError: If a non-root user is requested.
+            SandboxUserError: If a non-root user is requested on the host root.
             SandboxTimeoutError: If the command ran past ``timeout_sec``.
             SandboxCommandError: If the sandbox is not running.
         """
         user = self._resolve_user(user)
+        if self._oci is not None:
+            result = await self._run_as(self._image_user(user), command, cwd, self._merge_env(env), timeout_sec)
+            if result["timed_out"]:
+                raise SandboxTimeoutError(f"Command timed out after {timeout_sec} seconds")
+            return ExecResult(stdout=result["stdout"], stderr=result["stderr"], return_code=result["rc"])
         if user not in _ROOT_USERS:
             raise SandboxUserError(
                 f"the local sandbox runs commands as the sandbox's root only; user={user!r} was "
@@ -343,6 +471,11 @@ class LocalEnvironment(BaseEnvironment):
 
     def _host_path(self, path: str) -> tuple[Path | None, bool]:
         """Where a sandbox path lives on the host, and whether it is a read-only mount."""
+        if self._oci is not None:
+            # The image root is the sandbox's own copy-on-write tree, system folders included.
+            if path in ("/proc", "/dev", "/sys") or path.startswith(("/proc/", "/dev/", "/sys/")):
+                return None, True
+            return self._root / path.lstrip("/"), False
         for mount in SYSTEM_MOUNTS:
             if path == mount or path.startswith(mount + "/"):
                 if mount in ("/proc", "/dev", "/sys"):
@@ -405,7 +538,8 @@ class LocalEnvironment(BaseEnvironment):
 
     def _check_writable_path(self, path: str) -> None:
         normalized = "/" + str(path).strip("/")
-        for mount in SYSTEM_MOUNTS:
+        mounts = ("/proc", "/dev", "/sys") if self._oci is not None else SYSTEM_MOUNTS
+        for mount in mounts:
             if normalized == mount or normalized.startswith(mount + "/"):
                 raise _hostfs.UnsafePathError(
                     1, f"{path!r} is in the host's read-only system directories, not in the sandbox's own tree"

@@ -446,7 +446,7 @@ class ImageStore:
         config = await self._inspect(image_id)
         # The exported root is kept; buildah's copy of the final image is not needed.
         await self._run_buildah("rmi", "--force", image_id)
-        (out / "rootfs").chmod(0o755)
+        prepare_image_root(out / "rootfs")
         record = ImageRecord(
             key=key,
             image_id=image_id,
@@ -484,6 +484,30 @@ class ImageStore:
     async def prune_bases(self) -> None:
         """Remove base images no longer needed from buildah's storage."""
         await self._run_buildah("rmi", "--prune")
+
+
+#: Folders every image root gets, as ``docker run`` provides them: mount points, and
+#: Harbor's log folders (volumes under Docker), writable by every user of the image.
+MOUNT_POINTS = ("proc", "dev", "sys", "tmp", "run/trl-harbor")
+LOG_DIRS = ("logs/agent", "logs/verifier", "logs/artifacts")
+
+
+def prepare_image_root(root: Path) -> None:
+    """Give an exported image root what sandboxes mount on it, once, at build time.
+
+    Args:
+        root: The exported root.
+    """
+    root.chmod(0o755)
+    for name in MOUNT_POINTS + LOG_DIRS:
+        path = root
+        for part in name.split("/"):
+            path = path / part
+            if path.is_symlink():
+                break  # never followed: it points into the host here (e.g. /run -> /var/run)
+            path.mkdir(exist_ok=True)
+            if part == name.split("/")[-1]:
+                path.chmod(0o1777 if name == "tmp" else 0o777 if name in LOG_DIRS else 0o755)
 
 
 def image_config(inspect: dict) -> ImageConfig:

@@ -1,0 +1,242 @@
+"""Sandboxes on the task's own image (``root="image"``): FROM honoured, Docker semantics.
+
+Every task here is ``FROM`` a Debian image served by a registry on loopback (see
+``registry.py``); buildah builds it, and each sandbox is a copy-on-write view of the
+built root. The tests are the repros of issue #8's bugs, run the other way round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+from registry import loopback_registry  # noqa: F401 - the session fixture
+
+from sandbox_helpers import make_task, open_env, run
+from trl_harbor.sandboxes._bwrap import state_root
+
+pytestmark = pytest.mark.local
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("image-cache"))
+
+
+def _task(tmp_path: Path, dockerfile: str, files: dict[str, str] | None = None, network: str = "no-network") -> Path:
+    return make_task(tmp_path / "tasks", dockerfile=textwrap.dedent(dockerfile), files=files, network_mode=network)
+
+
+async def _session(task: Path, tmp_path: Path, cache_dir: str, commands: list[tuple[str, str | None]]):
+    """Start a sandbox on the task's image, run ``(command, user)`` pairs, stop it."""
+    env = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+    await env.start(force_build=False)
+    try:
+        return [await env.exec(command, user=user) for command, user in commands]
+    finally:
+        await env.stop(delete=True)
+
+
+def test_system_folders_are_the_images_and_writable(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """Bugs 1, 2, 3: ENV PATH expansion, COPY into /etc and /usr/local/bin, a writable /var."""
+    task = _task(
+        tmp_path,
+        f"""\
+        FROM {loopback_registry.base}
+        ENV PATH="/opt/tool/bin:${{PATH}}"
+        RUN mkdir -p /opt/tool/bin && printf '#!/bin/sh\\necho from-opt-tool\\n' > /opt/tool/bin/opttool \\
+            && chmod +x /opt/tool/bin/opttool
+        COPY app.conf /etc/myapp/app.conf
+        COPY tool.sh /usr/local/bin/tool
+        RUN chmod +x /usr/local/bin/tool
+        WORKDIR /workdir
+        """,
+        {"app.conf": "mode=production\n", "tool.sh": "#!/bin/sh\necho tool-ran\n"},
+    )
+    results = run(
+        _session(
+            task,
+            tmp_path,
+            cache_dir,
+            [
+                ("mkdir -p /workdir/x && rm -r /workdir/x && echo $PATH && opttool", None),
+                ("cat /etc/myapp/app.conf && tool", None),
+                ("echo started > /var/log/app.log && cat /var/log/app.log", None),
+                ("echo ok > /etc/written && echo more >> /usr/local/bin/tool && touch /usr/bin/new && echo done", None),
+                ("test ! -e /usr/bin/bwrap && test ! -e /usr/bin/buildah && echo host-invisible", None),
+                ("cat /etc/debian_version; id -u; echo $HOME; pwd", None),
+            ],
+        )
+    )
+    assert all(r.return_code == 0 for r in results), [(r.stdout, r.stderr) for r in results]
+    path, opt = results[0].stdout.split()
+    assert path.startswith("/opt/tool/bin:/usr/local/sbin:") and opt == "from-opt-tool"
+    assert results[1].stdout.split() == ["mode=production", "tool-ran"]
+    assert results[2].stdout.strip() == "started"
+    assert results[3].stdout.strip() == "done"
+    assert results[4].stdout.strip() == "host-invisible"
+    version, uid, home, cwd = results[5].stdout.split()
+    assert version.startswith("12") and (uid, home, cwd) == ("0", "/root", "/workdir")
+
+
+def test_writes_are_private_to_each_sandbox(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    task = _task(tmp_path, f"FROM {loopback_registry.base}\nWORKDIR /workdir\n")
+
+    async def scenario():
+        first = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        second = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        await asyncio.gather(first.start(force_build=False), second.start(force_build=False))
+        try:
+            await first.exec("echo mine > /etc/hostname-note && rm /etc/debian_version")
+            seen = await second.exec("cat /etc/hostname-note; cat /etc/debian_version")
+            image = first._oci
+            assert image is not None
+            assert (image.rootfs / "etc" / "debian_version").exists(), "the image root must never change"
+            return seen
+        finally:
+            await asyncio.gather(first.stop(delete=True), second.stop(delete=True))
+
+    seen = run(scenario())
+    assert "No such file" in seen.stderr and seen.stdout.strip().startswith("12")
+    assert not [p for p in state_root().iterdir() if p.name.startswith(f"{os.getpid()}-demo")]
+    mounts = Path("/proc/self/mounts").read_text()
+    assert f"{state_root()}/{os.getpid()}-" not in mounts, "overlay mounts must go with their sandbox"
+
+
+def test_user_useradd_and_per_command_users(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """USER applies by default; [agent]/[verifier] user= names the image's users; root can add users."""
+    task = _task(
+        tmp_path,
+        f"""\
+        FROM {loopback_registry.base}
+        RUN useradd -m -u 1234 agent && groupadd -g 2345 team && usermod -aG team agent
+        WORKDIR /home/agent
+        USER agent
+        """,
+    )
+    results = run(
+        _session(
+            task,
+            tmp_path,
+            cache_dir,
+            [
+                ("id -u; id -G; echo $HOME $USER; touch /etc/nope 2>/dev/null || echo denied", None),
+                ("id -u; useradd -m verifier && chown verifier /home/agent && echo made", "root"),
+                ("id -un; echo $HOME", "verifier"),
+                ("id -u", "1234"),
+                ("true", "nobody-such"),
+            ],
+        )
+    )
+    assert results[0].stdout.split() == ["1234", "1234", "2345", "/home/agent", "agent", "denied"]
+    assert results[1].stdout.split() == ["0", "made"]
+    assert results[2].stdout.split() == ["verifier", "/home/verifier"]
+    assert results[3].stdout.strip() == "1234"
+    assert results[4].return_code == 125 and "no user nobody-such" in results[4].stderr
+
+
+def test_entrypoint_runs_at_start(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """Bug 5: the image's ENTRYPOINT runs (with Harbor's keep-alive command as its arguments)."""
+    task = _task(
+        tmp_path,
+        f"""\
+        FROM {loopback_registry.base}
+        COPY entrypoint.sh /usr/local/bin/entrypoint.sh
+        RUN chmod +x /usr/local/bin/entrypoint.sh
+        ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]
+        """,
+        {"entrypoint.sh": '#!/bin/sh\necho "entry $(id -u) $*" > /tmp/entrypoint.out\nexec "$@"\n'},
+    )
+
+    async def scenario():
+        env = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        await env.start(force_build=False)
+        try:
+            for _ in range(100):
+                result = await env.exec("cat /tmp/entrypoint.out 2>/dev/null")
+                if result.stdout:
+                    return result.stdout
+                await asyncio.sleep(0.05)
+            return ""
+        finally:
+            await env.stop(delete=True)
+
+    assert run(scenario()).strip() == "entry 0 sh -c sleep infinity"
+
+
+def test_task_venv_at_opt_venv_with_pip_through_host_trust(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """Bugs 7 and 8: the task's own /opt/venv, pip installs from PyPI at build time (through the
+    host's CA certificates on a TLS-intercepting network), packages visible to the image's Python."""
+    task = _task(
+        tmp_path,
+        f"""\
+        FROM {loopback_registry.base}
+        RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check six
+        RUN site=$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && mkdir -p "$site" \\
+            && echo 'VALUE = 7' > "$site/taskmod.py"
+        ENV PATH="/opt/venv/bin:$PATH"
+        """,
+    )
+    results = run(
+        _session(
+            task,
+            tmp_path,
+            cache_dir,
+            [
+                ("command -v python; python -c 'import six; print(six.__name__)'", None),
+                ("/usr/bin/python3 -c 'import taskmod; print(taskmod.VALUE)'", None),
+                ("/usr/bin/python3 -c 'import six' 2>&1 | tail -1", None),
+            ],
+        )
+    )
+    assert results[0].stdout.split() == ["/opt/venv/bin/python", "six"], results[0].stderr
+    assert results[1].stdout.strip() == "7"
+    assert "ModuleNotFoundError" in results[2].stdout
+
+
+def test_apt_get_at_build_and_verify_time(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """Bugs 4 and 6: apt-get mixed with other commands in one RUN, and apt-get in the sandbox."""
+    task = _task(
+        tmp_path,
+        f"""\
+        FROM {loopback_registry.base}
+        RUN apt-get update && apt-get install -y --no-install-recommends jq && mkdir -p /app
+        WORKDIR /app
+        """,
+        network="public",
+    )
+    results = run(
+        _session(
+            task,
+            tmp_path,
+            cache_dir,
+            [
+                ("echo '{\"a\": 3}' | jq .a", None),
+                ("apt-get install -y --no-install-recommends bc >/dev/null 2>&1; echo '2+3' | bc", None),
+            ],
+        )
+    )
+    assert results[0].stdout.strip() == "3", results[0].stderr
+    assert results[1].stdout.strip() == "5", results[1].stderr
+
+
+def test_fingerprints_see_the_agents_changes_on_an_image_root(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    task = _task(tmp_path, f"FROM {loopback_registry.base}\nWORKDIR /workdir\nRUN echo v1 > /usr/local/bin/checker\n")
+
+    async def scenario():
+        env = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        await env.start(force_build=False)
+        try:
+            before = await env.file_fingerprints([("/usr/local/bin", None), ("/etc/passwd", 0)])
+            await env.exec("echo tampered > /usr/local/bin/checker")
+            after = await env.file_fingerprints([("/usr/local/bin", None), ("/etc/passwd", 0)])
+            return before, after
+        finally:
+            await env.stop(delete=True)
+
+    before, after = run(scenario())
+    assert before["/usr/local/bin/checker"] != after["/usr/local/bin/checker"]
+    assert before["/etc/passwd"] == after["/etc/passwd"]
