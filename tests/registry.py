@@ -113,15 +113,22 @@ def base_image_archive() -> Path:
     return archive
 
 
-@pytest.fixture(scope="session")
-def loopback_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackRegistry]:
-    """Start a registry on loopback, seed it with the Debian base image, point builds at it."""
+@contextlib.contextmanager
+def serve_loopback_registry(workdir: Path) -> Iterator[LoopbackRegistry]:
+    """Run a seeded registry on loopback while the context lasts, and point builds at it.
+
+    Args:
+        workdir: An empty folder for its configuration and storage.
+
+    Yields:
+        The running registry (``CONTAINERS_REGISTRIES_CONF`` names its ``registries.conf``).
+    """
     missing = [package for tool, package in TOOLS.items() if shutil.which(tool) is None]
-    assert not missing, (
-        f"the image tests need {', '.join(missing)}: run ./scripts/bootstrap.sh as root, or "
-        f"`apt-get install {' '.join(missing)}`"
-    )
-    workdir = tmp_path_factory.mktemp("registry")
+    if missing:
+        raise RuntimeError(
+            f"the image tests need {', '.join(missing)}: run ./scripts/bootstrap.sh as root, or "
+            f"`apt-get install {' '.join(missing)}`"
+        )
     port = _free_port()
     address = f"127.0.0.1:{port}"
     (workdir / "config.yml").write_text(
@@ -166,3 +173,10 @@ def loopback_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop
         if server.poll() is None:
             server.kill()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def loopback_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackRegistry]:
+    """Start a registry on loopback, seed it with the Debian base image, point builds at it."""
+    with serve_loopback_registry(tmp_path_factory.mktemp("registry")) as registry:
+        yield registry

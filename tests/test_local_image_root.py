@@ -240,3 +240,25 @@ def test_fingerprints_see_the_agents_changes_on_an_image_root(loopback_registry,
     before, after = run(scenario())
     assert before["/usr/local/bin/checker"] != after["/usr/local/bin/checker"]
     assert before["/etc/passwd"] == after["/etc/passwd"]
+
+
+def test_harbor_oracle_and_verifier_with_task_users(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """Harbor's own OracleAgent and Verifier on an image root, with [agent]/[verifier] user= set."""
+    from trl_harbor.check import check_suite
+
+    task = _task(
+        tmp_path,
+        f"""\
+        FROM {loopback_registry.base}
+        RUN useradd -m agent && mkdir /workdir && chown agent /workdir
+        WORKDIR /workdir
+        USER agent
+        """,
+    )
+    toml = (task / "task.toml").read_text()
+    toml = toml.replace("[agent]\n", '[agent]\nuser = "agent"\n').replace("[verifier]\n", '[verifier]\nuser = "root"\n')
+    (task / "task.toml").write_text(toml)
+    (task / "solution" / "solve.sh").write_text('#!/bin/bash\n[ "$(id -un)" = agent ] && echo 42 > /workdir/answer.txt\n')
+    (result,) = run(check_suite([task], "local", concurrency=1, env_kwargs={"root": "image", "cache_dir": cache_dir}))
+    assert result.passed, (result.oracle, result.nop)
+    assert (result.oracle.reward, result.nop.reward) == (1.0, 0.0)

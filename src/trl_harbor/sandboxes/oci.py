@@ -350,6 +350,7 @@ class ImageStore:
         """
         lock = self._locks.setdefault(f"pull:{ref}", asyncio.Lock())
         async with lock:
+            self._private_dirs()
             lock_dir = self.storage_dir / "locks"
             lock_dir.mkdir(parents=True, exist_ok=True)
             name = hashlib.sha256(ref.encode()).hexdigest()[:16]
@@ -391,8 +392,15 @@ class ImageStore:
             self._memo[signature] = image
             return image
 
+    def _private_dirs(self) -> None:
+        # Image roots hold the image's setuid programs, owned by the host's root: like
+        # /var/lib/docker, nobody else on the host may reach them.
+        for path in (self.images_dir, self.storage_dir):
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(0o700)
+
     async def _build_locked(self, environment_dir: Path, final: Path, task_name: str, force: bool) -> None:
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self._private_dirs()
         with open(final.parent / f"{final.name}.lock", "w") as lock_file:
             await asyncio.to_thread(fcntl.flock, lock_file, fcntl.LOCK_EX)
             if (final / "image.json").exists() and not force:
