@@ -1,0 +1,179 @@
+"""``trl-harbor images``: the local sandbox's task images (list, build ahead of training, prune).
+
+Task images are built by buildah from each task's Dockerfile and cached by content under
+``~/.cache/trl-harbor`` (see :mod:`trl_harbor.sandboxes.oci`). Building a suite's images
+before training keeps the first rollouts from waiting on pulls and builds::
+
+    trl-harbor images build examples/tasks
+    trl-harbor images list
+    trl-harbor images prune            # images whose task changed or is gone
+    trl-harbor images prune --all      # every image, and the pulled base images
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from pathlib import Path
+
+__all__ = ["add_parser", "cache_size", "run"]
+
+
+def cache_size(path: Path) -> int:
+    """Bytes used on disk under ``path``, counting each hard-linked file once.
+
+    Args:
+        path: A folder (missing: 0).
+
+    Returns:
+        The size in bytes.
+    """
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for folder, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                info = os.lstat(os.path.join(folder, name))
+            except OSError:
+                continue
+            if (info.st_dev, info.st_ino) in seen:
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            total += info.st_blocks * 512
+    return total
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _store(args: argparse.Namespace):
+    from trl_harbor.sandboxes.oci import ImageStore
+
+    return ImageStore(Path(args.cache_dir) if args.cache_dir else None, host_trust=not args.no_host_trust)
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    store = _store(args)
+    images = store.images()
+    if not images:
+        print(f"no task images in {store.images_dir}")
+    else:
+        print(f"{'key':<24}  {'size':>9}  {'built':<16}  {'base':<40}  task")
+        for image in images:
+            record = image.record
+            built = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.built_at))
+            bases = ", ".join(record.bases) or "scratch"
+            print(f"{record.key:<24}  {_human(cache_size(image.rootfs)):>9}  {built:<16}  {bases:<40}  {record.source}")
+    images_size = cache_size(store.images_dir)
+    storage_size = cache_size(store.storage_dir)
+    print(
+        f"\n{len(images)} image(s): {_human(images_size)}; base images and layers "
+        f"({store.storage_dir}): {_human(storage_size)}; total {_human(images_size + storage_size)}"
+    )
+    return 0
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from trl_harbor.suite import load_suite
+
+    tasks = load_suite(args.suite).tasks
+    if args.task:
+        wanted = set(args.task)
+        tasks = [t for t in tasks if t.path.name in wanted]
+        missing = wanted - {t.path.name for t in tasks}
+        if missing:
+            raise SystemExit(f"no task named {', '.join(sorted(missing))} in {args.suite}")
+    store = _store(args)
+    failures: list[str] = []
+
+    async def build_all() -> None:
+        semaphore = asyncio.Semaphore(max(1, args.concurrency))
+        done = 0
+
+        async def one(task) -> None:
+            nonlocal done
+            environment = task.path / "environment"
+            async with semaphore:
+                cached = not args.force and await asyncio.to_thread(store.cached, environment) is not None
+                started = time.monotonic()
+                try:
+                    await store.get(environment, task.path.name, force=args.force)
+                    status = "cached" if cached else f"built in {time.monotonic() - started:.1f}s"
+                except Exception as error:  # reported per task, then summarised
+                    failures.append(task.path.name)
+                    status = f"FAILED: {error}"
+            done += 1
+            print(f"[{done}/{len(tasks)}] {task.path.name}: {status}", flush=True)
+
+        await asyncio.gather(*(one(task) for task in tasks))
+
+    asyncio.run(build_all())
+    print(f"\n{len(tasks) - len(failures)} of {len(tasks)} image(s) ready in {store.images_dir}")
+    return 1 if failures else 0
+
+
+def _cmd_prune(args: argparse.Namespace) -> int:
+    store = _store(args)
+    removed, freed = 0, 0
+    for image in store.images():
+        source = Path(image.record.source)
+        stale = args.all
+        if not stale:
+            environment_gone = not (source / "Dockerfile").is_file()
+            stale = environment_gone or store.content_key(source) != image.record.key
+        if stale:
+            freed += cache_size(image.path)
+            store.remove(image)
+            removed += 1
+    if args.all:
+        before = cache_size(store.storage_dir)
+        asyncio.run(store.prune_bases())
+        freed += max(0, before - cache_size(store.storage_dir))
+    print(f"removed {removed} image(s), freed {_human(freed)}")
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``images`` and its subcommands on the ``trl-harbor`` parser.
+
+    Args:
+        commands: The parser's subcommands.
+    """
+    images = commands.add_parser("images", help="task images of the local sandbox: list, build, prune")
+    sub = images.add_subparsers(dest="images_command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--cache-dir", help="cache root (default: $TRL_HARBOR_CACHE_DIR or ~/.cache/trl-harbor)")
+    common.add_argument(
+        "--no-host-trust", action="store_true", help="do not forward the host's proxies and CA certificates"
+    )
+    listing = sub.add_parser("list", parents=[common], help="built images and the cache's size")
+    listing.set_defaults(func=_cmd_list)
+    build = sub.add_parser("build", parents=[common], help="build a suite's images ahead of training")
+    build.add_argument("suite", help="a folder of task folders, or one holding tasks/")
+    build.add_argument("--task", "-t", action="append", help="build only this task (repeatable)")
+    build.add_argument("--concurrency", "-n", type=int, default=2, help="builds at once")
+    build.add_argument("--force", action="store_true", help="rebuild even if cached")
+    build.set_defaults(func=_cmd_build)
+    prune = sub.add_parser("prune", parents=[common], help="remove images whose task changed or is gone")
+    prune.add_argument("--all", action="store_true", help="remove every image and the pulled base images")
+    prune.set_defaults(func=_cmd_prune)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed ``images`` subcommand.
+
+    Args:
+        args: Parsed arguments (from a parser that :func:`add_parser` extended).
+
+    Returns:
+        The exit status.
+    """
+    return args.func(args)

@@ -1,0 +1,53 @@
+"""``trl-harbor images``: build a suite's images ahead of time, list them with sizes, prune them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from registry import loopback_registry  # noqa: F401 - the session fixture
+
+from sandbox_helpers import make_task
+from trl_harbor import images
+
+pytestmark = pytest.mark.local
+
+
+def _images(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="trl-harbor")
+    images.add_parser(parser.add_subparsers(dest="command", required=True))
+    return images.run(parser.parse_args(["images", *argv]))
+
+
+def test_build_list_prune(loopback_registry, tmp_path: Path, capsys) -> None:  # noqa: F811
+    suite = tmp_path / "suite"
+    for name, line in (("alpha", "RUN echo a > /a"), ("beta", "RUN echo b > /b")):
+        make_task(suite, name, dockerfile=f"FROM {loopback_registry.base}\n{line}\nWORKDIR /workdir\n")
+    cache = str(tmp_path / "cache")
+
+    assert _images("build", str(suite), "--cache-dir", cache) == 0
+    out = capsys.readouterr().out
+    assert "alpha: built in" in out and "beta: built in" in out and "2 of 2 image(s) ready" in out
+    assert _images("build", str(suite), "--cache-dir", cache, "-t", "alpha") == 0
+    assert "[1/1] alpha: cached" in capsys.readouterr().out
+
+    assert _images("list", "--cache-dir", cache) == 0
+    out = capsys.readouterr().out
+    assert out.count(loopback_registry.base) == 2 and "2 image(s)" in out and "MiB" in out
+
+    (suite / "beta" / "environment" / "Dockerfile").write_text(f"FROM {loopback_registry.base}\nRUN echo c > /c\n")
+    assert _images("prune", "--cache-dir", cache) == 0
+    assert "removed 1 image(s)" in capsys.readouterr().out
+    assert _images("prune", "--cache-dir", cache, "--all") == 0
+    assert "removed 1 image(s)" in capsys.readouterr().out
+    assert _images("list", "--cache-dir", cache) == 0
+    assert "no task images" in capsys.readouterr().out
+
+
+def test_build_reports_failures(loopback_registry, tmp_path: Path, capsys) -> None:  # noqa: F811
+    suite = tmp_path / "suite"
+    make_task(suite, "broken", dockerfile=f"FROM {loopback_registry.base}\nRUN exit 7\n")
+    assert _images("build", str(suite), "--cache-dir", str(tmp_path / "cache")) == 1
+    out = capsys.readouterr().out
+    assert "broken: FAILED" in out and "0 of 1 image(s) ready" in out
