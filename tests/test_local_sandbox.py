@@ -68,7 +68,7 @@ def test_background_process_survives_between_execs(task: Path, tmp_path: Path, s
                 'h.SimpleHTTPRequestHandler).serve_forever()" >/tmp/server.log 2>&1 &'
             )
             probe = await env.exec(
-                "for i in $(seq 50); do python3 -c \"import urllib.request as u; "
+                'for i in $(seq 50); do python3 -c "import urllib.request as u; '
                 "print(u.urlopen('http://127.0.0.1:8765/').status)\" 2>/dev/null && break; sleep 0.1; done"
             )
             assert probe.stdout.strip() == "200"
@@ -162,7 +162,7 @@ def test_memory_hog_is_contained(task: Path, tmp_path: Path) -> None:
         await env.start(force_build=False)
         try:
             hog = await env.exec(
-                "python3 -c \"b = []\nwhile True: b.append(bytearray(64 * 1024 * 1024))\"", timeout_sec=60
+                'python3 -c "b = []\nwhile True: b.append(bytearray(64 * 1024 * 1024))"', timeout_sec=60
             )
             assert hog.return_code != 0
             assert (await env.exec("echo alive")).stdout.strip() == "alive"
@@ -307,13 +307,21 @@ def test_kill_processes_stops_every_detached_process_and_keeps_the_sandbox(
         env = open_env(task, tmp_path)
         await env.start(force_build=False)
         try:
+            # A service that was there before the agent (an ENTRYPOINT's, say) is kept.
+            assert (await env.exec(f"nohup sleep 41{tag}.9 >/dev/null 2>&1 &")).return_code == 0
+            assert wait_until(lambda: live_processes_with(f"41{tag}.9"))
+            baseline = await env.list_processes()
+            assert baseline and all(":" in entry for entry in baseline)
             for command in detached.values():
                 assert (await env.exec(command)).return_code == 0
             assert wait_until(lambda: all(live_processes_with(f"41{tag}.{i}") for i in (1, 2, 3)))
-            killed = await env.kill_processes()
+            killed = await env.kill_processes(keep=baseline)
             assert killed >= 3
             assert wait_until(lambda: not any(live_processes_with(f"41{tag}.{i}") for i in (1, 2, 3)))
+            assert live_processes_with(f"41{tag}.9")
             assert (await env.exec("echo still here")).stdout.strip() == "still here"
+            await env.kill_processes()
+            assert wait_until(lambda: not live_processes_with(f"41{tag}.9"))
         finally:
             await env.stop(delete=True)
 

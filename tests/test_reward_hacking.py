@@ -181,7 +181,7 @@ def test_the_exploits_are_real_without_the_defences(
     from trl_harbor import integrity
     from trl_harbor.sandboxes.local import LocalEnvironment
 
-    async def keep_everything(self) -> int:
+    async def keep_everything(self, keep=()) -> int:
         return 0
 
     monkeypatch.setattr(LocalEnvironment, "kill_processes", keep_everything)
@@ -289,6 +289,7 @@ def test_the_generic_path_for_other_backends_also_scores_every_exploit_zero(
     from trl_harbor.sandboxes.local import LocalEnvironment
 
     monkeypatch.setattr(LocalEnvironment, "kill_processes", None)
+    monkeypatch.setattr(LocalEnvironment, "list_processes", None)
     monkeypatch.setattr(LocalEnvironment, "file_fingerprints", None)
     outcome = _rollouts(suite, "bash", {**EXPLOITS, "honest": HONEST})
     assert outcome.pop("honest") == 1.0

@@ -242,13 +242,18 @@ class Episode:
             await asyncio.wait([asyncio.wrap_future(self.ready)])
 
     async def snapshot_processes(self) -> None:
-        """Remember the sandbox's own processes, so that only the agent's are killed at grading.
+        """Remember the sandbox's own processes, which grading keeps (the agent's it kills).
 
-        Only for backends without a native ``kill_processes()``; call it once the sandbox
-        started, before anything of the agent's (a harness's ``_setup`` included) runs.
+        Call it once the sandbox started (and its healthcheck passed), before anything of the
+        agent's — a harness's ``_setup`` included — runs: a service the image's ``ENTRYPOINT``
+        or a setup script started is kept; a kernel the harness starts for the agent is not.
         """
         environment = self.environment
-        if environment is None or callable(getattr(environment, "kill_processes", None)):
+        if environment is None:
+            return
+        native = getattr(environment, "list_processes", None)
+        if callable(native):
+            self._processes_before = list(await native())
             return
         result = await environment.exec(integrity.PROCESS_SNAPSHOT_SCRIPT, user="root", timeout_sec=60)
         self._processes_before = (result.stdout or "").split()
@@ -380,14 +385,11 @@ class Episode:
         """Stop every process the agent left, so nothing runs beside the verifier."""
         self.sealed = True
         native = getattr(environment, "kill_processes", None)
+        keep = self._processes_before or []
         try:
             if callable(native):
-                return int(await native())
-            if self._processes_before is None:
-                return 0
-            result = await environment.exec(
-                integrity.kill_command(self._processes_before), user="root", timeout_sec=120
-            )
+                return int(await native(keep))
+            result = await environment.exec(integrity.kill_command(keep), user="root", timeout_sec=120)
             return int((result.stdout or "0").strip().splitlines()[-1] or 0)
         except Exception as exc:
             raise _BackendFault(f"stopping the agent's processes failed: {type(exc).__name__}: {exc}") from exc

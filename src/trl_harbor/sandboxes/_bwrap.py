@@ -36,6 +36,7 @@ import tempfile
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -647,12 +648,48 @@ class Box:
             dropped += lost
         return {"rc": rc, "timed_out": bool(flags & 1), "stdout": streams[0], "stderr": streams[1], "dropped": dropped}
 
-    async def kill_processes(self) -> int:
-        """Kill every process in the box except its supervisor, and wait until they are gone.
+    async def _control(self, *fields: str) -> dict:
+        """Send a control request (an empty working directory) to the supervisor."""
+        if self.closed:
+            raise SandboxCommandError("the sandbox has been stopped")
+        encoded = [b"", *(f.encode() for f in fields)]
+        body = struct.pack("<III", 0, 1 << 20, len(encoded)) + b"".join(struct.pack("<I", len(f)) + f for f in encoded)
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+        except OSError as error:
+            raise SandboxCommandError(f"the sandbox is not running ({error})") from error
+        try:
+            writer.write(struct.pack("<I", len(body)) + body)
+            await writer.drain()
+            answer = await asyncio.wait_for(self._read_answer(reader, 1 << 20), timeout=60)
+        except (TimeoutError, asyncio.IncompleteReadError, OSError) as error:
+            raise SandboxCommandError(f"the sandbox's supervisor did not answer {fields[0]!r} ({error!r})") from error
+        finally:
+            writer.close()
+        if answer["rc"] < 0:
+            raise SandboxCommandError(f"the sandbox's supervisor refused {fields[0]!r}")
+        return answer
+
+    async def list_processes(self) -> list[str]:
+        """The box's live processes but its supervisor, as ``"PID:START"`` (PID in the box, start time in ticks).
+
+        Returns:
+            One entry per process; the same process keeps its entry, a reused PID does not.
+
+        Raises:
+            SandboxCommandError: If the box is gone or its supervisor does not answer.
+        """
+        return (await self._control("ps"))["stdout"].split()
+
+    async def kill_processes(self, keep: Sequence[str] = ()) -> int:
+        """Kill every process in the box except its supervisor and ``keep``, until none is left.
 
         Reaches every process of the box's PID namespace, whatever it did to detach
         (``nohup``, ``setsid``, double forks, ignoring SIGTERM), and any command still
         running. The box stays usable for new commands.
+
+        Args:
+            keep: ``"PID:START"`` entries (from :meth:`list_processes`) to leave alone.
 
         Returns:
             How many processes were killed.
@@ -660,21 +697,7 @@ class Box:
         Raises:
             SandboxCommandError: If the box is gone or its supervisor does not answer.
         """
-        if self.closed:
-            raise SandboxCommandError("the sandbox has been stopped")
-        try:
-            reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
-        except OSError as error:
-            raise SandboxCommandError(f"the sandbox is not running ({error})") from error
-        try:
-            writer.write(struct.pack("<IIII", 12, 0, 0, 0))
-            await writer.drain()
-            answer = await asyncio.wait_for(self._read_answer(reader, 0), timeout=60)
-        except (TimeoutError, asyncio.IncompleteReadError, OSError) as error:
-            raise SandboxCommandError(f"the sandbox's supervisor did not stop its processes ({error!r})") from error
-        finally:
-            writer.close()
-        return int(answer["rc"])
+        return int((await self._control("kill", *keep))["rc"])
 
     # -- teardown --------------------------------------------------------------
 

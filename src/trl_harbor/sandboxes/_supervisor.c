@@ -193,9 +193,10 @@ static void kill_tree(void) {
     }
 }
 
-/* Reads a process's state letter from /proc/PID/stat ('?' when it is gone). */
-static char proc_state(const char *pid) {
-    char path[300], buf[512];
+/* Reads a process's state letter and start time (clock ticks after boot) from
+ * /proc/PID/stat; the state is '?' when the process is gone. */
+static char proc_stat(const char *pid, unsigned long long *start) {
+    char path[300], buf[1024];
     snprintf(path, sizeof path, "/proc/%s/stat", pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return '?';
@@ -204,14 +205,42 @@ static char proc_state(const char *pid) {
     if (len <= 0) return '?';
     buf[len] = 0;
     char *close_paren = strrchr(buf, ')');
-    return close_paren && close_paren[1] && close_paren[2] ? close_paren[2] : '?';
+    if (!close_paren || !close_paren[1] || !close_paren[2]) return '?';
+    char state = close_paren[2];
+    /* After the state come 18 fields, then the start time (field 22 of the line). */
+    char *p = close_paren + 3;
+    for (int field = 0; field < 18 && p; field++) p = strchr(p + 1, ' ');
+    *start = p ? strtoull(p + 1, NULL, 10) : 0;
+    return state;
 }
 
-/* Kills every process of the sandbox but the supervisor (PID 1) and this handler,
- * repeating until a scan finds none alive; returns how many were killed. Every
- * process in the namespace is reachable this way, whatever it did to detach
- * (new session, double fork, ignoring SIGTERM). */
-static int kill_all(void) {
+/* The sandbox's live processes but the supervisor (PID 1) and this handler, one
+ * "PID:START" line each. */
+static size_t list_processes(char **out) {
+    size_t cap = 4096, len = 0;
+    char *text = malloc(cap);
+    DIR *proc = opendir("/proc");
+    struct dirent *entry;
+    pid_t me = getpid();
+    while (proc && (entry = readdir(proc))) {
+        if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
+        pid_t pid = (pid_t)atoi(entry->d_name);
+        unsigned long long start;
+        char state = proc_stat(entry->d_name, &start);
+        if (pid == 1 || pid == me || state == 'Z' || state == 'X' || state == '?') continue;
+        if (len + 64 > cap) text = realloc(text, cap *= 2);
+        len += (size_t)snprintf(text + len, cap - len, "%d:%llu\n", (int)pid, start);
+    }
+    if (proc) closedir(proc);
+    *out = text;
+    return len;
+}
+
+/* Kills every process of the sandbox but the supervisor (PID 1), this handler and
+ * the "PID:START" entries of keep, repeating until a scan finds none to kill;
+ * returns how many were killed. Every process in the namespace is reachable this
+ * way, whatever it did to detach (new session, double fork, ignoring SIGTERM). */
+static int kill_all(char **keep, uint32_t nkeep) {
     pid_t me = getpid();
     int total = 0;
     for (int round = 0; round < 1000; round++) {
@@ -222,9 +251,14 @@ static int kill_all(void) {
             if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
             pid_t pid = (pid_t)atoi(entry->d_name);
             if (pid == 1 || pid == me) continue;
-            char state = proc_state(entry->d_name);
+            unsigned long long start;
+            char state = proc_stat(entry->d_name, &start);
             if (state == 'Z' || state == 'X' || state == '?') continue;
-            if (kill(pid, SIGKILL) == 0) killed++;
+            char id[64];
+            snprintf(id, sizeof id, "%d:%llu", (int)pid, start);
+            int kept = 0;
+            for (uint32_t i = 0; i < nkeep && !kept; i++) kept = strcmp(keep[i], id) == 0;
+            if (!kept && kill(pid, SIGKILL) == 0) killed++;
         }
         if (proc) closedir(proc);
         total += killed;
@@ -233,6 +267,16 @@ static int kill_all(void) {
         nanosleep(&pause, NULL);
     }
     return total;
+}
+
+/* Answers a control request: an exit code and stdout, no stderr. */
+static void answer_control(int conn, int32_t rc, const char *text, size_t len) {
+    uint32_t flags = 0, size = (uint32_t)len, zero = 0;
+    uint64_t none = 0;
+    if (!write_full(conn, &rc, 4) && !write_full(conn, &flags, 4) && !write_full(conn, &none, 8) &&
+        !write_full(conn, &size, 4) && !write_full(conn, text, len) && !write_full(conn, &none, 8))
+        write_full(conn, &zero, 4);
+    close(conn);
 }
 
 static void handle(int conn) {
@@ -246,17 +290,6 @@ static void handle(int conn) {
     const char *p = req, *end = req + size;
     uint32_t timeout_ms = get_u32(&p), cap = get_u32(&p), nfields = get_u32(&p);
     if (cap < 64) cap = 64;
-    if (nfields == 0) { /* no command: stop every process of the sandbox */
-        int32_t killed = kill_all();
-        uint32_t flags = 0;
-        uint64_t none = 0;
-        uint32_t zero = 0;
-        if (!write_full(conn, &killed, 4) && !write_full(conn, &flags, 4))
-            for (int i = 0; i < 2; i++)
-                if (write_full(conn, &none, 8) || write_full(conn, &zero, 4)) break;
-        close(conn);
-        return;
-    }
     char **fields = calloc(nfields + 1, sizeof *fields);
     for (uint32_t i = 0; i < nfields; i++) {
         if (end - p < 4) return;
@@ -268,6 +301,18 @@ static void handle(int conn) {
         p += len;
     }
     if (nfields < 2) return;
+    if (fields[0][0] == 0) { /* an empty cwd marks a control request, not a command */
+        if (strcmp(fields[1], "ps") == 0) {
+            char *text;
+            size_t len = list_processes(&text);
+            answer_control(conn, 0, text, len);
+        } else if (strcmp(fields[1], "kill") == 0) {
+            answer_control(conn, kill_all(fields + 2, nfields - 2), "", 0);
+        } else {
+            answer_control(conn, -1, "", 0);
+        }
+        return;
+    }
     const char *cwd = fields[0], *cmd = fields[1];
     char **envp = fields + 2; /* NULL-terminated by calloc */
 

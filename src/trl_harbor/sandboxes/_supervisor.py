@@ -15,8 +15,10 @@ connection carries one command, little-endian:
 
     request:  u32 size | u32 timeout_ms (0: none) | u32 cap | u32 n | n x (u32 len | bytes)
               fields: cwd, command, then "KEY=VALUE" environment entries
-              n = 0 (no fields): kill every process of the sandbox but PID 1 and
-              the handler; the exit code is how many were killed, streams empty
+              an empty cwd marks a control request: command "ps" lists the
+              sandbox's processes ("PID:START" lines on stdout; PID 1 and the
+              handler excluded); "kill" kills all of them but the "PID:START"
+              entries in the remaining fields, and answers how many it killed
     response: i32 exit code | u32 flags (1: timed out)
               | stdout: u64 dropped | u32 len | bytes | stderr: the same
 
@@ -97,23 +99,33 @@ def _kill_tree():
         time.sleep(0.005)
 
 
-def _kill_all():
-    """Kill every process of the sandbox but PID 1 and this handler; return how many."""
-    me, total = os.getpid(), 0
+def _processes():
+    """``{"PID:START": pid}`` of the sandbox's live processes but PID 1 and this handler."""
+    found, me = {}, os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (1, me):
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if fields and fields[0] not in (b"Z", b"X"):
+            found["%s:%s" % (name, fields[19].decode())] = int(name)
+    return found
+
+
+def _kill_all(keep):
+    """Kill every process of the sandbox but PID 1, this handler and ``keep``; return how many."""
+    total = 0
     for _ in range(1000):
         killed = 0
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) in (1, me):
+        for key, pid in _processes().items():
+            if key in keep:
                 continue
             try:
-                with open("/proc/%s/stat" % name, "rb") as handle:
-                    stat = handle.read()
-            except OSError:
-                continue
-            if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X"):
-                continue
-            try:
-                os.kill(int(name), _signal.SIGKILL)
+                os.kill(pid, _signal.SIGKILL)
                 killed += 1
             except ProcessLookupError:
                 pass
@@ -122,6 +134,21 @@ def _kill_all():
             return total
         time.sleep(0.002)
     return total
+
+
+def _control(conn, fields):
+    """Answer a control request (``ps`` or ``kill``): an exit code and stdout."""
+    rc, text = -1, b""
+    if fields[1] == b"ps":
+        rc, text = 0, "".join(key + "\n" for key in _processes()).encode()
+    elif fields[1] == b"kill":
+        rc = _kill_all({entry.decode() for entry in fields[2:]})
+    answer = rc.to_bytes(4, "little", signed=True) + bytes(4)
+    answer += bytes(8) + len(text).to_bytes(4, "little") + text + bytes(12)
+    view = memoryview(answer)
+    while view:
+        view = view[os.write(conn, view) :]
+    os.close(conn)
 
 
 class _Bounded:
@@ -203,10 +230,8 @@ def _handle(conn):
         length, offset = _u32(request, offset)
         fields.append(request[offset : offset + length])
         offset += length
-    if not fields:  # no command: stop every process of the sandbox
-        answer = _kill_all().to_bytes(4, "little", signed=True) + bytes(4) + bytes(24)
-        os.write(conn, answer)
-        os.close(conn)
+    if not fields[0]:  # an empty cwd marks a control request, not a command
+        _control(conn, fields)
         return
     cwd, command = fields[0].decode(), fields[1].decode()
     env = dict(entry.decode().split("=", 1) for entry in fields[2:])

@@ -436,11 +436,30 @@ class LocalEnvironment(BaseEnvironment):
 
     # -- what the verifier can trust -------------------------------------------
 
-    async def kill_processes(self) -> int:
-        """Kill every process in the sandbox but its supervisor (before verification).
+    async def list_processes(self) -> list[str]:
+        """The sandbox's processes (its supervisor aside), as ``"PID:START"`` entries.
+
+        Taken before the agent's first command, it says what to keep at :meth:`kill_processes`
+        (e.g. a service the image's ``ENTRYPOINT`` started).
+
+        Returns:
+            One entry per live process.
+
+        Raises:
+            SandboxCommandError: If the sandbox is not running.
+        """
+        if self._box is None:
+            raise SandboxCommandError("the sandbox is not running (call start() first)")
+        return await self._box.list_processes()
+
+    async def kill_processes(self, keep: Sequence[str] = ()) -> int:
+        """Kill every process in the sandbox but its supervisor and ``keep`` (before verification).
 
         Nothing the agent started survives, whatever it did to detach: the supervisor sees
         every process of the sandbox's PID namespace. The sandbox stays usable.
+
+        Args:
+            keep: ``"PID:START"`` entries from :meth:`list_processes` to leave running.
 
         Returns:
             How many processes were killed.
@@ -450,7 +469,7 @@ class LocalEnvironment(BaseEnvironment):
         """
         if self._box is None:
             raise SandboxCommandError("the sandbox is not running (call start() first)")
-        return await self._box.kill_processes()
+        return await self._box.kill_processes(keep)
 
     async def file_fingerprints(self, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:
         """Fingerprint sandbox paths from the host, without running anything in the sandbox.
