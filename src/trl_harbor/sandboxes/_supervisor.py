@@ -9,8 +9,9 @@ imports only built-in C modules, to start fast.
 It is PID 1 of the sandbox's PID namespace (bubblewrap ``--as-pid-1``), which the
 kernel protects from SIGKILL and SIGSTOP sent from inside the namespace, so the
 agent cannot kill it; it makes itself non-dumpable, and commands run without
-CAP_SYS_PTRACE, so the agent cannot trace it either. The host hands it an already listening Unix socket (descriptor number in
-``argv[1]``; ``argv[2]`` is an address-space limit in bytes, 0 for none). Each
+CAP_SYS_PTRACE, so the agent cannot trace it either. The host hands it an already
+listening Unix socket (descriptor number in ``argv[1]``; ``argv[2]`` is an
+address-space limit in bytes, 0 for none). Each
 connection carries one command, little-endian:
 
     request:  u32 size | u32 timeout_ms (0: none) | u32 cap | u32 n | n x (u32 len | bytes)
