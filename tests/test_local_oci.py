@@ -113,3 +113,25 @@ def test_unpullable_base_names_image_registries_and_fixes(store, loopback_regist
     assert missing in message
     assert loopback_registry.address in message.split("registries tried:")[1]
     assert "registries.conf" in message and "archive" in message and "root='host'" in message
+
+
+def test_unreachable_debian_base_is_bootstrapped_from_debian_packages(loopback_registry, tmp_path):  # noqa: F811
+    """No registry serves debian:bookworm-slim here; a Debian mirror does: mmdebstrap makes the base."""
+    context = _context(tmp_path / "env", "FROM debian:bookworm-slim\nRUN echo built-on-debian > /marker\n")
+    store = ImageStore(tmp_path / "cache", debian_bootstrap=False)
+    with pytest.raises(BaseImageUnavailableError, match="debian:bookworm-slim"):
+        asyncio.run(store.get(context, "debian"))
+    image = asyncio.run(ImageStore(tmp_path / "cache").get(context, "debian"))
+    assert (image.rootfs / "marker").read_text() == "built-on-debian\n"
+    assert (image.rootfs / "etc/debian_version").read_text().startswith("12")
+    assert image.config.env["PATH"].startswith("/usr/local/sbin")
+
+
+def test_debian_suite_names():
+    from trl_harbor.sandboxes.oci import debian_suite
+
+    assert [debian_suite(r) for r in ("debian:bookworm", "debian:12-slim", "docker.io/library/debian:trixie")] == [
+        "bookworm", "bookworm", "trixie",
+    ]  # fmt: skip
+    assert debian_suite("debian") == "stable"
+    assert debian_suite("python:3.12-slim") is None and debian_suite("debian@sha256:00") is None

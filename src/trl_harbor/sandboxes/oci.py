@@ -261,9 +261,19 @@ class ImageStore:
         cache_dir: Cache root (default: :func:`default_cache_dir`).
         build_args: ``--build-arg`` values for every build.
         host_trust: Forward the host's proxy settings and CA certificates to builds.
+        debian_bootstrap: When a ``debian:<suite>`` base cannot be pulled, make it from
+            Debian's packages with ``mmdebstrap`` (a machine that reaches a Debian mirror
+            but no registry), with a warning.
     """
 
-    def __init__(self, cache_dir: Path | None = None, build_args: dict[str, str] | None = None, host_trust: bool = True):
+    def __init__(
+        self,
+        cache_dir: Path | None = None,
+        build_args: dict[str, str] | None = None,
+        host_trust: bool = True,
+        debian_bootstrap: bool = True,
+    ):
+        self.debian_bootstrap = debian_bootstrap
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.images_dir = self.cache_dir / "images"
         self.storage_dir = self.cache_dir / "containers"
@@ -357,8 +367,51 @@ class ImageStore:
             with open(lock_dir / f"pull-{name}.lock", "w") as lock_file:
                 await asyncio.to_thread(fcntl.flock, lock_file, fcntl.LOCK_EX)
                 rc, _, err = await self._run_buildah("pull", "--quiet", "--policy", "missing", ref)
-                if rc != 0:
+                if rc == 0:
+                    return
+                suite = debian_suite(ref)
+                if suite is None or not self.debian_bootstrap or not shutil.which("mmdebstrap"):
                     raise BaseImageUnavailableError(_pull_error(ref, err))
+                logger.warning(
+                    "the base image %s could not be pulled; bootstrapping Debian %s from Debian's packages "
+                    "with mmdebstrap instead (a minbase system, close to but not the same as the registry's image)",
+                    ref, suite,
+                )  # fmt: skip
+                await self._bootstrap_debian(ref, suite, err)
+
+    async def _bootstrap_debian(self, ref: str, suite: str, pull_error: str) -> None:
+        scratch = self.storage_dir / "bootstrap" / f"{suite}-{os.getpid()}"
+        await asyncio.to_thread(remove_tree, scratch)
+        scratch.mkdir(parents=True)
+        try:
+            tarball = scratch / "rootfs.tar"
+            proc = await asyncio.create_subprocess_exec(
+                "mmdebstrap", "--quiet", "--variant=minbase", suite, str(tarball),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            _, err = await proc.communicate()
+            if proc.returncode != 0:
+                raise BaseImageUnavailableError(
+                    _pull_error(ref, pull_error)
+                    + f"\nBootstrapping Debian {suite} with mmdebstrap failed too:\n{err.decode(errors='replace')[-1500:]}"
+                )
+            rc, container, err_text = await self._run_buildah("from", "--quiet", "scratch")
+            if rc != 0:
+                raise ImageBuildError(f"buildah could not start the Debian image: {err_text.strip()}")
+            container = container.strip()
+            try:
+                for step in (
+                    ["add", "--quiet", container, str(tarball), "/"],
+                    ["config", "--env", f"PATH={SYSTEM_PATH}", "--cmd", "bash", container],
+                    ["commit", "--quiet", "--rm", container, _qualified(ref)],
+                ):
+                    rc, _, err_text = await self._run_buildah(*step)
+                    if rc != 0:
+                        raise ImageBuildError(f"making the Debian {suite} image failed: {err_text.strip()}")
+            finally:
+                await self._run_buildah("rm", container)
+        finally:
+            await asyncio.to_thread(remove_tree, scratch)
 
     # -- builds --------------------------------------------------------------------
 
@@ -516,6 +569,36 @@ def prepare_image_root(root: Path) -> None:
             path.mkdir(exist_ok=True)
             if part == name.split("/")[-1]:
                 path.chmod(0o1777 if name == "tmp" else 0o777 if name in LOG_DIRS else 0o755)
+
+
+_DEBIAN_VERSIONS = {"10": "buster", "11": "bullseye", "12": "bookworm", "13": "trixie"}
+_DEBIAN_REF = re.compile(r"^(?:(?:docker\.io|index\.docker\.io)/)?(?:library/)?debian(?::([a-z0-9.]+?)(?:-slim)?)?$")
+
+
+def debian_suite(ref: str) -> str | None:
+    """The Debian suite an official ``debian`` image reference names, or ``None``.
+
+    ``debian:bookworm``, ``debian:12-slim``, ``docker.io/library/debian:trixie`` -> the
+    suite; ``debian`` / ``debian:latest`` -> ``stable``; anything else (digests,
+    other images) -> ``None``.
+    """
+    match = _DEBIAN_REF.match(ref)
+    if not match:
+        return None
+    tag = match.group(1) or "latest"
+    if tag == "latest":
+        return "stable"
+    tag = _DEBIAN_VERSIONS.get(tag.split(".")[0], tag)
+    return tag if re.fullmatch(r"[a-z]+", tag) else None
+
+
+def _qualified(ref: str) -> str:
+    name = ref if ":" in ref.split("/")[-1] else f"{ref}:latest"
+    if "/" not in name:
+        return f"docker.io/library/{name}"
+    if name.startswith("library/"):
+        return f"docker.io/{name}"
+    return name
 
 
 def image_config(inspect: dict) -> ImageConfig:
