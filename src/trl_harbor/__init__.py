@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trl_harbor.env import HarborBashEnv, HarborEnv, close_all
+    from trl_harbor.mix import HarborMix, HarborMixError
     from trl_harbor.spec import HarborSpec
     from trl_harbor.suite import TaskSuiteError
     from trl_harbor.trainer import ConcurrentToolsMixin, HarborGRPOTrainer
@@ -25,6 +26,8 @@ __all__ = [
     "HarborBashEnv",
     "HarborEnv",
     "HarborGRPOTrainer",
+    "HarborMix",
+    "HarborMixError",
     "HarborSpec",
     "TaskSuiteError",
     "close_all",
@@ -32,6 +35,8 @@ __all__ = [
 
 _LAZY = {
     "HarborSpec": "trl_harbor.spec",
+    "HarborMix": "trl_harbor.mix",
+    "HarborMixError": "trl_harbor.mix",
     "HarborEnv": "trl_harbor.env",
     "HarborBashEnv": "trl_harbor.env",
     "close_all": "trl_harbor.env",

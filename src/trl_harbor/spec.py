@@ -21,7 +21,7 @@ at once; the three properties are computed on first access (``datasets`` is impo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,8 @@ from trl_harbor.suite import TaskInfo, load_suite, metadata_columns, select_task
 
 if TYPE_CHECKING:
     from datasets import Dataset
+
+    from trl_harbor.mix import HarborMix
 
 __all__ = ["EnvironmentFactory", "HarborSpec", "harbor_reward"]
 
@@ -244,6 +246,36 @@ class HarborSpec:
     def reward_funcs(self) -> list[Callable[..., list[float]]]:
         """The outcome reward as a one-element list: each rollout's verifier scalar."""
         return [harbor_reward]
+
+    @staticmethod
+    def mix(
+        specs: Sequence[HarborSpec] | Mapping[str, HarborSpec],
+        weights: Sequence[float] | Mapping[str, float] | None = None,
+        seed: int = 0,
+        *,
+        num_rows: int | None = None,
+    ) -> HarborMix:
+        """Mix several specs (suites, harnesses, backends) into one training run.
+
+        See :class:`trl_harbor.mix.HarborMix` and ``docs/mixing.md``.
+
+        Args:
+            specs: The specs, as a list or a mapping ``{suite name: spec}``.
+            weights: One positive weight per spec (need not sum to 1); ``None``: equal.
+            seed: Seed of the mixed dataset's row order.
+            num_rows: Rows of the mixed dataset; ``None``: every task at least once.
+
+        Returns:
+            A :class:`~trl_harbor.mix.HarborMix` with ``train_dataset``,
+            ``environment_factory`` (a dict) and ``reward_funcs``.
+
+        Raises:
+            TypeError: When a spec is not a ``HarborSpec``.
+            trl_harbor.mix.HarborMixError: When the combination is impossible (a ``ValueError``).
+        """
+        from trl_harbor.mix import HarborMix
+
+        return HarborMix(specs, weights, seed, num_rows=num_rows)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,525 @@
+"""``HarborMix``: several task suites and harnesses, weighted, in one ``GRPOTrainer`` run.
+
+.. code-block:: python
+
+    from trl_harbor import HarborSpec
+
+    mix = HarborSpec.mix(
+        {
+            "analysis": HarborSpec("suites/analysis", agent="bash", environment_type="local"),
+            "terminal": HarborSpec("suites/terminal", agent="terminal_notes", environment_type="docker"),
+        },
+        weights=[3, 1],
+    )
+    trainer = GRPOTrainer(
+        model=...,
+        args=GRPOConfig(...),
+        train_dataset=mix.train_dataset,            # `environment` and `suite` columns added
+        environment_factory=mix.environment_factory,  # {environment name: factory}
+        reward_funcs=mix.reward_funcs,              # verifier reward + per-suite metrics
+    )
+
+TRL routes each row to the factory named by its ``environment`` column and shows the model only
+that environment's tools. One environment is made per distinct (suite, harness, backend,
+options) combination. The rows are drawn from the specs by the weights: each spec gets an exact
+quota of rows (largest remainder), its tasks are dealt out in seeded shuffled passes (every task
+once before any task twice), and the quotas are spread evenly through the dataset, so every
+prefix of it follows the weights too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trl_harbor.agents import AGENTS, EXAMPLE_AGENTS
+from trl_harbor.env import HarborEnv
+from trl_harbor.spec import HarborSpec, harbor_reward
+
+if TYPE_CHECKING:
+    from datasets import Dataset, Features
+
+__all__ = ["HarborMix", "HarborMixError", "MixEntry", "harbor_mix_reward", "suite_name"]
+
+#: The columns a mix adds to every row.
+MIX_COLUMNS: tuple[str, ...] = ("environment", "suite")
+
+
+class HarborMixError(ValueError):
+    """A mix that cannot be built: bad weights, clashing names or clashing column types."""
+
+
+def suite_name(spec: HarborSpec) -> str:
+    """The default name of a spec's suite in a mix.
+
+    A Hugging Face dataset id names itself (``"org/name"``); a local suite is named after its
+    folder (the folder that holds ``tasks/``, when the tasks live in a ``tasks/`` subfolder).
+
+    Args:
+        spec: The spec.
+
+    Returns:
+        The suite's name.
+    """
+    source = spec.suite.source
+    if not Path(source).expanduser().exists():
+        return source  # a hub dataset id
+    root = spec.suite.root
+    return root.parent.name if root.name == "tasks" and root.parent.name else root.name
+
+
+@dataclass(frozen=True)
+class MixEntry:
+    """One spec of a mix, with what the mix made of it.
+
+    Attributes:
+        suite: The suite's name (the ``suite`` column).
+        environment: The name of its environment (the ``environment`` column, the key of
+            ``environment_factory``).
+        spec: The spec.
+        weight: Its share of the rows (the weights normalised to sum to 1).
+        rows: How many rows of the mixed dataset it holds.
+        harness: The harness's label (a built-in name, else the class name).
+        environment_type: The sandbox backend.
+        options: The keyword arguments of its environments (``env_kwargs``).
+    """
+
+    suite: str
+    environment: str
+    spec: HarborSpec = field(repr=False)
+    weight: float
+    rows: int
+    harness: str
+    environment_type: str | None
+    options: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def _harness_label(spec: HarborSpec) -> str:
+    agent = getattr(spec.environment_factory, "agent", None)
+    if isinstance(agent, str) and (agent in AGENTS or agent in EXAMPLE_AGENTS):
+        return agent
+    return spec.env_cls.__name__
+
+
+def _options_key(options: Mapping[str, Any]) -> str:
+    return json.dumps(dict(options), sort_keys=True, default=repr)
+
+
+def _environment_name(suite: str, harness: str, environment_type: str | None, options: Mapping[str, Any]) -> str:
+    name = f"{suite}:{harness}@{environment_type}"
+    if options:  # a short, stable digest of the options tells combinations of one harness apart
+        name += "+" + hashlib.sha1(_options_key(options).encode()).hexdigest()[:8]
+    return name
+
+
+def _check_weights(weights: Iterable[Any] | Mapping[str, Any] | None, names: list[str] | None, count: int) -> list[Fraction]:
+    if weights is None:
+        return [Fraction(1)] * count
+    if isinstance(weights, Mapping):
+        if names is None:
+            raise HarborMixError(
+                "weights is a mapping but the specs are a list; pass the weights as a list in the "
+                "specs' order, or the specs as a mapping {name: spec} with the same keys."
+            )
+        if set(weights) != set(names):
+            raise HarborMixError(
+                f"weights name {sorted(map(str, weights))} but the specs are {sorted(names)}; "
+                "give exactly one weight per spec name."
+            )
+        weights = [weights[name] for name in names]
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable):
+        raise HarborMixError(f"weights must be a list of numbers (one per spec), got {type(weights).__name__}.")
+    weights = list(weights)
+    if len(weights) != count:
+        raise HarborMixError(f"{len(weights)} weight(s) for {count} spec(s); give exactly one weight per spec.")
+    checked: list[Fraction] = []
+    for i, weight in enumerate(weights):
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise HarborMixError(f"weights[{i}] is {weight!r}; weights must be numbers.")
+        if not math.isfinite(weight) or weight <= 0:
+            raise HarborMixError(
+                f"weights[{i}] is {weight!r}; weights must be finite and > 0 (leave a spec out of "
+                "the mix instead of giving it weight 0)."
+            )
+        checked.append(Fraction(float(weight)) if not isinstance(weight, (int, Fraction)) else Fraction(weight))
+    return checked
+
+
+def _quotas(weights: list[Fraction], sizes: list[int], num_rows: int | None, suites: list[str]) -> list[int]:
+    total = sum(weights)
+    if num_rows is None:  # the smallest size that holds every task of every spec at least once
+        num_rows = max(math.ceil(size * total / weight) for size, weight in zip(sizes, weights, strict=True))
+    elif isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
+        raise HarborMixError(f"num_rows must be a positive integer (or None), got {num_rows!r}.")
+    exact = [num_rows * weight / total for weight in weights]
+    quotas = [math.floor(share) for share in exact]
+    # Largest remainder: the rows left over go to the largest fractional parts (ties: spec order).
+    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - quotas[i]), i))
+    for i in order[: num_rows - sum(quotas)]:
+        quotas[i] += 1
+    starved = [suites[i] for i, quota in enumerate(quotas) if quota == 0]
+    if starved:
+        smallest = max(math.ceil(total / weight) for weight in weights)
+        raise HarborMixError(
+            f"num_rows={num_rows} leaves no row for {', '.join(map(repr, starved))} at these weights; "
+            f"use num_rows >= {smallest} (or num_rows=None: every task of every suite at least once)."
+        )
+    return quotas
+
+
+def _interleave(quotas: list[int], rng: random.Random) -> list[int]:
+    """Spread each spec's quota evenly over the rows: the k-th row of spec i sits at (k + phase_i) / quota_i."""
+    slots: list[tuple[float, float, int]] = []
+    for i, quota in enumerate(quotas):
+        phase = rng.random()
+        slots += [((k + phase) / quota, rng.random(), i) for k in range(quota)]
+    slots.sort()
+    return [i for _, _, i in slots]
+
+
+def _deal(size: int, count: int, rng: random.Random) -> list[int]:
+    """``count`` row positions of a spec: shuffled passes over its ``size`` rows, one after another."""
+    dealt: list[int] = []
+    while len(dealt) < count:
+        order = list(range(size))
+        rng.shuffle(order)
+        dealt += order
+    return dealt[:count]
+
+
+def _numeric(feature: Any) -> bool:
+    from datasets import Value
+
+    return isinstance(feature, Value) and (feature.dtype.startswith(("int", "uint", "float")))
+
+
+def _is_null(feature: Any) -> bool:
+    from datasets import Value
+
+    return isinstance(feature, Value) and feature.dtype == "null"
+
+
+def _describe(feature: Any) -> str:
+    from datasets import Value
+
+    return feature.dtype if isinstance(feature, Value) else repr(feature)
+
+
+def merge_features(named: Sequence[tuple[str, Features]]) -> tuple[Features, set[str]]:
+    """Merge the columns of several suites' datasets into one schema.
+
+    A column missing from a suite holds ``None`` there; integer and float columns merge to
+    float; any other difference of type is an error.
+
+    Args:
+        named: ``(suite name, dataset features)`` pairs, in mix order.
+
+    Returns:
+        The merged features, and the names of the columns widened to float.
+
+    Raises:
+        HarborMixError: When one column has different types in two suites (the message names the
+            column, both suites and both types).
+    """
+    from datasets import Features, Value
+
+    merged: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    widened: set[str] = set()
+    for suite, features in named:
+        for column, feature in features.items():
+            if column not in merged or _is_null(merged[column]):
+                merged[column], owner[column] = feature, suite
+                continue
+            current = merged[column]
+            if _is_null(feature) or feature == current:
+                continue
+            if _numeric(feature) and _numeric(current):
+                merged[column] = Value("float64")
+                widened.add(column)
+                continue
+            raise HarborMixError(
+                f"Column {column!r} is {_describe(current)} in suite {owner[column]!r} but "
+                f"{_describe(feature)} in suite {suite!r}; a mixed dataset needs one type per column. "
+                f"Fix: rename the [metadata] key {column!r} in one suite's task.toml files, or build "
+                "one of the specs with include_metadata=False."
+            )
+    return Features(merged), widened
+
+
+class HarborMix:
+    """Several ``HarborSpec`` s in one training run: rows drawn by weight, routed by TRL.
+
+    Built by :meth:`HarborSpec.mix <trl_harbor.spec.HarborSpec.mix>`. Everything that can be
+    wrong with the combination (names, weights, column types) fails here, when the mix is built.
+
+    Args:
+        specs: The specs, as a list or as a mapping ``{suite name: spec}``. In a list each
+            spec's suite is named by :func:`suite_name` (the folder or hub id).
+        weights: One positive weight per spec (a list in the specs' order, or a mapping with
+            the specs' names); they need not sum to 1. ``None``: equal weights.
+        seed: Seed of the row order: the same seed gives the same dataset.
+        num_rows: Rows of the mixed dataset. ``None`` (default): the smallest number holding
+            every task of every spec at least once at these weights. A spec's rows beyond its
+            task count repeat its tasks (each task once per pass); fewer rows than tasks use a
+            seeded subset. Trainers cycle through the dataset in epochs, so any size trains for
+            any ``max_steps``.
+
+    Raises:
+        TypeError: When a spec is not a ``HarborSpec`` or the seed is not an integer.
+        HarborMixError: When there is no spec; the weights are missing, negative, zero, not
+            finite or not one per spec; ``num_rows`` leaves a spec without rows; two
+            different suites share a name; two specs are the same (suite, harness, backend,
+            options) combination; or a dataset column has clashing types in two suites.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[HarborSpec] | Mapping[str, HarborSpec],
+        weights: Sequence[float] | Mapping[str, float] | None = None,
+        seed: int = 0,
+        *,
+        num_rows: int | None = None,
+    ) -> None:
+        names: list[str] | None = None
+        if isinstance(specs, Mapping):
+            names = [str(name) for name in specs]
+            if any(not name for name in names):
+                raise HarborMixError("A suite name in the specs mapping is empty; name every suite.")
+            spec_list = list(specs.values())
+        elif isinstance(specs, HarborSpec) or isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
+            raise TypeError(
+                f"HarborSpec.mix takes a list of HarborSpec (or a mapping name -> HarborSpec), "
+                f"got {type(specs).__name__}."
+            )
+        else:
+            spec_list = list(specs)
+        if not spec_list:
+            raise HarborMixError("HarborSpec.mix needs at least one spec; got none.")
+        for i, spec in enumerate(spec_list):
+            if not isinstance(spec, HarborSpec):
+                where = f"specs[{names[i]!r}]" if names else f"specs[{i}]"
+                hint = " (pass the specs of a mix, not the mix)" if isinstance(spec, HarborMix) else ""
+                raise TypeError(f"{where} is a {type(spec).__name__}, not a HarborSpec{hint}.")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an integer, got {seed!r}.")
+        suites = names if names is not None else [suite_name(spec) for spec in spec_list]
+        fractions = _check_weights(weights, names, len(spec_list))
+
+        roots: dict[str, tuple[int, Path]] = {}
+        combos: dict[tuple[Any, ...], int] = {}
+        env_names: dict[str, int] = {}
+        for i, (suite, spec) in enumerate(zip(suites, spec_list, strict=True)):
+            seen = roots.setdefault(suite, (i, spec.suite.root))
+            if seen[1] != spec.suite.root:
+                raise HarborMixError(
+                    f"specs {seen[0]} and {i} are two different suites named {suite!r} ({seen[1]} and "
+                    f"{spec.suite.root}). Fix: name them apart, HarborSpec.mix({{'name_a': spec_a, "
+                    "'name_b': spec_b}, ...)."
+                )
+            factory = spec.environment_factory
+            environment_type = getattr(factory, "environment_type", None)
+            options = dict(getattr(factory, "env_kwargs", {}) or {})
+            combo = (suite, spec.env_cls, environment_type, _options_key(options))
+            if combo in combos:
+                raise HarborMixError(
+                    f"specs {combos[combo]} and {i} are the same combination (suite {suite!r}, harness "
+                    f"{spec.env_cls.__name__}, backend {environment_type!r}, same options): their rows "
+                    "could not be told apart. Fix: merge them into one spec (its weight is the sum), or "
+                    "name them apart with a mapping {name: spec} (e.g. easy and hard subsets of one suite)."
+                )
+            combos[combo] = i
+            name = _environment_name(suite, _harness_label(spec), environment_type, options)
+            if name in env_names:
+                raise HarborMixError(
+                    f"specs {env_names[name]} and {i} both make the environment name {name!r} from "
+                    "different harness classes of the same name. Fix: rename one harness class, or "
+                    "name the suites apart with a mapping {name: spec}."
+                )
+            env_names[name] = i
+
+        for i, spec in enumerate(spec_list):
+            if "environment" in spec.train_dataset.column_names:  # suite.py renames such a metadata key
+                raise HarborMixError(
+                    f"The dataset of suite {suites[i]!r} already has a column 'environment', which a mix "
+                    "sets itself (TRL routes rows by it). Fix: rename that column."
+                )
+        self._datasets = [self._without_suite_column(spec.train_dataset) for spec in spec_list]
+        self._features, self._widened = merge_features(
+            [(suite, ds.features) for suite, ds in zip(suites, self._datasets, strict=True)]
+        )
+        sizes = [len(ds) for ds in self._datasets]
+        quotas = _quotas(fractions, sizes, num_rows, suites)
+        total = sum(fractions)
+        self._seed = seed
+        self.entries: list[MixEntry] = [
+            MixEntry(
+                suite=suite,
+                environment=name,
+                spec=spec,
+                weight=float(weight / total),
+                rows=quota,
+                harness=_harness_label(spec),
+                environment_type=getattr(spec.environment_factory, "environment_type", None),
+                options=dict(getattr(spec.environment_factory, "env_kwargs", {}) or {}),
+            )
+            for suite, name, spec, weight, quota in zip(suites, env_names, spec_list, fractions, quotas, strict=True)
+        ]
+
+    @staticmethod
+    def _without_suite_column(dataset: Dataset) -> Dataset:
+        # A [metadata] key named "suite" would collide with the mix's column: keep it as metadata_suite.
+        if "suite" in dataset.column_names:
+            return dataset.rename_column("suite", "metadata_suite")
+        return dataset
+
+    @property
+    def specs(self) -> list[HarborSpec]:
+        """The specs, in mix order."""
+        return [entry.spec for entry in self.entries]
+
+    @property
+    def suites(self) -> list[str]:
+        """The distinct suite names (the ``suite`` column's values), in mix order."""
+        return list(dict.fromkeys(entry.suite for entry in self.entries))
+
+    @property
+    def weights(self) -> list[float]:
+        """The weights normalised to sum to 1, in mix order."""
+        return [entry.weight for entry in self.entries]
+
+    @property
+    def num_rows(self) -> int:
+        """The number of rows of :attr:`train_dataset`."""
+        return sum(entry.rows for entry in self.entries)
+
+    @cached_property
+    def train_dataset(self) -> Dataset:
+        """The mixed ``datasets.Dataset``: every spec's columns plus ``environment`` and ``suite``.
+
+        Each spec contributes its quota of rows (its weight times :attr:`num_rows`), its tasks
+        dealt in seeded shuffled passes; the specs' rows are spread evenly through the dataset.
+        A column that a suite lacks is ``None`` in its rows.
+        """
+        from datasets import Dataset, Features, Value
+
+        rng = random.Random(f"trl-harbor-mix:{self._seed}")
+        order = _interleave([entry.rows for entry in self.entries], rng)
+        dealt = [
+            iter(_deal(len(ds), entry.rows, random.Random(f"trl-harbor-mix:{self._seed}:{i}")))
+            for i, (entry, ds) in enumerate(zip(self.entries, self._datasets, strict=True))
+        ]
+        sources = [ds.to_dict() for ds in self._datasets]
+        columns: dict[str, list[Any]] = {name: [] for name in self._features}
+        environment: list[str] = []
+        suite: list[str] = []
+        for i in order:
+            row = next(dealt[i])
+            source = sources[i]
+            for name, values in columns.items():
+                column = source.get(name)
+                value = None if column is None else column[row]
+                if value is not None and name in self._widened:
+                    value = float(value)
+                values.append(value)
+            environment.append(self.entries[i].environment)
+            suite.append(self.entries[i].suite)
+        columns.update(environment=environment, suite=suite)
+        features = Features({**self._features, "environment": Value("string"), "suite": Value("string")})
+        return Dataset.from_dict(columns, features=features)
+
+    @cached_property
+    def environment_factory(self) -> dict[str, Callable[[], HarborEnv]]:
+        """``{environment name: factory}``, the dict by which TRL routes rows (``environment`` column).
+
+        A name reads ``"<suite>:<harness>@<backend>"``, with ``"+<digest>"`` of the options when
+        the spec has ``env_kwargs``; it depends only on that combination, not on the other specs.
+        """
+        return {entry.environment: entry.spec.environment_factory for entry in self.entries}
+
+    @property
+    def reward_funcs(self) -> list[Callable[..., list[float | None]]]:
+        """``[harbor_mix_reward]``: the verifier's scalar for every row, plus per-suite metrics."""
+        return [harbor_mix_reward]
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{e.environment!r}: {e.weight:.3g} ({e.rows} rows)" for e in self.entries)
+        return f"HarborMix({{{parts}}}, seed={self._seed})"
+
+
+def harbor_mix_reward(
+    completions: Sequence[Any] | None = None,
+    environments: Sequence[Any] | None = None,
+    environment_reward: Sequence[float | None] | None = None,
+    suite: Sequence[str] | None = None,
+    log_metric: Callable[[str, float], None] | None = None,
+    log_extra: Callable[[str, list], None] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """The outcome reward of a mix: :func:`~trl_harbor.spec.harbor_reward`, plus metrics per suite.
+
+    Every rollout is scored by its own task's verifier, whatever its suite or harness, exactly
+    as :func:`~trl_harbor.spec.harbor_reward` does (which logs the batch-wide ``harbor/*``
+    metrics). For each suite present in the batch it also logs
+    ``harbor/suite/<suite>/reward`` (the mean reward of its scored rollouts; absent when
+    all of them were skipped), ``harbor/suite/<suite>/infra_failures`` (rollouts lost to an
+    infrastructure failure) and ``harbor/suite/<suite>/rollouts``.
+
+    Args:
+        completions: The completions (unused; part of TRL's reward-function signature).
+        environments: The rollouts' environments (passed by ``GRPOTrainer``).
+        environment_reward: Per-rollout rewards computed elsewhere; used as given.
+        suite: The rows' ``suite`` column (TRL passes dataset columns as keyword arguments).
+        log_metric: TRL's metric logger.
+        log_extra: TRL's completions-table logger.
+        **kwargs: Other columns TRL passes.
+
+    Returns:
+        One reward per rollout (``None``: left out of the batch).
+
+    Raises:
+        ValueError: When neither ``environments`` nor ``environment_reward`` is given, or the
+            ``suite`` column does not have one entry per rollout.
+    """
+    rewards = harbor_reward(
+        completions=completions,
+        environments=environments,
+        environment_reward=environment_reward,
+        log_metric=log_metric,
+        log_extra=log_extra,
+        **kwargs,
+    )
+    if log_metric is None or suite is None:
+        return rewards
+    if len(suite) != len(rewards):
+        raise ValueError(f"harbor_mix_reward got {len(suite)} suite values for {len(rewards)} rollouts.")
+    for name in dict.fromkeys(suite):
+        picked = [i for i, s in enumerate(suite) if s == name]
+        scored = [rewards[i] for i in picked if rewards[i] is not None]
+        if scored:
+            log_metric(f"harbor/suite/{name}/reward", sum(scored) / len(scored))
+        log_metric(f"harbor/suite/{name}/infra_failures", float(sum(_infra(environments, rewards, i) for i in picked)))
+        log_metric(f"harbor/suite/{name}/rollouts", float(len(picked)))
+    return rewards
+
+
+def _infra(environments: Sequence[Any] | None, rewards: list[float | None], i: int) -> bool:
+    if environments is None:  # rewards computed elsewhere: a skipped rollout is an infrastructure loss
+        return rewards[i] is None
+    env = environments[i]
+    if isinstance(env, HarborEnv):
+        outcome = env.verification
+        return bool(outcome is not None and outcome.infra)
+    return False
