@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trl_harbor.agents import AGENTS, resolve_agent
-from trl_harbor.env import HarborBashEnv, HarborEnv
+from trl_harbor.env import HarborBashEnv, HarborBashStepsEnv, HarborEnv
 
 HARNESS_SOURCE = textwrap.dedent(
     '''
@@ -43,7 +43,8 @@ class LocalEnv(HarborBashEnv):
 
 def test_builtin_name() -> None:
     assert resolve_agent("bash") is HarborBashEnv
-    assert {"bash": HarborBashEnv} == AGENTS
+    assert resolve_agent("bash_steps") is HarborBashStepsEnv
+    assert {"bash": HarborBashEnv, "bash_steps": HarborBashStepsEnv} == AGENTS
 
 
 def test_class() -> None:

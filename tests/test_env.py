@@ -325,9 +325,9 @@ def test_separate_verifier_environment(tmp_path: Path, close_sandboxes: None, mo
     separate_runs = [0]
     real = Episode._grade_separately
 
-    async def counting(self):
+    async def counting(self, step):
         separate_runs[0] += 1
-        return await real(self)
+        return await real(self, step)
 
     monkeypatch.setattr(Episode, "_grade_separately", counting)
     env = HarborBashEnv(environment_type="local")

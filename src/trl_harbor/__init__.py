@@ -15,7 +15,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trl_harbor.env import HarborBashEnv, HarborEnv, close_all
+    from trl_harbor.env import HarborBashEnv, HarborBashStepsEnv, HarborEnv, StepsMixin, close_all
     from trl_harbor.mix import HarborMix, HarborMixError
     from trl_harbor.spec import HarborSpec
     from trl_harbor.suite import TaskSuiteError
@@ -24,11 +24,13 @@ if TYPE_CHECKING:
 __all__ = [
     "ConcurrentToolsMixin",
     "HarborBashEnv",
+    "HarborBashStepsEnv",
     "HarborEnv",
     "HarborGRPOTrainer",
     "HarborMix",
     "HarborMixError",
     "HarborSpec",
+    "StepsMixin",
     "TaskSuiteError",
     "close_all",
 ]
@@ -39,6 +41,8 @@ _LAZY = {
     "HarborMixError": "trl_harbor.mix",
     "HarborEnv": "trl_harbor.env",
     "HarborBashEnv": "trl_harbor.env",
+    "HarborBashStepsEnv": "trl_harbor.env",
+    "StepsMixin": "trl_harbor.env",
     "close_all": "trl_harbor.env",
     "TaskSuiteError": "trl_harbor.suite",
     "HarborGRPOTrainer": "trl_harbor.trainer",

@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from trl_harbor.env import HarborBashEnv, HarborEnv
+from trl_harbor.env import HarborBashEnv, HarborBashStepsEnv, HarborEnv
 
 __all__ = ["AGENTS", "EXAMPLE_AGENTS", "resolve_agent"]
 
 #: Built-in harnesses selectable by name.
-AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv}
+AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv, "bash_steps": HarborBashStepsEnv}
 
 #: The example harnesses (also loadable by their ``examples/grpo_harbor/harnesses/*/env.py`` paths),
 #: selectable by name and imported on first selection.

@@ -15,9 +15,9 @@ from typing import Any
 from harbor.environments.base import BaseEnvironment
 from harbor.environments.factory import EnvironmentFactory
 from harbor.models.environment_type import EnvironmentType
-from harbor.models.task.config import EnvironmentConfig, NetworkPolicy
+from harbor.models.task.config import EnvironmentConfig, NetworkPolicy, StepConfig
 from harbor.models.task.task import Task
-from harbor.models.task.verifier_mode import resolve_task_verifier_mode
+from harbor.models.task.verifier_mode import resolve_step_verifier_mode, resolve_task_verifier_mode
 from harbor.models.trial.config import AgentConfig as TrialAgentConfig
 from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
 from harbor.models.trial.config import VerifierConfig as TrialVerifierConfig
@@ -60,23 +60,20 @@ def environment_config(environment_type: str, kwargs: dict[str, Any] | None = No
     return TrialEnvironmentConfig(type=kind, kwargs=dict(kwargs or {}))
 
 
-def network_plan(task: Task, config: TrialEnvironmentConfig) -> TrialNetworkPlan:
+def network_plan(task: Task, config: TrialEnvironmentConfig, step: StepConfig | None = None) -> TrialNetworkPlan:
     """Resolve a task's network policies per phase, the way Harbor's trial runner does.
 
     Args:
         task: The Harbor task (its ``[environment]``, ``[agent]`` and ``[verifier]`` network settings).
         config: The environment config from :func:`environment_config`.
+        step: The step of a multi-step task whose phases to resolve (``None``: the task's).
 
     Returns:
         Harbor's plan: the sandbox's baseline policy and the agent's and verifier's phases.
     """
+    mode = resolve_task_verifier_mode(task.config) if step is None else resolve_step_verifier_mode(task.config, step)
     return resolve_trial_network_plan(
-        task.config,
-        TrialAgentConfig(),
-        config,
-        TrialVerifierConfig(),
-        None,
-        verifier_mode=resolve_task_verifier_mode(task.config),
+        task.config, TrialAgentConfig(), config, TrialVerifierConfig(), step, verifier_mode=mode
     )
 
 

@@ -54,8 +54,10 @@ __all__ = [
     "DEFAULT_MAX_OUTPUT_CHARS",
     "LOCAL_ENVIRONMENT_IMPORT_PATH",
     "HarborBashEnv",
+    "HarborBashStepsEnv",
     "HarborEnv",
     "RewardError",
+    "StepsMixin",
     "Verification",
     "close_all",
     "environment_config",
@@ -242,26 +244,31 @@ class HarborEnv:
             The task's ``instruction.md`` followed by :attr:`PROMPT_SUFFIX`.
 
         Raises:
-            ValueError: When ``task_dir`` is missing or the task has several steps.
+            ValueError: When ``task_dir`` is missing, or the task has several steps and the
+                harness has no ``submit_step`` tool.
         """
         if task_dir is None:
             raise ValueError("HarborEnv.reset needs `task_dir` (the dataset row's task_dir column).")
         self._retire()
         self._trial_config()  # an unknown environment_type fails here, not as a skipped rollout
         task = _load_task(Path(task_dir))
-        if task.has_steps:
-            raise ValueError(f"{task_dir}: multi-step Harbor tasks are not supported by HarborEnv.")
+        if task.has_steps and not callable(getattr(self, "submit_step", None)):
+            raise ValueError(
+                f"{task_dir}: a multi-step task needs a harness with a `submit_step` tool; use "
+                "agent='bash_steps', or add trl_harbor.StepsMixin to your harness."
+            )
         episode = Episode(
             task,
             Path(tempfile.mkdtemp(prefix="episode-", dir=_trial_root())),
             create_environment=self._create_environment,
+            trial_config=self._trial_config(),
             reward_key=self._reward_key,
             on_infra_error=self._on_infra_error,
             allowed_changes=self._allowed_changes,
         )
         self._episode = episode
         episode.ready = runtime.submit(self._provision(episode))
-        return task.instruction + self.PROMPT_SUFFIX
+        return episode.instruction + self.PROMPT_SUFFIX + _steps_note(task)
 
     @property
     def reward(self) -> float | None:
@@ -421,38 +428,10 @@ class HarborEnv:
         )
 
     async def _provision(self, episode: Episode) -> None:
-        """Start the episode's sandbox (in the background of ``reset``); never raises."""
-        from harbor.models.trial.paths import TrialPaths
-
-        from trl_harbor.backends import network_plan
-
+        """Start the episode's sandbox and run the harness's ``_setup`` (in the background of ``reset``)."""
         token = _PROVISIONING.set(episode)
         try:
-            async with runtime.limit("harbor-sandbox-starts", self._max_concurrent_starts):
-                episode.paths = TrialPaths(trial_dir=episode.trial_dir)
-                episode.plan = plan = network_plan(episode.task, self._trial_config())
-                shared = plan.verifier_env_baseline is None
-                environment = self._create_environment(
-                    episode.task,
-                    episode.paths,
-                    "env",
-                    network_policy=plan.agent_env_baseline,
-                    phase_network_policies=[plan.agent_phase, plan.verifier_phase] if shared else [plan.agent_phase],
-                )
-                episode.environment = environment
-                timeout = episode.task.config.environment.build_timeout_sec
-                await asyncio.wait_for(environment.start(force_build=False), timeout=timeout)
-                if plan.agent_phase != plan.agent_env_baseline:
-                    await environment.set_network_policy(plan.agent_phase)
-                await environment.run_healthcheck()
-                await episode.snapshot_processes()  # before the harness: its kernels are the agent's
-            await self._setup()
-            await episode.snapshot_files()  # after the harness: its files are not the agent's
-        except asyncio.CancelledError:
-            episode.infra_error = episode.infra_error or "the episode was replaced before its sandbox started"
-            raise
-        except Exception as exc:
-            episode.fail("start", exc)
+            await episode.provision(self._setup, max_concurrent_starts=self._max_concurrent_starts)
         finally:
             _PROVISIONING.reset(token)
 
@@ -535,3 +514,50 @@ class HarborBashEnv(HarborEnv):
             The command's combined stdout and stderr.
         """
         return self._exec(command)
+
+
+def _steps_note(task: Task) -> str:
+    count = len(task.config.steps or [])
+    if not count:
+        return ""
+    return (
+        f"\n\nThis task has {count} steps; this is step 1. When you are done with a step, call "
+        "`submit_step`: it is graded, and the next step's instruction comes back."
+    )
+
+
+class StepsMixin:
+    """Adds the ``submit_step`` tool, which multi-step Harbor tasks (``[[steps]]``) need.
+
+    A multi-step task is one rollout: ``reset`` returns the first step's instruction; the model
+    calls ``submit_step`` when a step is done, which grades it (exactly as a whole task is graded)
+    and returns the next step's instruction. The rollout's reward combines the steps by the
+    task's ``multi_step_reward_strategy`` (``mean`` by default, ``final``); a step the model never
+    reached scores 0, and a step below its ``min_reward`` ends the rollout, as in Harbor.
+    Put it before the harness class: ``class MyEnv(StepsMixin, HarborBashEnv)``.
+    """
+
+    def submit_step(self) -> str:
+        """Submit your work on the current step: it is graded, and the next step's instruction is returned.
+
+        Call it once the current step's instruction is fully done; you cannot go back.
+
+        Returns:
+            The next step's instruction, or a note that the task is over.
+        """
+        episode = getattr(self, "_episode", None)
+        if episode is None or episode.stopped:
+            return "Error: no task is running."
+        if not episode.steps:
+            return "This task has a single step: just finish your turn when you are done."
+        if episode.finished:
+            return "The task is over: every step was submitted. Finish your turn."
+        index = episode.step_index
+        following = runtime.run(episode.submit_step())
+        if following is None:
+            return f"Step {index + 1} submitted. The task is over: finish your turn."
+        return f"Step {index + 1} submitted. Step {index + 2} of {len(episode.steps)}:\n\n{following}"
+
+
+class HarborBashStepsEnv(StepsMixin, HarborBashEnv):
+    """The ``bash`` harness plus ``submit_step``, for suites with multi-step tasks (``agent="bash_steps"``)."""

@@ -25,7 +25,7 @@ import concurrent.futures
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +34,9 @@ from trl_harbor import integrity, runtime
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment, ExecResult
+    from harbor.models.task.config import StepConfig
     from harbor.models.task.task import Task
+    from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
     from harbor.models.trial.paths import TrialPaths
     from harbor.trial.network_policy import TrialNetworkPlan
 
@@ -131,6 +133,7 @@ class Verification:
         tampered: The changes the agent made to what the verifier runs (then ``reward`` is 0).
         changes: Every change the agent made in the watched locations (allowed ones too).
         killed: How many processes the agent left running were stopped before grading.
+        steps: For a multi-step task, each graded step's name and rewards, in order.
     """
 
     reward: float | None
@@ -140,6 +143,7 @@ class Verification:
     tampered: tuple[str, ...] = ()
     changes: tuple[str, ...] = ()
     killed: int = 0
+    steps: tuple[tuple[str, dict[str, float]], ...] = ()
 
 
 class _BackendFault(RuntimeError):
@@ -156,6 +160,7 @@ class Episode:
         task: Harbor's task.
         trial_dir: A fresh folder for Harbor's trial files (removed at :meth:`stop`).
         create_environment: Builds a Harbor environment: ``(task, paths, role, **options)``.
+        trial_config: Harbor's environment config (the backend), for the task's network plan.
         reward_key: Which of the verifier's rewards is the scalar (see :func:`select_reward`).
         on_infra_error: ``"skip"``, ``"zero"`` or ``"raise"`` for an infrastructure failure.
         allowed_changes: Globs of sandbox paths the agent may change although the verifier
@@ -168,6 +173,7 @@ class Episode:
         trial_dir: Path,
         *,
         create_environment: Callable[..., BaseEnvironment],
+        trial_config: TrialEnvironmentConfig | None = None,
         reward_key: str | None = None,
         on_infra_error: str = "skip",
         allowed_changes: Sequence[str] = (),
@@ -175,6 +181,7 @@ class Episode:
         self.task = task
         self.trial_dir = trial_dir
         self.create_environment = create_environment
+        self.trial_config = trial_config
         self.reward_key = reward_key
         self.on_infra_error = on_infra_error
         declared = task.config.metadata.get("allowed_changes") or []
@@ -194,6 +201,12 @@ class Episode:
         self._processes_before: list[str] | None = None
         self._watches: list[integrity.Watch] = []
         self._files_before: dict[str, str] | None = None
+        #: The task's ``[[steps]]`` (empty for a single-step task), the current one, and each
+        #: graded step's outcome.
+        self.steps: list[StepConfig] = list(task.config.steps or [])
+        self.step_index = 0
+        self.step_outcomes: list[Verification] = []
+        self.finished = False
 
     # ── failures ───────────────────────────────────────────────────────────────────
 
@@ -235,6 +248,90 @@ class Episode:
         return result.return_code == 0
 
     # ── lifecycle ──────────────────────────────────────────────────────────────────
+
+    @property
+    def step(self) -> StepConfig | None:
+        """The current step of a multi-step task (``None`` for a single-step task)."""
+        return self.steps[self.step_index] if self.steps else None
+
+    @property
+    def instruction(self) -> str:
+        """The instruction of the current step (the task's, for a single-step task)."""
+        step = self.step
+        return self.task.instruction if step is None else self.task.step_instruction(step.name)
+
+    async def provision(
+        self,
+        setup: Callable[[], Awaitable[None]] | None = None,
+        *,
+        max_concurrent_starts: int | None = None,
+    ) -> None:
+        """Start the sandbox the way Harbor's trials do, then prepare it for the agent; never raises.
+
+        Builds and starts the agent's sandbox with the task's network plan, runs its
+        healthcheck, remembers its own processes, prepares the first step of a multi-step
+        task (its ``workdir/``, ``setup.sh`` and healthcheck), runs ``setup`` (a harness's
+        preparation) and fingerprints what the verifier runs. A failure is recorded as the
+        episode's infrastructure failure (:attr:`infra_error`).
+
+        Args:
+            setup: The harness's preparation, run last (its processes count as the agent's).
+            max_concurrent_starts: How many sandboxes of this process start at once.
+        """
+        from harbor.models.trial.paths import TrialPaths
+
+        from trl_harbor.backends import network_plan
+
+        try:
+            async with runtime.limit("harbor-sandbox-starts", max_concurrent_starts):
+                self.paths = TrialPaths(trial_dir=self.trial_dir)
+                assert self.trial_config is not None, "an Episode needs trial_config to provision"
+                self.plan = plan = network_plan(self.task, self.trial_config, self.step)
+                shared = plan.verifier_env_baseline is None
+                environment = self.create_environment(
+                    self.task,
+                    self.paths,
+                    "env",
+                    network_policy=plan.agent_env_baseline,
+                    phase_network_policies=[plan.agent_phase, plan.verifier_phase] if shared else [plan.agent_phase],
+                )
+                self.environment = environment
+                timeout = self.task.config.environment.build_timeout_sec
+                await asyncio.wait_for(environment.start(force_build=False), timeout=timeout)
+                if plan.agent_phase != plan.agent_env_baseline:
+                    await environment.set_network_policy(plan.agent_phase)
+                await environment.run_healthcheck()
+                await self._prepare_step()
+                await self.snapshot_processes()  # before the harness: its kernels are the agent's
+            if setup is not None:
+                await setup()
+            await self.snapshot_files()  # after the harness: its files are not the agent's
+        except asyncio.CancelledError:
+            self.infra_error = self.infra_error or "the episode was replaced before its sandbox started"
+            raise
+        except Exception as exc:
+            self.fail("start", exc)
+
+    async def _prepare_step(self) -> None:
+        """Stage the current step as Harbor does: its ``workdir/`` files, ``setup.sh``, healthcheck."""
+        step, environment = self.step, self.environment
+        if step is None or environment is None:
+            return
+        with environment.with_default_user(step.agent.user or self.task.config.agent.user):
+            workdir = ((await environment.exec("pwd")).stdout or "/").strip() or "/"
+            staged = self.task.paths.step_workdir_dir(step.name)
+            if staged.exists():
+                await environment.upload_dir(source_dir=staged, target_dir=workdir)
+            if self.task.paths.step_setup_path(step.name).exists():
+                script = f"{workdir.rstrip('/')}/setup.sh"
+                result = await environment.exec(f"bash '{script}'")
+                if result.return_code != 0:
+                    raise RuntimeError(
+                        f"step {step.name!r}: setup.sh exited with {result.return_code}: "
+                        f"{(result.stderr or result.stdout or '').strip()[-500:]}"
+                    )
+            if step.healthcheck is not None:
+                await environment.run_healthcheck(step.healthcheck)
 
     async def wait_ready(self) -> None:
         """Wait until provisioning ended, however it ended; a cancellation of the caller propagates."""
@@ -334,7 +431,7 @@ class Episode:
             await self.wait_ready()
         if self.infra_error is not None:
             raise RuntimeError(self.infra_error)
-        if self.sealed:
+        if self.sealed or self.finished:
             raise RuntimeError("the rollout is over: its sandbox is being graded")
         if self.environment is None:
             raise RuntimeError("no sandbox is running (it was stopped)")
@@ -344,10 +441,15 @@ class Episode:
             self.environment.exec(command, timeout_sec=timeout, user=user), timeout=timeout + 60
         )
 
+
     # ── grading ────────────────────────────────────────────────────────────────────
 
     async def grade(self) -> Verification:
         """Grade the rollout once, however many callers ask concurrently.
+
+        For a multi-step task, the step in progress is graded as if submitted, steps never
+        reached score 0, and the steps' rewards are combined by the task's
+        ``multi_step_reward_strategy`` (see :meth:`submit_step`).
 
         Returns:
             The :class:`Verification` (also kept as :attr:`verification`).
@@ -361,20 +463,127 @@ class Episode:
 
     async def _grade(self) -> Verification:
         await self.wait_ready()
+        if not self.steps:
+            self.verification = await self._grade_step(None)
+            return self.verification
+        if not self.finished:
+            await self._finish_step()
+        self.verification = self._combine_steps()
+        return self.verification
+
+    async def submit_step(self) -> str | None:
+        """Grade the current step of a multi-step task and move to the next one.
+
+        The step is graded exactly like a whole single-step task (the agent's processes
+        killed, tampering refused, Harbor's verifier with the step's tests). Then, as in
+        Harbor's multi-step trials, a step below its ``min_reward`` ends the episode;
+        otherwise the verifier's folders are emptied and the next step is staged.
+
+        Returns:
+            The next step's instruction, or ``None`` when the episode is over (the last step
+            was graded, a step missed its ``min_reward``, or grading failed).
+        """
+        await self.wait_ready()
+        if self.finished or not self.steps:
+            return None
+        if self._grading is not None:  # the rollout's reward was already read
+            self.finished = True
+            return None
+        outcome = await self._finish_step()
+        if self.finished:
+            return None
+        try:
+            await self._next_step()
+        except Exception as exc:
+            self.fail("start", f"staging step {self.step.name!r} failed: {type(exc).__name__}: {exc}")
+            self.finished = True
+            return None
+        logger.debug("trl-harbor: task %s: step %d graded %r", self.task.name, self.step_index, outcome.reward)
+        return self.instruction
+
+    async def _finish_step(self) -> Verification:
+        step = self.step
+        assert step is not None
+        outcome = await self._grade_step(step)
+        self.step_outcomes.append(outcome)
+        last = self.step_index + 1 >= len(self.steps)
+        if last or outcome.infra or outcome.tampered or not _meets(outcome.rewards, step.min_reward):
+            self.finished = True
+        return outcome
+
+    async def _next_step(self) -> None:
+        from harbor.models.trial.paths import EnvironmentPaths
+
+        environment = self.environment
+        assert environment is not None
+        paths = EnvironmentPaths.for_os(environment.os)
+        # What the previous step's verifier left (its tests, its outputs) goes before the agent returns.
+        await environment.empty_dirs([paths.verifier_dir], chmod=True)
+        await environment.empty_dirs([paths.tests_dir], chmod=False)
+        from trl_harbor.backends import network_plan
+
+        self.step_index += 1
+        self.sealed = False
+        assert self.trial_config is not None
+        previous, self.plan = self.plan, network_plan(self.task, self.trial_config, self.step)
+        if previous is None or self.plan.agent_phase != previous.verifier_phase:
+            await environment.set_network_policy(self.plan.agent_phase)
+        await self._prepare_step()
+        await self.snapshot_processes()
+        await self.snapshot_files()
+
+    def _combine_steps(self) -> Verification:
+        """One verification from the steps', by ``multi_step_reward_strategy`` (unreached steps: 0)."""
+        from harbor.models.task.config import MultiStepRewardStrategy
+
+        outcomes = self.step_outcomes
+        infra = next((o for o in outcomes if o.infra), None)
+        if infra is not None:
+            return infra
+        names = [step.name for step in self.steps]
+        per_step = tuple((name, dict(o.rewards)) for name, o in zip(names, outcomes, strict=False))
+        if self.task.config.multi_step_reward_strategy is MultiStepRewardStrategy.FINAL:
+            reached = len(outcomes) == len(self.steps)
+            combined = dict(outcomes[-1].rewards) if reached and outcomes else {}
+        else:
+            keys = {key for o in outcomes for key in o.rewards}
+            combined = {key: sum(o.rewards.get(key, 0.0) for o in outcomes) / len(self.steps) for key in keys}
+        reasons = [f"step {name!r}: {o.reason}" for name, o in zip(names, outcomes, strict=False) if o.reason]
+        if len(outcomes) < len(self.steps):
+            reasons.append(f"{len(self.steps) - len(outcomes)} of {len(self.steps)} steps never reached (scored 0)")
+        details = {
+            "reason": "; ".join(reasons),
+            "tampered": tuple(c for o in outcomes for c in o.tampered),
+            "changes": tuple(c for o in outcomes for c in o.changes),
+            "killed": sum(o.killed for o in outcomes),
+            "steps": per_step,
+        }
+        if not combined:
+            return Verification(0.0, **details)
+        try:
+            reward = select_reward(combined, self.reward_key)
+        except RewardError as exc:
+            return self._infra(self.fail("verify", exc), exc)
+        return Verification(reward, rewards=combined, **details)
+
+    async def _grade_step(self, step: StepConfig | None) -> Verification:
+        """Seal the sandbox and verify the task (or one step of it), classifying any failure."""
+        from harbor.models.task.verifier_mode import VerifierEnvironmentMode, resolve_step_verifier_mode
+
         if self.infra_error is None and self.environment is None:
             self.fail("verify", "the sandbox is gone (it was stopped before verification)")
         if self.infra_error is not None:
-            return self._record(self._infra(self.infra_error))
+            return self._infra(self.infra_error)
+        if step is None:
+            separate = self.plan is not None and self.plan.verifier_env_baseline is not None
+        else:
+            separate = resolve_step_verifier_mode(self.task.config, step) == VerifierEnvironmentMode.SEPARATE
         try:
-            if self.plan is not None and self.plan.verifier_env_baseline is not None:
-                return self._record(await self._grade_separately())
-            return self._record(await self._grade_in_place())
+            if separate:
+                return await self._grade_separately(step)
+            return await self._grade_in_place(step)
         except _BackendFault as fault:
-            return self._record(self._infra(self.fail("verify", str(fault))))
-
-    def _record(self, verification: Verification) -> Verification:
-        self.verification = verification
-        return verification
+            return self._infra(self.fail("verify", str(fault)))
 
     def _infra(self, reason: str, error: BaseException | None = None) -> Verification:
         if self.on_infra_error == "raise":
@@ -394,7 +603,12 @@ class Episode:
         except Exception as exc:
             raise _BackendFault(f"stopping the agent's processes failed: {type(exc).__name__}: {exc}") from exc
 
-    async def _grade_in_place(self) -> Verification:
+    def _verifier_user(self, step: StepConfig | None) -> str | int | None:
+        if step is not None and step.verifier.user is not None:
+            return step.verifier.user
+        return self.task.config.verifier.user
+
+    async def _grade_in_place(self, step: StepConfig | None) -> Verification:
         from harbor.models.trial.paths import EnvironmentPaths
 
         environment = self.environment
@@ -413,67 +627,67 @@ class Episode:
         listed = tuple(str(c) for c in changes)
         if tampered:
             _AGENT_FAILURES["tampered"] += 1
-            shown = ", ".join(str(c) for c in tampered[:5]) + (
-                f" and {len(tampered) - 5} more" if len(tampered) > 5 else ""
-            )
+            shown = ", ".join(str(c) for c in tampered[:5])
+            if len(tampered) > 5:
+                shown += f" and {len(tampered) - 5} more"
             reason = (
                 f"the rollout changed what the verifier runs ({shown}); scored 0 without verifying. "
                 "If the task legitimately changes these, declare them in task.toml [metadata] allowed_changes."
             )
             logger.info("trl-harbor: task %s: %s", self.task.name, reason)
-            return Verification(
-                0.0, reason=reason, tampered=tuple(str(c) for c in tampered), changes=listed, killed=killed
-            )
+            tampered_paths = tuple(str(c) for c in tampered)
+            return Verification(0.0, reason=reason, tampered=tampered_paths, changes=listed, killed=killed)
         try:
-            with environment.with_default_user(self.task.config.verifier.user):
+            with environment.with_default_user(self._verifier_user(step)):
                 await environment.empty_dirs([EnvironmentPaths.for_os(environment.os).verifier_dir], chmod=True)
                 if plan.verifier_phase != plan.agent_phase:
                     await environment.set_network_policy(plan.verifier_phase)
-                rewards = await self._run_verifier(environment)
+                rewards = await self._run_verifier(environment, step)
         except Exception as exc:
             return await self._verifier_failed(exc, environment, changes=listed, killed=killed)
         return self._scored(rewards, changes=listed, killed=killed)
 
-    async def _grade_separately(self) -> Verification:
-        """Verify in a fresh sandbox built from the task's verifier environment.
+    async def _grade_separately(self, step: StepConfig | None) -> Verification:
+        """Verify in a fresh sandbox built from the task's (or step's) verifier environment.
 
         The agent sandbox's declared ``artifacts`` (and Harbor's ``/logs/artifacts`` folder) are
         copied into the verifier sandbox at the same paths (as files, never executed on the
-        host) before ``tests/test.sh`` runs.
+        host) before the tests run.
         """
         from harbor.models.task.verifier_mode import resolve_verifier_environment_definition
         from harbor.models.trial.paths import EnvironmentPaths
 
-        task, plan, source = self.task, self.plan, self.environment
-        assert plan is not None and self.paths is not None and source is not None
+        task, source, plan = self.task, self.environment, self.plan
+        assert self.paths is not None and source is not None and plan is not None
         killed = await self._seal(source)
-        definition = resolve_verifier_environment_definition(task.config, task.paths)
+        definition = resolve_verifier_environment_definition(task.config, task.paths, step)
         if definition is None or plan.verifier_env_baseline is None:
             raise _BackendFault("separate verifier mode did not resolve a verifier environment")
+        baseline, phase = plan.verifier_env_baseline, plan.verifier_phase
         verifier_env = self.create_environment(
             task,
             self.paths,
             "verifier",
             environment_dir=definition.directory,
             task_env_config=definition.config,
-            network_policy=plan.verifier_env_baseline,
-            phase_network_policies=[plan.verifier_phase],
+            network_policy=baseline,
+            phase_network_policies=[phase],
             enable_environment_dir_upload=not definition.bundled_tests,
         )
         handle = runtime.register_cleanup(lambda: verifier_env.stop(delete=True))
         try:
             try:
                 await verifier_env.start(force_build=False)
-                with verifier_env.with_default_user(task.config.verifier.user):
+                with verifier_env.with_default_user(self._verifier_user(step)):
                     await verifier_env.empty_dirs([EnvironmentPaths.for_os(verifier_env.os).verifier_dir], chmod=True)
-                await self._copy_artifacts(source, verifier_env)
-                if plan.verifier_phase != plan.verifier_env_baseline:
-                    await verifier_env.set_network_policy(plan.verifier_phase)
+                await self._copy_artifacts(source, verifier_env, step)
+                if phase != baseline:
+                    await verifier_env.set_network_policy(phase)
             except Exception as exc:
                 raise _BackendFault(f"preparing the verifier sandbox failed: {type(exc).__name__}: {exc}") from exc
             try:
-                with verifier_env.with_default_user(task.config.verifier.user):
-                    rewards = await self._run_verifier(verifier_env)
+                with verifier_env.with_default_user(self._verifier_user(step)):
+                    rewards = await self._run_verifier(verifier_env, step, bundled=definition.bundled_tests)
             except Exception as exc:
                 return await self._verifier_failed(exc, verifier_env, killed=killed)
             return self._scored(rewards, killed=killed)
@@ -481,19 +695,34 @@ class Episode:
             runtime.unregister_cleanup(handle)
             await verifier_env.stop(delete=True)
 
-    async def _run_verifier(self, environment: BaseEnvironment) -> dict[str, float | int]:
+    async def _run_verifier(
+        self, environment: BaseEnvironment, step: StepConfig | None, *, bundled: bool = False
+    ) -> dict[str, float | int]:
         from harbor.verifier.verifier import Verifier
 
         assert self.paths is not None
-        verifier = Verifier(task=self.task, trial_paths=self.paths, environment=environment)
         timeout = self.task.config.verifier.timeout_sec
+        env = None
+        if step is not None:
+            timeout = step.verifier.timeout_sec if step.verifier.timeout_sec is not None else timeout
+            env = step.verifier.env or None
+        verifier = Verifier(
+            task=self.task,
+            trial_paths=self.paths,
+            environment=environment,
+            verifier_env=env,
+            step_name=None if step is None else step.name,
+            skip_tests_upload=bundled,
+        )
         try:
             result = await asyncio.wait_for(verifier.verify(), timeout=timeout)
         except TimeoutError:
-            raise TimeoutError(f"the verifier ran past the task's verifier timeout ({timeout:g} s)") from None
+            raise TimeoutError(f"the verifier ran past its timeout ({timeout:g} s)") from None
         return dict(result.rewards or {})
 
     def _scored(self, rewards: dict[str, float | int], **details: Any) -> Verification:
+        if self.steps:  # a step's scalar is decided when the steps are combined
+            return Verification(None, rewards={k: float(v) for k, v in rewards.items()}, **details)
         try:
             reward = select_reward(rewards, self.reward_key)
         except RewardError as exc:  # the task's or the user's configuration, never the policy's
@@ -510,12 +739,13 @@ class Episode:
         logger.info("trl-harbor: task %s: %s", self.task.name, reason)
         return Verification(0.0, reason=reason, **details)
 
-    async def _copy_artifacts(self, source: BaseEnvironment, target: BaseEnvironment) -> None:
+    async def _copy_artifacts(self, source: BaseEnvironment, target: BaseEnvironment, step: StepConfig | None) -> None:
         from harbor.models.trial.paths import EnvironmentPaths
 
         assert self.paths is not None
         paths = [str(EnvironmentPaths.for_os(source.os).artifacts_dir)]
-        for artifact in self.task.config.artifacts:
+        declared = [*self.task.config.artifacts, *(step.artifacts if step is not None else [])]
+        for artifact in declared:
             paths.append(artifact if isinstance(artifact, str) else artifact.source)
         staging = Path(tempfile.mkdtemp(prefix="artifacts_", dir=self.paths.trial_dir))
         for index, path in enumerate(paths):
@@ -530,3 +760,11 @@ class Episode:
                 parent = path.rsplit("/", 1)[0] or "/"
                 await target.exec(f"mkdir -p '{parent}'", user="root")
                 await target.upload_file(local, path)
+
+
+def _meets(rewards: dict[str, float], threshold: float | dict[str, float] | None) -> bool:
+    """Harbor's ``min_reward`` gate: a float gates ``reward``; a dict each key (missing: fails)."""
+    if threshold is None:
+        return True
+    gates = {"reward": threshold} if isinstance(threshold, (int, float)) else threshold
+    return all(rewards.get(key, float("-inf")) >= value for key, value in gates.items())
