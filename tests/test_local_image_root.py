@@ -262,3 +262,58 @@ def test_harbor_oracle_and_verifier_with_task_users(loopback_registry, cache_dir
     (result,) = run(check_suite([task], "local", concurrency=1, env_kwargs={"root": "image", "cache_dir": cache_dir}))
     assert result.passed, (result.oracle, result.nop)
     assert (result.oracle.reward, result.nop.reward) == (1.0, 0.0)
+
+
+def test_sandbox_of_a_killed_process_is_unmounted_and_swept(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """The overlay mount of a sandbox whose owner died (SIGKILL) goes with the next sweep."""
+    import signal
+    import subprocess
+    import sys
+
+    task = _task(tmp_path, f"FROM {loopback_registry.base}\nWORKDIR /workdir\n")
+    run(_session(task, tmp_path, cache_dir, [("true", None)]))  # build in this process first
+    script = textwrap.dedent(
+        f"""\
+        import asyncio, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from sandbox_helpers import open_env
+        from pathlib import Path
+        async def main():
+            env = open_env(Path({str(task)!r}), Path({str(tmp_path)!r}), root="image", cache_dir={cache_dir!r})
+            await env.start(force_build=False)
+            await env.exec("echo agent-data > /etc/agent-note")
+            print(env._dir, flush=True)
+            await asyncio.sleep(60)
+        asyncio.run(main())
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    box_dir = Path(child.stdout.readline().strip())
+    assert (box_dir / "rootfs" / "etc" / "agent-note").exists()
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert f"{box_dir}/rootfs " in Path("/proc/self/mounts").read_text()
+    from trl_harbor.sandboxes.local import sweep_stale_sandboxes
+
+    sweep_stale_sandboxes()
+    assert f"{box_dir}/rootfs " not in Path("/proc/self/mounts").read_text()
+    assert not box_dir.exists()
+
+
+def test_prebuilt_docker_image_without_dockerfile(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    task = _task(tmp_path, "unused")
+    (task / "environment" / "Dockerfile").unlink()
+    (task / "environment" / "data.txt").write_text("payload\n")
+    toml = (task / "task.toml").read_text().replace("[environment]\n", f'[environment]\ndocker_image = "{loopback_registry.base}"\n')
+    (task / "task.toml").write_text(toml)
+    results = run(_session(task, tmp_path, cache_dir, [("cat /etc/debian_version; cat data.txt; pwd", None)]))
+    version, payload, cwd = results[0].stdout.split()
+    assert version.startswith("12") and payload == "payload"
+
+
+def test_preflight_checks_the_root_option():
+    from trl_harbor.sandboxes.local import LocalEnvironment
+
+    LocalEnvironment.preflight({"root": "image"})  # root, buildah and bubblewrap are here
+    with pytest.raises(ValueError, match="root"):
+        LocalEnvironment.preflight({"root": "docker"})

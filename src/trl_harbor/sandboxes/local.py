@@ -62,7 +62,13 @@ from trl_harbor.sandboxes._bwrap import (
     sweep_stale,
 )
 from trl_harbor.sandboxes.image import Image, ImageBuilder, ImageBuildError
-from trl_harbor.sandboxes.oci import BaseImageUnavailableError, BuiltImage, ImageStore, host_trust_mounts
+from trl_harbor.sandboxes.oci import (
+    BaseImageUnavailableError,
+    BuiltImage,
+    ImageStore,
+    buildah_path,
+    host_trust_mounts,
+)
 
 __all__ = [
     "BaseImageUnavailableError",
@@ -181,10 +187,19 @@ class LocalEnvironment(BaseEnvironment):
         """Check options and that bubblewrap is installed, before any trial is queued.
 
         Raises:
-            SandboxUnavailableError: If bubblewrap is missing.
+            SandboxUnavailableError: If bubblewrap is missing, or (``root="image"``) buildah,
+                or this process is not root.
         """
         super().preflight(kwargs)
         bwrap_path()
+        options = cls.parse_options(kwargs)
+        if isinstance(options, LocalEnvironmentOptions) and options.root == "image":
+            buildah_path()
+            if os.geteuid() != 0:
+                raise SandboxUnavailableError(
+                    "root='image' (sandboxes on the task's image) needs root for now; run as root, "
+                    "or use root='host' (the host's /usr; the Dockerfile's FROM is not honoured)"
+                )
 
     def _validate_definition(self) -> None:
         if not self.environment_dir.is_dir():
@@ -248,7 +263,11 @@ class LocalEnvironment(BaseEnvironment):
 
     async def _start_on_image(self, force_build: bool) -> None:
         store = _store(self.local_options.cache_dir, self.local_options.host_trust)
-        self._oci = image = await store.get(self.environment_dir, self.environment_name, force=force_build)
+        context = self.environment_dir
+        if not (context / "Dockerfile").is_file() and self.task_env_config.docker_image:
+            # A prebuilt image ([environment] docker_image) with no Dockerfile: FROM it.
+            context = await asyncio.to_thread(store.prebuilt_context, self.task_env_config.docker_image)
+        self._oci = image = await store.get(context, self.environment_name, force=force_build)
         self._dir = state_root() / new_box_name(self.session_id or self.environment_name)
         network = "none" if self._network_policy.network_mode == NetworkMode.NO_NETWORK else "user"
         cpus = self._effective_cpus

@@ -314,6 +314,23 @@ class ImageStore:
                 entries.append((str(path), st.st_size, st.st_mtime_ns, st.st_mode))
         return (str(environment_dir.resolve()), tuple(entries))
 
+    def prebuilt_context(self, ref: str) -> Path:
+        """A build context whose Dockerfile is ``FROM ref`` (for tasks that name a prebuilt image).
+
+        Args:
+            ref: The image reference.
+
+        Returns:
+            The context folder (made once, under the cache).
+        """
+        folder = self.cache_dir / "contexts" / hashlib.sha256(ref.encode()).hexdigest()[:16]
+        if not (folder / "Dockerfile").is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f".Dockerfile-{os.getpid()}"
+            partial.write_text(f"FROM {ref}\n")
+            partial.replace(folder / "Dockerfile")
+        return folder
+
     def cached(self, environment_dir: Path) -> BuiltImage | None:
         """The cached image for ``environment_dir``, or ``None`` if it is not built."""
         final = self.images_dir / self.content_key(Path(environment_dir))
