@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import statistics
 import subprocess
 import sys
@@ -162,10 +161,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from registry import serve_loopback_registry
 
-        with tempfile.TemporaryDirectory(prefix="trl-harbor-registry-") as workdir:
-            with contextlib.ExitStack() as stack:
-                registry = stack.enter_context(serve_loopback_registry(Path(workdir)))
-                rows = asyncio.run(measure(args.runs, args.concurrent, base=registry.base))
+        with (
+            tempfile.TemporaryDirectory(prefix="trl-harbor-registry-") as workdir,
+            serve_loopback_registry(Path(workdir)) as registry,
+        ):
+            rows = asyncio.run(measure(args.runs, args.concurrent, base=registry.base))
         _print("root='image' (FROM a Debian bookworm image on a loopback registry)", rows)
     print(f"\n(python {sys.version.split()[0]}, {args.runs} runs per median)")
 

@@ -146,12 +146,15 @@ def serve_loopback_registry(workdir: Path) -> Iterator[LoopbackRegistry]:
             try:
                 with urllib.request.urlopen(f"http://{address}/v2/", timeout=2):
                     break
-            except OSError:
+            except OSError as error:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"docker-registry did not start: {(workdir / 'registry.log').read_text()}")
+                    log_text = (workdir / "registry.log").read_text()
+                    raise RuntimeError(f"docker-registry did not start: {log_text}") from error
                 time.sleep(0.1)
         conf = workdir / "registries.conf"
-        conf.write_text(f'unqualified-search-registries = []\n\n[[registry]]\nlocation = "{address}"\ninsecure = true\n')
+        conf.write_text(
+            f'unqualified-search-registries = []\n\n[[registry]]\nlocation = "{address}"\ninsecure = true\n'
+        )
         base = f"{address}/debian:bookworm"
         _run(
             "skopeo", "copy", "--quiet", "--dest-tls-verify=false",

@@ -258,7 +258,9 @@ def test_harbor_oracle_and_verifier_with_task_users(loopback_registry, cache_dir
     toml = (task / "task.toml").read_text()
     toml = toml.replace("[agent]\n", '[agent]\nuser = "agent"\n').replace("[verifier]\n", '[verifier]\nuser = "root"\n')
     (task / "task.toml").write_text(toml)
-    (task / "solution" / "solve.sh").write_text('#!/bin/bash\n[ "$(id -un)" = agent ] && echo 42 > /workdir/answer.txt\n')
+    (task / "solution" / "solve.sh").write_text(
+        '#!/bin/bash\n[ "$(id -un)" = agent ] && echo 42 > /workdir/answer.txt\n'
+    )
     (result,) = run(check_suite([task], "local", concurrency=1, env_kwargs={"root": "image", "cache_dir": cache_dir}))
     assert result.passed, (result.oracle, result.nop)
     assert (result.oracle.reward, result.nop.reward) == (1.0, 0.0)
@@ -304,7 +306,11 @@ def test_prebuilt_docker_image_without_dockerfile(loopback_registry, cache_dir, 
     task = _task(tmp_path, "unused")
     (task / "environment" / "Dockerfile").unlink()
     (task / "environment" / "data.txt").write_text("payload\n")
-    toml = (task / "task.toml").read_text().replace("[environment]\n", f'[environment]\ndocker_image = "{loopback_registry.base}"\n')
+    toml = (
+        (task / "task.toml")
+        .read_text()
+        .replace("[environment]\n", f'[environment]\ndocker_image = "{loopback_registry.base}"\n')
+    )
     (task / "task.toml").write_text(toml)
     results = run(_session(task, tmp_path, cache_dir, [("cat /etc/debian_version; cat data.txt; pwd", None)]))
     version, payload, cwd = results[0].stdout.split()

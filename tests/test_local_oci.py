@@ -57,7 +57,12 @@ USER agent
 ENTRYPOINT ["/usr/local/bin/tool"]
 CMD ["serve"]
 """,
-        {"app.conf": "mode=1\n", "tool.sh": "#!/bin/sh\necho tool\n", "secret.txt": "x", ".dockerignore": "secret.txt\n"},
+        {
+            "app.conf": "mode=1\n",
+            "tool.sh": "#!/bin/sh\necho tool\n",
+            "secret.txt": "x",
+            ".dockerignore": "secret.txt\n",
+        },
     )
     (context / "tool.sh").chmod(0o755)
     image = asyncio.run(store.get(context, "multi"))

@@ -376,6 +376,7 @@ class BoxConfig:
     extra_ro_binds: list[tuple[str, str]] = field(default_factory=list)
     image_root: bool = False
 
+
 #: uids and gids an image-rooted box maps (identity: the image root's owners are kept).
 ID_MAP_RANGE = 65536
 

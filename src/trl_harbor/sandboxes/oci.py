@@ -410,7 +410,8 @@ class ImageStore:
             if proc.returncode != 0:
                 raise BaseImageUnavailableError(
                     _pull_error(ref, pull_error)
-                    + f"\nBootstrapping Debian {suite} with mmdebstrap failed too:\n{err.decode(errors='replace')[-1500:]}"
+                    + f"\nBootstrapping Debian {suite} with mmdebstrap failed too:\n"
+                    + err.decode(errors="replace")[-1500:]
                 )
             rc, container, err_text = await self._run_buildah("from", "--quiet", "scratch")
             if rc != 0:
@@ -660,7 +661,9 @@ def _registries_conf() -> str:
 
 
 def _pull_error(ref: str, output: str) -> str:
-    tried = sorted(set(re.findall(r"(?:https?://)?([a-z0-9.-]+(?:\.[a-z]{2,}|:\d+|localhost)[a-z0-9.:-]*)/v2/", output)))
+    tried = sorted(
+        set(re.findall(r"(?:https?://)?([a-z0-9.-]+(?:\.[a-z]{2,}|:\d+|localhost)[a-z0-9.:-]*)/v2/", output))
+    )
     registries = ", ".join(tried) if tried else (ref.split("/")[0] if "/" in ref else "docker.io (short name)")
     return (
         f"the base image {ref} could not be pulled (registries tried: {registries}). The builder said:\n"
