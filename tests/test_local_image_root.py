@@ -323,3 +323,24 @@ def test_preflight_checks_the_root_option():
     LocalEnvironment.preflight({"root": "image"})  # root, buildah and bubblewrap are here
     with pytest.raises(ValueError, match="root"):
         LocalEnvironment.preflight({"root": "docker"})
+
+
+def test_concurrent_cold_starts_share_one_pull_and_build(loopback_registry, tmp_path):  # noqa: F811
+    """16 sandboxes of a never-built task start at once: one pull, one build, 16 private roots."""
+    task = _task(tmp_path, f"FROM {loopback_registry.base}\nRUN date +%s%N > /built-at\nWORKDIR /workdir\n")
+    cache = str(tmp_path / "cold-cache")
+
+    async def scenario():
+        envs = [open_env(task, tmp_path, root="image", cache_dir=cache) for _ in range(16)]
+        await asyncio.gather(*(e.start(force_build=False) for e in envs))
+        try:
+            stamps = await asyncio.gather(*(e.exec("cat /built-at") for e in envs))
+            writes = await asyncio.gather(*(e.exec(f"echo {i} > /etc/who && cat /etc/who") for i, e in enumerate(envs)))
+            return [s.stdout for s in stamps], [w.stdout.strip() for w in writes]
+        finally:
+            await asyncio.gather(*(e.stop(delete=True) for e in envs))
+
+    stamps, writes = run(scenario())
+    assert len(set(stamps)) == 1 and stamps[0].strip()
+    assert writes == [str(i) for i in range(16)]
+    assert len([p for p in (Path(cache) / "images").iterdir() if p.is_dir()]) == 1
