@@ -103,7 +103,9 @@ def test_default_size_holds_every_task_and_equal_weights(tmp_path: Path) -> None
 def test_rows_keep_their_columns_and_metadata_of_suites_coexist(tmp_path: Path) -> None:
     plain = HarborSpec(make_suite(tmp_path / "plain", GOLD_TASK), include_metadata=False)
     tagged = HarborSpec(
-        make_suite(tmp_path / "tagged", "orders_count", edit={"difficulty_level = 1": "difficulty_level = 1.5\nsuite = 'x'"})
+        make_suite(
+            tmp_path / "tagged", "orders_count", edit={"difficulty_level = 1": "difficulty_level = 1.5\nsuite = 'x'"}
+        )
     )
     ints = HarborSpec(make_suite(tmp_path / "ints", "http_500_count"))
     mix = HarborSpec.mix([plain, tagged, ints])
@@ -122,8 +124,12 @@ def test_rows_keep_their_columns_and_metadata_of_suites_coexist(tmp_path: Path) 
 
 def test_clashing_column_types_name_the_column_and_both_suites(tmp_path: Path) -> None:
     ints = HarborSpec(make_suite(tmp_path / "ints", GOLD_TASK))
-    words = HarborSpec(make_suite(tmp_path / "words", "orders_count", edit={"difficulty_level = 1": 'difficulty_level = "easy"'}))
-    with pytest.raises(HarborMixError, match=r"'difficulty_level' is int64 in suite 'ints' but string in suite 'words'"):
+    words = HarborSpec(
+        make_suite(tmp_path / "words", "orders_count", edit={"difficulty_level = 1": 'difficulty_level = "easy"'})
+    )
+    with pytest.raises(
+        HarborMixError, match=r"'difficulty_level' is int64 in suite 'ints' but string in suite 'words'"
+    ):
         HarborSpec.mix([ints, words])
     # Fixed by leaving one suite's metadata out.
     words = HarborSpec(words.suite.root, include_metadata=False)
@@ -194,9 +200,10 @@ def test_mix_reward_counts_infra_failures_per_suite(tmp_path: Path, close_sandbo
         env.bash(f"echo -n {GOLD_ANSWER} > /workdir/answer.txt")
     logged: dict[str, float] = {}
     rewards = harbor_mix_reward(
-        completions=[None] * 2, environments=envs, log_metric=logged.__setitem__, **{
-            k: [row[k] for row in rows] for k in rows[0] if k != "prompt"
-        }
+        completions=[None] * 2,
+        environments=envs,
+        log_metric=logged.__setitem__,
+        **{k: [row[k] for row in rows] for k in rows[0] if k != "prompt"},
     )
     by_suite = dict(zip([row["suite"] for row in rows], rewards, strict=True))
     assert by_suite == {"good": 1.0, "broken": None}  # skipped: not the policy's fault

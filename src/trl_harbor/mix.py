@@ -121,7 +121,9 @@ def _environment_name(suite: str, harness: str, environment_type: str | None, op
     return name
 
 
-def _check_weights(weights: Iterable[Any] | Mapping[str, Any] | None, names: list[str] | None, count: int) -> list[Fraction]:
+def _check_weights(
+    weights: Iterable[Any] | Mapping[str, Any] | None, names: list[str] | None, count: int
+) -> list[Fraction]:
     if weights is None:
         return [Fraction(1)] * count
     if isinstance(weights, Mapping):
@@ -296,7 +298,7 @@ class HarborMix:
             if any(not name for name in names):
                 raise HarborMixError("A suite name in the specs mapping is empty; name every suite.")
             spec_list = list(specs.values())
-        elif isinstance(specs, HarborSpec) or isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
+        elif isinstance(specs, (HarborSpec, str, bytes)) or not isinstance(specs, Sequence):
             raise TypeError(
                 f"HarborSpec.mix takes a list of HarborSpec (or a mapping name -> HarborSpec), "
                 f"got {type(specs).__name__}."
