@@ -95,13 +95,15 @@ def test_constructor_validation() -> None:
 def test_reward_key_selection() -> None:
     assert select_reward({"reward": 0.5, "exact": 1}) == 0.5
     assert select_reward({"score": 1}) == 1.0
-    with pytest.raises(RewardError, match="reward_key"):
-        select_reward({"a": 1, "b": 0})
+    assert select_reward({"a": 1, "b": 0}) == 0.5  # no "reward", no weighting: the mean
     with pytest.raises(RewardError, match="no rewards"):
         select_reward({})
     assert select_reward({"a": 1, "b": 0}, "b") == 0.0
     with pytest.raises(RewardError, match="not among"):
         select_reward({"a": 1}, "c")
+    assert select_reward({"reward": 0.0, "a": 1, "b": 0.5}, weights={"a": 0.8, "b": 0.4}) == pytest.approx(1.0)
+    with pytest.raises(RewardError, match="weights"):
+        select_reward({"a": 1}, weights={"a": 1, "c": 1})
 
 
 def test_runtime_runs_everything_on_one_loop() -> None:
@@ -274,21 +276,36 @@ def test_reward_json_and_reward_key(tmp_path: Path, close_sandboxes: None) -> No
 
 
 @requires_local
-def test_ambiguous_or_missing_reward(tmp_path: Path, close_sandboxes: None) -> None:
+def test_multi_reward_defaults_weights_and_missing_reward(tmp_path: Path, close_sandboxes: None) -> None:
     task = _json_reward_task(
         tmp_path,
         '#!/bin/bash\nmkdir -p /logs/verifier\necho \'{"a": 1, "b": 0}\' > /logs/verifier/reward.json\n',
     )
-    strict = HarborBashEnv(environment_type="local", on_infra_error="raise")
+    plain = HarborBashEnv(environment_type="local")
+    plain.reset(task_dir=str(task))
+    assert plain.reward == 0.5 and plain.verification.rewards == {"a": 1.0, "b": 0.0}  # the mean, every part kept
+    weighted = HarborBashEnv(environment_type="local", reward_weights={"a": 0.25, "b": 1.0})
+    weighted.reset(task_dir=str(task))
+    assert weighted.reward == 0.25
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace("[metadata]", "[metadata]\nreward_weights = { b = 2.0, a = 3.0 }", 1))
+    from trl_harbor.env import _TASKS
+
+    _TASKS.clear()  # task.toml changed on disk
+    declared = HarborBashEnv(environment_type="local")
+    declared.reset(task_dir=str(task))
+    assert declared.reward == 3.0
+    # A weighting that names an entry the verifier did not write is a configuration error (not the policy's).
+    strict = HarborBashEnv(environment_type="local", on_infra_error="raise", reward_weights={"c": 1.0})
     strict.reset(task_dir=str(task))
-    with pytest.raises(RewardError, match="reward_key"):
+    with pytest.raises(RewardError, match="weights"):
         _ = strict.reward
-    lenient = HarborBashEnv(environment_type="local", on_infra_error="zero")
+    lenient = HarborBashEnv(environment_type="local", on_infra_error="zero", reward_weights={"c": 1.0})
     lenient.reset(task_dir=str(task))
     assert lenient.reward == 0.0
-    skipping = HarborBashEnv(environment_type="local")  # the default: left out of the batch
+    skipping = HarborBashEnv(environment_type="local", reward_weights={"c": 1.0})  # the default: left out
     skipping.reset(task_dir=str(task))
-    assert skipping.reward is None
+    assert skipping.reward is None and skipping.verification.infra
     # No reward file at all is an error (Harbor's semantics), which the rollout may have caused
     # (the sandbox is healthy): it scores 0 in every mode, with the reason, and is not skipped.
     (task / "tests" / "test.sh").write_text("#!/bin/bash\nexit 0\n")

@@ -178,7 +178,10 @@ class HarborEnv:
         max_output_chars: Characters of a command's output handed back to the model; the
             rest is cut and marked.
         reward_key: Which entry of the verifier's rewards is the scalar reward. ``None``
-            takes ``"reward"``, or the only entry when there is just one.
+            takes ``reward_weights`` when set, else ``"reward"``, else the mean of every
+            entry (see ``docs/rewards.md``).
+        reward_weights: ``{entry: weight}``: the reward is the weighted sum of the verifier's
+            entries (default: the task's ``[metadata] reward_weights``, if any).
         on_infra_error: What an infrastructure failure (the sandbox did not start, or
             stopped answering) makes of the rollout's reward: ``"skip"`` (default) gives
             ``None``, which ``GRPOTrainer`` leaves out of the batch (it is not the policy's
@@ -207,6 +210,7 @@ class HarborEnv:
         command_timeout_sec: int = DEFAULT_COMMAND_TIMEOUT_SEC,
         max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
         reward_key: str | None = None,
+        reward_weights: dict[str, float] | None = None,
         on_infra_error: str = "skip",
         max_concurrent_starts: int | None = 64,
         environment_kwargs: dict[str, Any] | None = None,
@@ -222,6 +226,7 @@ class HarborEnv:
         self._command_timeout_sec = int(command_timeout_sec)
         self._max_output_chars = int(max_output_chars)
         self._reward_key = reward_key
+        self._reward_weights = dict(reward_weights) if reward_weights else None
         self._on_infra_error = on_infra_error
         self._max_concurrent_starts = max_concurrent_starts
         self._environment_kwargs = dict(environment_kwargs or {})
@@ -263,6 +268,7 @@ class HarborEnv:
             create_environment=self._create_environment,
             trial_config=self._trial_config(),
             reward_key=self._reward_key,
+            reward_weights=self._reward_weights,
             on_infra_error=self._on_infra_error,
             allowed_changes=self._allowed_changes,
         )

@@ -65,19 +65,27 @@ class RewardError(RuntimeError):
     """The verifier's result cannot be turned into one scalar reward."""
 
 
-def select_reward(rewards: dict[str, float | int] | None, reward_key: str | None = None) -> float:
-    """Pick the scalar reward out of a verifier's rewards.
+def select_reward(
+    rewards: dict[str, float | int] | None,
+    reward_key: str | None = None,
+    weights: dict[str, float] | None = None,
+) -> float:
+    """Reduce a verifier's rewards to the scalar that trains the policy.
+
+    In order: ``reward_key`` when given; else ``weights`` (a weighted sum) when given; else the
+    ``"reward"`` entry; else the only entry; else the mean of every entry (a multi-reward task
+    such as ``{"correctness": 1, "performance": 0.5}`` with no declared weighting).
 
     Args:
         rewards: The verifier's rewards (``reward.json``'s keys, or ``{"reward": x}``).
-        reward_key: The key to use; ``None`` takes ``"reward"``, or the only key.
+        reward_key: The entry to use.
+        weights: ``{entry: weight}``: the reward is ``sum(weight * value)``.
 
     Returns:
         The reward.
 
     Raises:
-        RewardError: When there are no rewards, ``reward_key`` is missing, or there are
-            several keys, none is ``"reward"`` and no ``reward_key`` was chosen.
+        RewardError: When there are no rewards, or ``reward_key`` or a weighted entry is missing.
     """
     if not isinstance(rewards, dict) or not rewards:
         raise RewardError(f"the verifier returned no rewards ({rewards!r})")
@@ -87,14 +95,14 @@ def select_reward(rewards: dict[str, float | int] | None, reward_key: str | None
                 f"reward_key={reward_key!r} is not among the verifier's rewards {sorted(rewards)}; pick one of them."
             )
         return float(rewards[reward_key])
+    if weights:
+        missing = sorted(set(weights) - set(rewards))
+        if missing:
+            raise RewardError(f"reward weights name {missing}, which the verifier did not return ({sorted(rewards)}).")
+        return float(sum(float(weight) * float(rewards[key]) for key, weight in weights.items()))
     if "reward" in rewards:
         return float(rewards["reward"])
-    if len(rewards) == 1:
-        return float(next(iter(rewards.values())))
-    raise RewardError(
-        f"the verifier returned several rewards {sorted(rewards)} and none is named 'reward'; "
-        "choose one with HarborEnv(reward_key=...)."
-    )
+    return float(sum(float(value) for value in rewards.values()) / len(rewards))
 
 
 def infra_failures() -> dict[str, int]:
@@ -162,6 +170,8 @@ class Episode:
         create_environment: Builds a Harbor environment: ``(task, paths, role, **options)``.
         trial_config: Harbor's environment config (the backend), for the task's network plan.
         reward_key: Which of the verifier's rewards is the scalar (see :func:`select_reward`).
+        reward_weights: A weighting of the verifier's rewards (default: the task's
+            ``[metadata] reward_weights``, if any).
         on_infra_error: ``"skip"``, ``"zero"`` or ``"raise"`` for an infrastructure failure.
         allowed_changes: Globs of sandbox paths the agent may change although the verifier
             runs them (added to the task's ``[metadata] allowed_changes``).
@@ -175,6 +185,7 @@ class Episode:
         create_environment: Callable[..., BaseEnvironment],
         trial_config: TrialEnvironmentConfig | None = None,
         reward_key: str | None = None,
+        reward_weights: dict[str, float] | None = None,
         on_infra_error: str = "skip",
         allowed_changes: Sequence[str] = (),
     ) -> None:
@@ -183,6 +194,8 @@ class Episode:
         self.create_environment = create_environment
         self.trial_config = trial_config
         self.reward_key = reward_key
+        declared_weights = task.config.metadata.get("reward_weights")
+        self.reward_weights = reward_weights or (declared_weights if isinstance(declared_weights, dict) else None)
         self.on_infra_error = on_infra_error
         declared = task.config.metadata.get("allowed_changes") or []
         self.allowed_changes = [*allowed_changes, *([declared] if isinstance(declared, str) else declared)]
@@ -561,7 +574,7 @@ class Episode:
         if not combined:
             return Verification(0.0, **details)
         try:
-            reward = select_reward(combined, self.reward_key)
+            reward = select_reward(combined, self.reward_key, self.reward_weights)
         except RewardError as exc:
             return self._infra(self.fail("verify", exc), exc)
         return Verification(reward, rewards=combined, **details)
@@ -724,7 +737,7 @@ class Episode:
         if self.steps:  # a step's scalar is decided when the steps are combined
             return Verification(None, rewards={k: float(v) for k, v in rewards.items()}, **details)
         try:
-            reward = select_reward(rewards, self.reward_key)
+            reward = select_reward(rewards, self.reward_key, self.reward_weights)
         except RewardError as exc:  # the task's or the user's configuration, never the policy's
             return self._infra(self.fail("verify", exc), exc)
         return Verification(reward, rewards={k: float(v) for k, v in rewards.items()}, **details)

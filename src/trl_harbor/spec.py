@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 from trl_harbor.agents import resolve_agent
 from trl_harbor.env import HarborEnv, verify_all
-from trl_harbor.suite import TaskInfo, load_suite, metadata_columns, select_tasks
+from trl_harbor.sandboxes import LOCAL_ENVIRONMENT_IMPORT_PATH
+from trl_harbor.suite import TaskInfo, TaskSuiteError, load_suite, metadata_columns, select_tasks
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
     from trl_harbor.mix import HarborMix
 
-__all__ = ["EnvironmentFactory", "HarborSpec", "harbor_reward"]
+__all__ = ["EnvironmentFactory", "HarborSpec", "check_runnable", "harbor_reward"]
 
 
 def harbor_reward(
@@ -93,6 +94,9 @@ def harbor_reward(
         for outcome in outcomes:
             for key, value in (outcome.rewards if outcome else {}).items():
                 components.setdefault(key, []).append(value)
+            for step, rewards in outcome.steps if outcome else ():
+                for key, value in rewards.items():
+                    components.setdefault(f"{step}/{key}", []).append(value)
         for key, values in sorted(components.items()):
             log_metric(f"harbor/reward/{key}", sum(values) / len(values))
     if log_extra is not None:
@@ -102,6 +106,38 @@ def harbor_reward(
 
 def _as_reward(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv], environment_type: str) -> None:
+    """Refuse, when the spec is built, tasks that the harness or the backend cannot run.
+
+    Args:
+        tasks: The selected tasks.
+        env_cls: The harness.
+        environment_type: The backend.
+
+    Raises:
+        TaskSuiteError: Naming every such task, why, and the fix.
+    """
+    problems = []
+    if not callable(getattr(env_cls, "submit_step", None)):
+        for task in tasks:
+            if task.steps:
+                problems.append(
+                    f"{task.path}/task.toml: [[steps]] ({task.steps} steps) needs a harness with a "
+                    f"`submit_step` tool, and {env_cls.__name__} has none. Fix: agent='bash_steps', or "
+                    "add trl_harbor.StepsMixin to your harness."
+                )
+    if environment_type in ("local", LOCAL_ENVIRONMENT_IMPORT_PATH):
+        for task in tasks:
+            if task.compose:
+                problems.append(
+                    f"{task.path}/environment/docker-compose.yaml: the local sandbox runs one container, "
+                    "not compose services (the sidecars would be silently missing). Fix: "
+                    "environment_type='docker' (or another backend that runs compose), or leave the task out."
+                )
+    if problems:
+        raise TaskSuiteError(f"{len(problems)} task(s) cannot run here:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 class EnvironmentFactory:
@@ -174,8 +210,9 @@ class HarborSpec:
         ValueError: When both ``num_tasks`` and ``indices`` are given, an index is out of
             range, or ``agent`` is an unknown name.
         TypeError: When ``agent`` does not resolve to a ``HarborEnv`` subclass.
-        trl_harbor.suite.TaskSuiteError: When the suite cannot be found or a task is
-            malformed (a ``ValueError``).
+        trl_harbor.suite.TaskSuiteError: When the suite cannot be found, a task is
+            malformed, or the harness or backend cannot run a task (multi-step tasks without
+            a ``submit_step`` tool, compose tasks on the local sandbox); a ``ValueError``.
     """
 
     def __init__(
@@ -207,6 +244,7 @@ class HarborSpec:
                 f"The selection (num_tasks={num_tasks}, indices={indices}) leaves no task of "
                 f"the {len(self.suite.tasks)} in {dataset!s}."
             )
+        check_runnable(self.tasks, self.env_cls, environment_type)
 
     @property
     def tasks(self) -> list[TaskInfo]:

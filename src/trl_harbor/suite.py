@@ -62,11 +62,15 @@ class TaskInfo:
         path: Absolute path of the task directory.
         name: The task's name (its directory name, or ``[task].name`` when set).
         metadata: The task's ``[metadata]`` table from ``task.toml``.
+        steps: How many ``[[steps]]`` the task has (0: a single-step task).
+        compose: Whether its environment is a ``docker-compose.yaml`` (sidecar services).
     """
 
     path: Path
     name: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    steps: int = 0
+    compose: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,7 +196,9 @@ def validate_task(task_dir: Path) -> tuple[TaskInfo | None, list[str]]:
     has_steps = bool(raw and raw.get("steps"))
     if not has_steps and not (task_dir / "instruction.md").is_file():
         problems.append("instruction.md is missing. Fix: add instruction.md with the prompt the agent gets.")
-    if not (task_dir / "tests").is_dir() or not any(
+    if has_steps:
+        pass  # each step has its own tests (steps/<name>/tests/); Harbor's model checks them below
+    elif not (task_dir / "tests").is_dir() or not any(
         (task_dir / "tests" / name).is_file() for name in ("test.sh", "test.ps1", "test.cmd", "test.bat")
     ):
         # A separate verifier image may bundle its own tests; Harbor's model decides below.
@@ -215,8 +221,33 @@ def validate_task(task_dir: Path) -> tuple[TaskInfo | None, list[str]]:
             f"Harbor rejects the task: {type(exc).__name__}: {detail}. Fix: make task.toml and "
             "the task layout follow Harbor's task format (see `harbor tasks check`)."
         ]
+    problems += _missing_host_variables(task)
+    if problems:
+        return None, problems
     metadata = dict(task.config.metadata or {})
-    return TaskInfo(path=task_dir.resolve(), name=task.name, metadata=metadata), []
+    compose = (task_dir / "environment" / "docker-compose.yaml").is_file()
+    info = TaskInfo(task_dir.resolve(), task.name, metadata, steps=len(task.config.steps or []), compose=compose)
+    return info, []
+
+
+def _missing_host_variables(task: Any) -> list[str]:
+    """``${VAR}`` values of the task's env tables that this host cannot fill (Harbor would fail at start)."""
+    from harbor.utils.env import resolve_env_vars
+
+    tables = {"[environment.env]": task.config.environment.env, "[verifier.env]": task.config.verifier.env}
+    for step in task.config.steps or []:
+        tables[f"[[steps]] {step.name!r} [verifier.env]"] = step.verifier.env
+    problems = []
+    for table, values in tables.items():
+        for key, value in (values or {}).items():
+            try:
+                resolve_env_vars({key: value})
+            except ValueError as exc:
+                problems.append(
+                    f"task.toml {table} {key} = {value!r}: {exc}. Fix: set it on this machine before "
+                    f"training (export it), or give a default: '${{NAME:-value}}'."
+                )
+    return problems
 
 
 def load_suite(dataset: str | Path, revision: str | None = None) -> TaskSuite:
