@@ -98,6 +98,9 @@ def test_default_size_holds_every_task_and_equal_weights(tmp_path: Path) -> None
     # Unequal weights: the smallest dataset with every task of every suite at least once.
     mix = HarborSpec.mix([HarborSpec(BUNDLED_SUITE), small], weights=[1, 3])
     assert Counter(mix.train_dataset["suite"]) == {"examples": 15, "small": 45}
+    # Every distinct task of the mix (for tools that look at the tasks, e.g. to build images first).
+    assert mix.task_dirs == [*HarborSpec(BUNDLED_SUITE).task_dirs, *small.task_dirs]
+    assert [t.name for t in mix.tasks] == [*NAMES, *NAMES[:3]]
 
 
 def test_rows_keep_their_columns_and_metadata_of_suites_coexist(tmp_path: Path) -> None:
@@ -248,7 +251,7 @@ def test_impossible_mixes_are_clear_errors(tmp_path: Path) -> None:
         HarborSpec.mix([spec, twin])
     assert HarborSpec.mix({"bundled": spec, "twin": twin}).suites == ["bundled", "twin"]
     # The same combination twice could not be told apart: merge, or name apart.
-    with pytest.raises(HarborMixError, match="same combination"):
+    with pytest.raises(HarborMixError, match=r"specs\[0\] and specs\[1\] are the same combination"):
         HarborSpec.mix([spec, HarborSpec(BUNDLED_SUITE, num_tasks=3)], weights=[1, 2])
     assert HarborSpec.mix({"all": spec, "first3": HarborSpec(BUNDLED_SUITE, num_tasks=3)}).suites == ["all", "first3"]
     # Too few rows for a spec to get any.

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from trl_harbor.agents import AGENTS, EXAMPLE_AGENTS
 from trl_harbor.env import HarborEnv
 from trl_harbor.spec import HarborSpec, harbor_reward
+from trl_harbor.suite import TaskInfo
 
 if TYPE_CHECKING:
     from datasets import Dataset, Features
@@ -160,8 +161,6 @@ def _quotas(weights: list[Fraction], sizes: list[int], num_rows: int | None, sui
     total = sum(weights)
     if num_rows is None:  # the smallest size that holds every task of every spec at least once
         num_rows = max(math.ceil(size * total / weight) for size, weight in zip(sizes, weights, strict=True))
-    elif isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
-        raise HarborMixError(f"num_rows must be a positive integer (or None), got {num_rows!r}.")
     exact = [num_rows * weight / total for weight in weights]
     quotas = [math.floor(share) for share in exact]
     # Largest remainder: the rows left over go to the largest fractional parts (ties: spec order).
@@ -314,7 +313,13 @@ class HarborMix:
                 raise TypeError(f"{where} is a {type(spec).__name__}, not a HarborSpec{hint}.")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an integer, got {seed!r}.")
+        if num_rows is not None and (isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1):
+            raise HarborMixError(f"num_rows must be a positive integer (or None), got {num_rows!r}.")
         suites = names if names is not None else [suite_name(spec) for spec in spec_list]
+
+        def label(i: int) -> str:
+            return f"specs[{names[i]!r}]" if names else f"specs[{i}]"
+
         fractions = _check_weights(weights, names, len(spec_list))
 
         roots: dict[str, tuple[int, Path]] = {}
@@ -324,7 +329,7 @@ class HarborMix:
             seen = roots.setdefault(suite, (i, spec.suite.root))
             if seen[1] != spec.suite.root:
                 raise HarborMixError(
-                    f"specs {seen[0]} and {i} are two different suites named {suite!r} ({seen[1]} and "
+                    f"{label(seen[0])} and {label(i)} are two different suites named {suite!r} ({seen[1]} and "
                     f"{spec.suite.root}). Fix: name them apart, HarborSpec.mix({{'name_a': spec_a, "
                     "'name_b': spec_b}, ...)."
                 )
@@ -334,7 +339,7 @@ class HarborMix:
             combo = (suite, spec.env_cls, environment_type, _options_key(options))
             if combo in combos:
                 raise HarborMixError(
-                    f"specs {combos[combo]} and {i} are the same combination (suite {suite!r}, harness "
+                    f"{label(combos[combo])} and {label(i)} are the same combination (suite {suite!r}, harness "
                     f"{spec.env_cls.__name__}, backend {environment_type!r}, same options): their rows "
                     "could not be told apart. Fix: merge them into one spec (its weight is the sum), or "
                     "name them apart with a mapping {name: spec} (e.g. easy and hard subsets of one suite)."
@@ -343,7 +348,7 @@ class HarborMix:
             name = _environment_name(suite, _harness_label(spec), environment_type, options)
             if name in env_names:
                 raise HarborMixError(
-                    f"specs {env_names[name]} and {i} both make the environment name {name!r} from "
+                    f"{label(env_names[name])} and {label(i)} both make the environment name {name!r} from "
                     "different harness classes of the same name. Fix: rename one harness class, or "
                     "name the suites apart with a mapping {name: spec}."
                 )
@@ -388,6 +393,20 @@ class HarborMix:
     def specs(self) -> list[HarborSpec]:
         """The specs, in mix order."""
         return [entry.spec for entry in self.entries]
+
+    @property
+    def tasks(self) -> list[TaskInfo]:
+        """Every distinct selected task of the specs, in mix order (a task shared by two specs once)."""
+        seen: dict[Path, TaskInfo] = {}
+        for entry in self.entries:
+            for task in entry.spec.tasks:
+                seen.setdefault(task.path, task)
+        return list(seen.values())
+
+    @property
+    def task_dirs(self) -> list[Path]:
+        """Absolute paths of :attr:`tasks`."""
+        return [task.path for task in self.tasks]
 
     @property
     def suites(self) -> list[str]:
