@@ -51,3 +51,19 @@ def test_build_reports_failures(loopback_registry, tmp_path: Path, capsys) -> No
     assert _images("build", str(suite), "--cache-dir", str(tmp_path / "cache")) == 1
     out = capsys.readouterr().out
     assert "broken: FAILED" in out and "0 of 1 image(s) ready" in out
+
+
+def test_load_a_base_image_from_an_archive_then_build_offline(tmp_path: Path, capsys) -> None:
+    """No registry at all: the base image comes from an OCI archive, under the name FROM uses."""
+    from registry import base_image_archive
+
+    cache = str(tmp_path / "cache")
+    name = "registry.invalid/offline/debian:12"
+    assert _images("load", str(base_image_archive()), name, "--cache-dir", cache) == 0
+    assert f"as {name}" in capsys.readouterr().out
+    suite = tmp_path / "suite"
+    make_task(suite, "offline", dockerfile=f"FROM {name}\nRUN echo offline > /marker\n")
+    assert _images("build", str(suite), "--cache-dir", cache) == 0
+    assert "offline: built in" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no such file"):
+        _images("load", str(tmp_path / "missing.tar"), name, "--cache-dir", cache)

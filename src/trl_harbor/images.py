@@ -8,6 +8,7 @@ before training keeps the first rollouts from waiting on pulls and builds::
     trl-harbor images list
     trl-harbor images prune            # images whose task changed or is gone
     trl-harbor images prune --all      # every image, and the pulled base images
+    trl-harbor images load python-3.12-slim.tar python:3.12-slim   # a base image, offline
 """
 
 from __future__ import annotations
@@ -141,6 +142,15 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_load(args: argparse.Namespace) -> int:
+    archive = Path(args.archive)
+    if not archive.is_file():
+        raise SystemExit(f"{archive}: no such file (an OCI or Docker archive of the image)")
+    asyncio.run(_store(args).load_archive(archive.resolve(), args.name))
+    print(f"loaded {archive} as {args.name}")
+    return 0
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``images`` and its subcommands on the ``trl-harbor`` parser.
 
@@ -165,6 +175,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prune = sub.add_parser("prune", parents=[common], help="remove images whose task changed or is gone")
     prune.add_argument("--all", action="store_true", help="remove every image and the pulled base images")
     prune.set_defaults(func=_cmd_prune)
+    load = sub.add_parser("load", parents=[common], help="load a base image from an OCI or Docker archive")
+    load.add_argument("archive", help="the archive (skopeo copy ... oci-archive:FILE, or docker save)")
+    load.add_argument("name", help="the name Dockerfiles use after FROM, e.g. python:3.12-slim")
+    load.set_defaults(func=_cmd_load)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -388,7 +388,7 @@ class ImageStore:
                     return
                 suite = debian_suite(ref)
                 if suite is None or not self.debian_bootstrap or not shutil.which("mmdebstrap"):
-                    raise BaseImageUnavailableError(_pull_error(ref, err))
+                    raise BaseImageUnavailableError(_pull_error(ref, err, self.cache_dir))
                 logger.warning(
                     "the base image %s could not be pulled; bootstrapping Debian %s from Debian's packages "
                     "with mmdebstrap instead (a minbase system, close to but not the same as the registry's image)",
@@ -409,7 +409,7 @@ class ImageStore:
             _, err = await proc.communicate()
             if proc.returncode != 0:
                 raise BaseImageUnavailableError(
-                    _pull_error(ref, pull_error)
+                    _pull_error(ref, pull_error, self.cache_dir)
                     + f"\nBootstrapping Debian {suite} with mmdebstrap failed too:\n"
                     + err.decode(errors="replace")[-1500:]
                 )
@@ -516,7 +516,9 @@ class ImageStore:
             pull = re.search(r"(initializing source|pinging container registry|reading manifest|"
                              r"short-name resolution|no such host|connection refused)", output)  # fmt: skip
             if pull and "FROM" not in output[-200:]:
-                raise BaseImageUnavailableError(_pull_error(", ".join(bases) or "the base image", output))
+                raise BaseImageUnavailableError(
+                    _pull_error(", ".join(bases) or "the base image", output, self.cache_dir)
+                )
             raise ImageBuildError(
                 f"task {task_name!r}: building {dockerfile} with buildah failed (exit code {rc}). "
                 f"Its last output:\n{output[-4000:]}"
@@ -559,6 +561,31 @@ class ImageStore:
         """Delete a built image (sandboxes running on it keep their mounts until they stop)."""
         remove_tree(image.path)
         self._memo = {k: v for k, v in self._memo.items() if v.path != image.path}
+
+    async def load_archive(self, archive: Path, ref: str) -> None:
+        """Load a base image from an archive and name it ``ref``, for machines no registry serves.
+
+        Args:
+            archive: An OCI archive (``oci-archive``, e.g. from ``skopeo copy`` or ``buildah push``)
+                or a Docker archive (``docker save``).
+            ref: The name the Dockerfiles use after ``FROM`` (e.g. ``python:3.12-slim``).
+
+        Raises:
+            ImageError: If buildah cannot read the archive.
+        """
+        self._private_dirs()
+        errors = []
+        for transport in ("oci-archive", "docker-archive"):
+            rc, stdout, stderr = await self._run_buildah("pull", "--quiet", f"{transport}:{archive}")
+            if rc == 0:
+                image_id = stdout.strip().splitlines()[-1]
+                for name in {ref, _qualified(ref)}:
+                    rc, _, stderr = await self._run_buildah("tag", image_id, name)
+                    if rc != 0:
+                        raise ImageError(f"could not name the loaded image {ref}: {stderr.strip()}")
+                return
+            errors.append(f"{transport}: {stderr.strip()}")
+        raise ImageError(f"{archive} is neither an OCI nor a Docker archive buildah can read:\n" + "\n".join(errors))
 
     async def prune_bases(self) -> None:
         """Remove base images no longer needed from buildah's storage."""
@@ -660,7 +687,7 @@ def _registries_conf() -> str:
     return str(user) if user.exists() else "/etc/containers/registries.conf"
 
 
-def _pull_error(ref: str, output: str) -> str:
+def _pull_error(ref: str, output: str, cache_dir: Path) -> str:
     tried = sorted(
         set(re.findall(r"(?:https?://)?([a-z0-9.-]+(?:\.[a-z]{2,}|:\d+|localhost)[a-z0-9.:-]*)/v2/", output))
     )
@@ -670,7 +697,8 @@ def _pull_error(ref: str, output: str) -> str:
         f"{output.strip()[-1500:]}\n"
         "Fixes: add a reachable mirror for that registry to registries.conf "
         f"({_registries_conf()}; see `man containers-registries.conf`, [[registry]] ... [[registry.mirror]]); "
-        "or load the image from an archive (`buildah pull oci-archive:FILE` or `docker-archive:FILE` "
-        f"with --root {default_cache_dir() / 'containers' / 'storage'}); or run the task on the host "
-        "root (environment kwarg root='host': no image, the host's /usr, FROM not honoured)."
+        "or load the image from an archive made where it can be pulled (`skopeo copy docker://IMAGE "
+        "oci-archive:FILE`, or `docker save`) with "
+        f"`trl-harbor images load FILE {ref.split(',')[0]} --cache-dir {cache_dir}`; or run the task on "
+        "the host root (environment kwarg root='host': no image, the host's /usr, FROM not honoured)."
     )
