@@ -94,8 +94,8 @@ def harbor_reward(
         for outcome in outcomes:
             for key, value in (outcome.rewards if outcome else {}).items():
                 components.setdefault(key, []).append(value)
-            for step, rewards in outcome.steps if outcome else ():
-                for key, value in rewards.items():
+            for step, step_rewards in outcome.steps if outcome else ():
+                for key, value in step_rewards.items():
                     components.setdefault(f"{step}/{key}", []).append(value)
         for key, values in sorted(components.items()):
             log_metric(f"harbor/reward/{key}", sum(values) / len(values))

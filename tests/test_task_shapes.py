@@ -1,0 +1,206 @@
+"""Every Harbor task shape, graded as Harbor grades it (issue #9), on real local sandboxes.
+
+Multi-step tasks (``[[steps]]``) are one rollout: ``submit_step`` grades a step and returns the
+next instruction; the reward combines the steps (unreached ones score 0). Tasks the harness or
+the backend cannot run fail when the spec is built, naming the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import requires_local, tiny_grpo_trainer
+
+from trl_harbor import HarborSpec
+from trl_harbor.env import HarborBashStepsEnv
+from trl_harbor.suite import TaskSuiteError
+
+STEP_TEST = """#!/bin/bash
+mkdir -p /logs/verifier
+if [ "$(cat {path} 2>/dev/null)" = "{expected}" ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+def make_steps_task(root: Path, name: str = "two_steps", *, strategy: str | None = None, gate: bool = False) -> Path:
+    """A two-step task: step `one` wants 1 in a.txt; step `two` (staged by its setup.sh) wants its token in b.txt."""
+    task = root / name
+    (task / "environment").mkdir(parents=True)
+    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /workdir\n")
+    head = f'multi_step_reward_strategy = "{strategy}"\n' if strategy else ""
+    gate_line = "min_reward = 1.0\n" if gate else ""
+    (task / "task.toml").write_text(
+        textwrap.dedent(
+            f"""\
+            version = "1.0"
+            {head}
+            [verifier]
+            timeout_sec = 60
+            [environment]
+            network_mode = "no-network"
+
+            [[steps]]
+            name = "one"
+            {gate_line}
+            [[steps]]
+            name = "two"
+            """
+        )
+    )
+    for step, path, expected, text in (
+        ("one", "/workdir/a.txt", "1", "Write 1 to /workdir/a.txt."),
+        ("two", "/workdir/b.txt", "staged-token", "Copy /workdir/token.txt to /workdir/b.txt."),
+    ):
+        (task / "steps" / step / "tests").mkdir(parents=True)
+        (task / "steps" / step / "instruction.md").write_text(text + "\n")
+        test_sh = task / "steps" / step / "tests" / "test.sh"
+        test_sh.write_text(STEP_TEST.format(path=path, expected=expected))
+        test_sh.chmod(0o755)
+    (task / "steps" / "two" / "workdir").mkdir()
+    (task / "steps" / "two" / "workdir" / "setup.sh").write_text("echo staged-token > /workdir/token.txt\n")
+    return task
+
+
+@pytest.fixture
+def steps_suite(tmp_path: Path) -> Path:
+    root = tmp_path / "suite"
+    make_steps_task(root)
+    return root
+
+
+@requires_local
+def test_a_multi_step_task_is_one_rollout_with_submit_step(steps_suite: Path, close_sandboxes: None) -> None:
+    spec = HarborSpec(steps_suite, agent="bash_steps", environment_type="local")
+    env = spec.environment_factory()
+    assert isinstance(env, HarborBashStepsEnv)
+    prompt = env.reset(task_dir=str(spec.task_dirs[0]))
+    assert prompt.startswith("Write 1 to /workdir/a.txt.") and "2 steps" in prompt
+    assert "No such file" in env.bash("cat /workdir/token.txt")  # step two is not staged yet
+    env.bash("echo 1 > /workdir/a.txt")
+    following = env.submit_step()
+    assert "Step 2 of 2" in following and "Copy /workdir/token.txt" in following
+    # Step one's verifier left nothing for the agent to read; step two's setup.sh ran.
+    assert env.bash("ls -A /tests /logs/verifier").split() == ["/logs/verifier:", "/tests:"]
+    assert env.bash("cat /workdir/token.txt").strip() == "staged-token"
+    env.bash("cp /workdir/token.txt /workdir/b.txt")
+    assert "task is over" in env.submit_step()
+    assert "task is over" in env.submit_step()  # idempotent
+    assert env.reward == 1.0
+    assert env.verification.steps == (("one", {"reward": 1.0}), ("two", {"reward": 1.0}))
+
+
+@requires_local
+def test_stopping_early_is_never_rewarded_and_min_reward_ends_the_rollout(
+    tmp_path: Path, close_sandboxes: None
+) -> None:
+    root = tmp_path / "suite"
+    make_steps_task(root, "mean")
+    make_steps_task(root, "final", strategy="final")
+    make_steps_task(root, "gated", gate=True)
+    spec = HarborSpec(root, agent="bash_steps", environment_type="local")
+    task = {p.name: str(p) for p in spec.task_dirs}
+    env = spec.environment_factory()
+
+    # Step one done but never submitted: it is graded at the end, step two scores 0.
+    env.reset(task_dir=task["mean"])
+    env.bash("echo 1 > /workdir/a.txt")
+    assert env.reward == 0.5
+    assert "never reached" in env.verification.reason
+
+    # "final": only the last step counts; not reaching it is 0.
+    env.reset(task_dir=task["final"])
+    env.bash("echo 1 > /workdir/a.txt")
+    assert env.reward == 0.0
+    env.reset(task_dir=task["final"])
+    env.submit_step()  # step one wrong
+    env.bash("cp /workdir/token.txt /workdir/b.txt")
+    env.submit_step()
+    assert env.reward == 1.0
+
+    # min_reward on step one: a wrong first step ends the rollout there.
+    env.reset(task_dir=task["gated"])
+    assert "task is over" in env.submit_step()
+    assert env.bash("cat /workdir/token.txt").startswith("Error: the rollout is over")
+    assert env.reward == 0.0 and env.verification.steps == (("one", {"reward": 0.0}),)
+
+
+@requires_local
+def test_tampering_during_a_later_step_is_caught(steps_suite: Path, close_sandboxes: None) -> None:
+    spec = HarborSpec(steps_suite, agent="bash_steps", environment_type="local")
+    env = spec.environment_factory()
+    env.reset(task_dir=str(spec.task_dirs[0]))
+    env.bash("echo 1 > /workdir/a.txt")
+    env.submit_step()
+    env.bash("mkdir -p /tests && echo 'echo 1 > /logs/verifier/reward.txt' > /tests/extra.sh")
+    env.bash("cp /workdir/token.txt /workdir/b.txt")
+    env.submit_step()
+    assert env.reward == 0.5  # step two scored 0: it touched /tests
+    assert any("/tests/extra.sh" in change for change in env.verification.tampered)
+
+
+def test_tasks_the_harness_or_backend_cannot_run_fail_at_spec_build(tmp_path: Path, steps_suite: Path) -> None:
+    with pytest.raises(TaskSuiteError, match=r"submit_step.*agent='bash_steps'"):
+        HarborSpec(steps_suite, agent="bash", environment_type="local")
+
+    compose = tmp_path / "compose_suite"
+    make_steps_task(compose, "with_sidecar")
+    (compose / "with_sidecar" / "environment" / "docker-compose.yaml").write_text("services: {}\n")
+    with pytest.raises(TaskSuiteError, match=r"docker-compose.yaml: the local sandbox.*environment_type='docker'"):
+        HarborSpec(compose, agent="bash_steps", environment_type="local")
+    HarborSpec(compose, agent="bash_steps", environment_type="docker")  # fine where compose runs
+
+    missing = tmp_path / "env_suite"
+    task = make_steps_task(missing, "needs_key")
+    toml = task / "task.toml"
+    toml.write_text(
+        toml.read_text().replace("[environment]\n", '[environment]\nenv = { API_KEY = "${TRL_HARBOR_NO_SUCH_VAR}" }\n')
+    )
+    with pytest.raises(TaskSuiteError, match=r"\[environment.env\] API_KEY.*TRL_HARBOR_NO_SUCH_VAR.*export"):
+        HarborSpec(missing, agent="bash_steps", environment_type="local")
+
+
+@requires_local
+@pytest.mark.slow
+def test_grpo_step_on_a_multi_step_task_logs_each_steps_reward(
+    steps_suite: Path, tmp_path: Path, close_sandboxes: None
+) -> None:
+    from trl_harbor.testing import tool_call_text
+
+    spec = HarborSpec(steps_suite, agent="bash_steps", environment_type="local")
+    calls = [
+        tool_call_text("bash", {"command": "echo 1 > /workdir/a.txt; cp /workdir/token.txt /workdir/b.txt"}),
+        tool_call_text("submit_step", {}),
+    ]
+    trainer = tiny_grpo_trainer(tmp_path, spec, calls, HarborBashStepsEnv.PROMPT_SUFFIX, spec.reward_funcs)
+    trainer.args.max_tool_calling_iterations = 4
+    assert sorted(tool.__name__ for tool in trainer.tools) == ["bash", "submit_step"]
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert "harbor/reward/one/reward" in logged, sorted(logged)
+    assert 0.0 <= logged["reward"] <= 1.0
+
+
+@requires_local
+@pytest.mark.slow
+def test_grpo_step_on_a_multi_reward_task_logs_every_component(
+    copy_tasks, tmp_path: Path, close_sandboxes: None
+) -> None:
+    from conftest import GOLD_ANSWER, GOLD_TASK
+
+    from trl_harbor import HarborBashEnv
+    from trl_harbor.testing import tool_call_text
+
+    suite = copy_tasks(GOLD_TASK)
+    (suite / GOLD_TASK / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\n"
+        f'if [ "$(cat /workdir/answer.txt 2>/dev/null)" = "{GOLD_ANSWER}" ]; then c=1; else c=0; fi\n'
+        'echo "{\\"correctness\\": $c, \\"performance\\": 0.5}" > /logs/verifier/reward.json\n'
+    )
+    spec = HarborSpec(suite, environment_type="local", env_kwargs={"reward_weights": {"correctness": 1.0}})
+    calls = [tool_call_text("bash", {"command": f"echo -n {c} > /workdir/answer.txt"}) for c in (GOLD_ANSWER, 0)]
+    trainer = tiny_grpo_trainer(tmp_path, spec, calls, HarborBashEnv.PROMPT_SUFFIX, spec.reward_funcs)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["harbor/reward/performance"] == pytest.approx(0.5)
+    assert logged["harbor/reward/correctness"] == pytest.approx(logged["reward"])  # weighted on correctness alone
