@@ -285,10 +285,15 @@ SUITES = {
 
 @requires_local
 @pytest.mark.slow
-def test_grpo_step_routes_rows_to_their_harness_and_sandbox(tmp_path: Path, close_sandboxes: None) -> None:
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "HarborGRPOTrainer"])
+def test_grpo_step_routes_rows_to_their_harness_and_sandbox(
+    tmp_path: Path, close_sandboxes: None, trainer_name: str
+) -> None:
+    """TRL's trainer, and trl-harbor's (a turn's tool calls run at the same time), over a mix."""
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
+    from trl_harbor import HarborGRPOTrainer
     from trl_harbor.harnesses.terminal_notes.env import TerminalNotesEnv
     from trl_harbor.testing import build_model, build_tokenizer, script_tool_calls, tool_call_text
 
@@ -349,7 +354,8 @@ def test_grpo_step_routes_rows_to_their_harness_and_sandbox(tmp_path: Path, clos
         save_strategy="no",
         seed=1,
     )
-    trainer = GRPOTrainer(
+    trainer_cls = {"GRPOTrainer": GRPOTrainer, "HarborGRPOTrainer": HarborGRPOTrainer}[trainer_name]
+    trainer = trainer_cls(
         model=model,
         processing_class=tokenizer,
         args=args,
