@@ -204,3 +204,47 @@ def test_grpo_step_on_a_multi_reward_task_logs_every_component(
     logged = trainer.state.log_history[0]
     assert logged["harbor/reward/performance"] == pytest.approx(0.5)
     assert logged["harbor/reward/correctness"] == pytest.approx(logged["reward"])  # weighted on correctness alone
+
+
+@requires_local
+def test_check_grades_like_training_and_reports_every_task_even_broken_ones(tmp_path: Path, copy_tasks) -> None:
+    """One broken task among good ones: every task gets its row, each failure its reason."""
+    import asyncio
+
+    from conftest import GOLD_TASK
+
+    from trl_harbor.check import check_suite
+
+    suite = copy_tasks(GOLD_TASK)
+    steps = make_steps_task(suite, "two_steps")
+    for step, command in (("one", "echo 1 > /workdir/a.txt"), ("two", "cp /workdir/token.txt /workdir/b.txt")):
+        (steps / "steps" / step / "solution").mkdir()
+        (steps / "steps" / step / "solution" / "solve.sh").write_text(f"#!/bin/bash\n{command}\n")
+    bad_toml = suite / "bad_toml"
+    bad_toml.mkdir()
+    (bad_toml / "task.toml").write_text("version = [unclosed\n")
+    (bad_toml / "instruction.md").write_text("x\n")
+    needs_var = make_steps_task(suite, "needs_var")
+    toml = needs_var / "task.toml"
+    toml.write_text(
+        toml.read_text().replace("[verifier]\n", '[verifier]\nenv = { TOKEN = "${TRL_HARBOR_UNSET_VAR}" }\n')
+    )
+    sidecar = make_steps_task(suite, "sidecar")
+    (sidecar / "environment" / "docker-compose.yaml").write_text("services: {}\n")
+    cheat = make_steps_task(suite, "cheating_oracle")  # its solution plants a fake python3: tampering
+    for step in ("one", "two"):
+        (cheat / "steps" / step / "solution").mkdir()
+        (cheat / "steps" / step / "solution" / "solve.sh").write_text(
+            "#!/bin/bash\nrm -f /opt/venv/bin/python3; printf '#!/bin/sh\\n' > /opt/venv/bin/python3\n"
+        )
+
+    dirs = sorted(p for p in suite.iterdir() if p.is_dir())
+    results = {r.task_dir.name: r for r in asyncio.run(check_suite(dirs, "local", concurrency=4))}
+    assert set(results) == {p.name for p in dirs}
+    assert results[GOLD_TASK].passed and results["two_steps"].passed, results["two_steps"].why
+    assert results["two_steps"].oracle.reward == 1.0 and results["two_steps"].nop.reward == 0.0
+    assert "not valid TOML" in results["bad_toml"].why
+    assert "TRL_HARBOR_UNSET_VAR" in results["needs_var"].why
+    assert "docker-compose.yaml" in results["sidecar"].why
+    assert not results["cheating_oracle"].passed and "changed what the verifier runs" in results["cheating_oracle"].why
+    assert results["cheating_oracle"].to_dict()["passed"] is False

@@ -1,11 +1,15 @@
 """Suite QA: every task's oracle must score 1, and doing nothing must score 0.
 
-For each task, two trials run in fresh sandboxes: Harbor's oracle agent runs
-``solution/solve.sh`` and Harbor's verifier grades it (expected: 1), then the
-verifier grades an untouched sandbox (expected: the task's floor, 0 unless
-``[metadata] reward_floor`` says otherwise). A task whose graders accept an empty
-answer, or whose reference solution fails, would silently poison training; this
-catches both before a GPU hour is spent.
+For each task, two episodes run in fresh sandboxes and are graded exactly as training grades
+them (:class:`trl_harbor.episode.Episode`: the same provisioning, healthchecks, multi-step
+staging, process kill, tamper check, verifier modes and reward reduction): Harbor's oracle agent
+runs the reference solution (``solution/solve.sh``, or each step's) and must score 1; an
+untouched sandbox must score the task's floor (0 unless ``[metadata] reward_floor`` says
+otherwise). A task whose graders accept an empty answer, or whose reference solution fails,
+would silently poison training; this catches both before a GPU hour is spent.
+
+One task never stops the check: a task that is malformed, that the backend cannot run, or whose
+sandbox fails, is a failed row with its reason.
 """
 
 from __future__ import annotations
@@ -16,38 +20,34 @@ import math
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harbor.agents.oracle import OracleAgent
-from harbor.models.agent.context import AgentContext
-from harbor.models.task.task import Task
-from harbor.models.trial.paths import TrialPaths
-from harbor.verifier.verifier import Verifier
+from trl_harbor.episode import Episode
 
-from trl_harbor.backends import create_environment
-from trl_harbor.env import select_reward
-
-__all__ = ["CheckResult", "TrialOutcome", "check_suite"]
+__all__ = ["CheckResult", "TrialOutcome", "check_suite", "check_task"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class TrialOutcome:
-    """One trial of a check.
+    """One episode of a check.
 
     Attributes:
-        reward: The verifier's reward, or ``None`` if the trial failed.
-        error: Why the trial failed, or ``None``.
-        seconds: Wall time of the trial.
+        reward: The reward, or ``None`` if the episode could not be graded.
+        error: Why it could not be graded, or why it scored what it did (empty when graded normally).
+        seconds: Wall time of the episode.
+        rewards: Every value the verifier wrote.
     """
 
     reward: float | None
     error: str | None
     seconds: float
+    rewards: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,9 +57,10 @@ class CheckResult:
     Attributes:
         task: The task's name.
         task_dir: The task's folder.
-        oracle: The oracle trial (expected reward 1).
-        nop: The do-nothing trial (expected reward ``floor``).
+        oracle: The oracle episode (expected reward 1).
+        nop: The do-nothing episode (expected reward ``floor``).
         floor: The reward an untouched sandbox must get.
+        problem: Why the task could not be checked at all (malformed, or not runnable here).
     """
 
     task: str
@@ -67,46 +68,153 @@ class CheckResult:
     oracle: TrialOutcome
     nop: TrialOutcome
     floor: float = 0.0
+    problem: str | None = None
 
     @property
     def passed(self) -> bool:
         """Whether the oracle scored 1 and doing nothing scored the floor."""
         return (
-            self.oracle.reward is not None
+            self.problem is None
+            and self.oracle.reward is not None
             and math.isclose(self.oracle.reward, 1.0)
             and self.nop.reward is not None
             and math.isclose(self.nop.reward, self.floor)
         )
 
+    @property
+    def why(self) -> str:
+        """A one-line reason for a failed check (empty when it passed)."""
+        if self.passed:
+            return ""
+        if self.problem:
+            return self.problem
+        if self.oracle.reward is None or not math.isclose(self.oracle.reward, 1.0):
+            return f"oracle scored {_show(self.oracle.reward)}: {self.oracle.error or 'its solution is wrong'}"
+        why = self.nop.error or "the verifier accepts an untouched sandbox"
+        return f"doing nothing scored {_show(self.nop.reward)}, expected {self.floor:g}: {why}"
 
-async def _trial(
-    task: Task, environment_type: str, workdir: Path, *, oracle: bool, env_kwargs: dict | None
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (``trl-harbor check --json``).
+
+        Returns:
+            The result's fields, with ``passed`` and ``why``.
+        """
+        data = asdict(self)
+        data["task_dir"] = str(self.task_dir)
+        data.update(passed=self.passed, why=self.why)
+        return data
+
+
+def _show(reward: float | None) -> str:
+    return "nothing (error)" if reward is None else f"{reward:g}"
+
+
+async def _episode(
+    task: Any,
+    config: Any,
+    workdir: Path,
+    *,
+    oracle: bool,
+    reward_key: str | None,
+    reward_weights: dict[str, float] | None,
 ) -> TrialOutcome:
+    from harbor.agents.oracle import OracleAgent
+    from harbor.models.agent.context import AgentContext
+
+    from trl_harbor.backends import create_environment
+
     started = time.perf_counter()
     role = "oracle" if oracle else "nop"
-    trial_paths = TrialPaths(trial_dir=workdir / f"{task.name}__{role}")
-    environment = create_environment(
-        task, environment_type, session_id=f"{task.name}__check-{role}", trial_paths=trial_paths, kwargs=env_kwargs
+
+    def make(task_, paths, role_, **options):
+        session = f"{task_.short_name}__check-{role}-{uuid.uuid4().hex[:6]}__{role_}"
+        return create_environment(task_, config, session_id=session, trial_paths=paths, **options)
+
+    episode = Episode(
+        task,
+        Path(tempfile.mkdtemp(prefix=f"{role}-", dir=workdir)),
+        create_environment=make,
+        trial_config=config,
+        reward_key=reward_key,
+        reward_weights=reward_weights,
+        on_infra_error="skip",
     )
     try:
-        await environment.start(force_build=False)
-        if oracle:
-            agent = OracleAgent(logs_dir=trial_paths.agent_dir, task_dir=task.task_dir, trial_paths=trial_paths)
-            await asyncio.wait_for(
-                agent.run(task.instruction, environment, AgentContext()),
-                timeout=task.config.agent.timeout_sec,
-            )
-        verifier = Verifier(task=task, trial_paths=trial_paths, environment=environment)
-        result = await asyncio.wait_for(verifier.verify(), timeout=task.config.verifier.timeout_sec)
-        return TrialOutcome(select_reward(result.rewards), None, time.perf_counter() - started)
-    except Exception as error:  # noqa: BLE001 - a failed trial is a result, not a crash
-        message = f"{type(error).__name__}: {error}".strip()
-        return TrialOutcome(None, message, time.perf_counter() - started)
+        await episode.provision()
+        if oracle and episode.infra_error is None:
+            assert episode.paths is not None and episode.environment is not None
+            agent = OracleAgent(logs_dir=episode.paths.agent_dir, task_dir=task.task_dir, trial_paths=episode.paths)
+            for _ in episode.steps or [None]:
+                try:
+                    await asyncio.wait_for(
+                        agent.run(episode.instruction, episode.environment, AgentContext()),
+                        timeout=task.config.agent.timeout_sec,
+                    )
+                except Exception as error:  # noqa: BLE001 - the grade says what it left
+                    logger.info("check: the oracle of %s failed: %s", task.name, error)
+                if episode.steps and await episode.submit_step() is None:
+                    break
+        verification = await episode.grade()
+        seconds = time.perf_counter() - started
+        return TrialOutcome(verification.reward, verification.reason or None, seconds, dict(verification.rewards))
+    except Exception as error:  # noqa: BLE001 - a failed episode is a result, not a crash
+        return TrialOutcome(None, f"{type(error).__name__}: {error}".strip(), time.perf_counter() - started)
     finally:
-        try:
-            await environment.stop(delete=True)
-        except Exception as error:  # noqa: BLE001
-            logger.warning("could not stop the %s sandbox of %s: %s", role, task.name, error)
+        await episode.stop()
+
+
+async def check_task(
+    task_dir: Path,
+    environment_type: str = "local",
+    *,
+    env_kwargs: dict[str, Any] | None = None,
+    reward_key: str | None = None,
+    reward_weights: dict[str, float] | None = None,
+    workdir: Path | None = None,
+) -> CheckResult:
+    """Check one task: its oracle episode and its do-nothing episode, concurrently.
+
+    Args:
+        task_dir: The task folder.
+        environment_type: Where the sandboxes run (see :mod:`trl_harbor.backends`).
+        env_kwargs: Backend options.
+        reward_key: The verifier's entry that is the reward (see :func:`trl_harbor.episode.select_reward`).
+        reward_weights: A weighting of the verifier's entries.
+        workdir: Where the episodes keep their files (default: a temporary folder).
+
+    Returns:
+        The result; never raises for a problem of the task or of its sandboxes.
+    """
+    from trl_harbor.backends import environment_config
+    from trl_harbor.env import HarborBashStepsEnv
+    from trl_harbor.spec import check_runnable
+    from trl_harbor.suite import TaskSuiteError, validate_task
+
+    task_dir = Path(task_dir)
+    failed = TrialOutcome(None, None, 0.0)
+    info, problems = validate_task(task_dir)
+    if info is None:
+        return CheckResult(task_dir.name, task_dir, failed, failed, problem="; ".join(problems))
+    try:
+        check_runnable([info], HarborBashStepsEnv, environment_type)
+        config = environment_config(environment_type, env_kwargs)
+    except (TaskSuiteError, ValueError) as error:
+        return CheckResult(info.name, task_dir, failed, failed, problem=" ".join(str(error).split()))
+    from harbor.models.task.task import Task
+
+    task = Task(task_dir)
+    floor = float((task.config.metadata or {}).get("reward_floor", 0.0))
+    own = workdir is None
+    folder = Path(tempfile.mkdtemp(prefix="trl-harbor-check-")) if own else workdir
+    try:
+        oracle, nop = await asyncio.gather(
+            _episode(task, config, folder, oracle=True, reward_key=reward_key, reward_weights=reward_weights),
+            _episode(task, config, folder, oracle=False, reward_key=reward_key, reward_weights=reward_weights),
+        )
+    finally:
+        if own:
+            shutil.rmtree(folder, ignore_errors=True)
+    return CheckResult(info.name, task_dir, oracle, nop, floor)
 
 
 async def check_suite(
@@ -115,32 +223,42 @@ async def check_suite(
     *,
     concurrency: int = 8,
     env_kwargs: dict[str, Any] | None = None,
+    reward_key: str | None = None,
+    reward_weights: dict[str, float] | None = None,
     on_done: Callable[[CheckResult], None] | None = None,
 ) -> list[CheckResult]:
-    """Check every task: oracle → 1, nothing → floor, concurrently.
+    """Check every task (oracle → 1, nothing → floor), ``concurrency`` tasks at a time.
 
     Args:
         task_dirs: The task folders.
         environment_type: Where the sandboxes run (see :mod:`trl_harbor.backends`).
         concurrency: How many tasks are checked at once.
         env_kwargs: Backend options.
+        reward_key: The verifier's entry that is the reward.
+        reward_weights: A weighting of the verifier's entries.
         on_done: Called with each task's result as it finishes (e.g. a progress bar).
 
     Returns:
-        One result per task, in the order given.
+        One result per task, in the order given; a broken task is a failed result.
     """
     semaphore = asyncio.Semaphore(max(1, concurrency))
     workdir = Path(tempfile.mkdtemp(prefix="trl-harbor-check-"))
 
     async def one(task_dir: Path) -> CheckResult:
         async with semaphore:
-            task = Task(task_dir)
-            floor = float((task.config.metadata or {}).get("reward_floor", 0.0))
-            oracle, nop = await asyncio.gather(
-                _trial(task, environment_type, workdir, oracle=True, env_kwargs=env_kwargs),
-                _trial(task, environment_type, workdir, oracle=False, env_kwargs=env_kwargs),
-            )
-            result = CheckResult(task.name, Path(task_dir), oracle, nop, floor)
+            try:
+                result = await check_task(
+                    task_dir,
+                    environment_type,
+                    env_kwargs=env_kwargs,
+                    reward_key=reward_key,
+                    reward_weights=reward_weights,
+                    workdir=workdir,
+                )
+            except Exception as error:  # noqa: BLE001 - one task never stops the check
+                failed = TrialOutcome(None, None, 0.0)
+                problem = f"{type(error).__name__}: {error}"
+                result = CheckResult(Path(task_dir).name, Path(task_dir), failed, failed, problem=problem)
             if on_done is not None:
                 on_done(result)
             return result
