@@ -1,8 +1,10 @@
 """Train an agent with GRPO on a Harbor task suite (default: the bundled suite, local sandbox).
 
-CPU smoke run (a few minutes, no download, no Docker): a tiny Qwen3 model is built on the fly
-and, by default, rigged to answer with scripted ``bash`` tool calls so that the whole loop —
-sandbox start, tool execution, Harbor verifier, GRPO update — really runs::
+The same job as ``trl-harbor train``, written out in Python. CPU run (a few minutes, no
+download, no Docker): with ``--model tiny`` (the default) the policy is the *demo policy* of
+``trl_harbor.demo_policy`` — a tiny trainable network, not a language model, that calls ``bash``
+with one of four candidate commands per task (the reference solution or one of three wrong
+ones); the sandboxes and Harbor's verifiers are real, and GRPO raises the mean reward::
 
     python examples/train_grpo.py
 
@@ -41,15 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--environment-type", default="local", help="Harbor backend (local, docker, e2b, ...)")
     parser.add_argument("--num-tasks", type=int, default=None)
     parser.add_argument("--model", default="tiny", help="'tiny' (built on the fly, CPU) or a model id/path")
-    parser.add_argument("--no-script", action="store_true", help="tiny model: do not rig it to emit tool calls")
     parser.add_argument("--use-vllm", action="store_true", help="generate with vLLM (colocate mode, GPU)")
     parser.add_argument("--cpu", action="store_true", help="force CPU (default for --model tiny)")
     parser.add_argument("--max-steps", type=int, default=-1, help="-1: one pass over the suite")
-    parser.add_argument("--num-generations", type=int, default=2)
+    parser.add_argument("--num-generations", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=None, help="per-device batch (default: num generations)")
-    parser.add_argument("--max-completion-length", type=int, default=64)
-    parser.add_argument("--max-tool-calling-iterations", type=int, default=2)
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--max-completion-length", type=int, default=128)
+    parser.add_argument("--max-tool-calling-iterations", type=int, default=1)
+    parser.add_argument("--learning-rate", type=float, default=None, help="default: 0.01 (SGD) tiny, 1e-5 (AdamW) real")
     parser.add_argument("--command-timeout", type=int, default=180, help="seconds per tool command")
     parser.add_argument("--log-completions", action="store_true", help="print each step's rollouts")
     parser.add_argument("--output-dir", default="outputs/grpo-harbor")
@@ -57,27 +58,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def tiny_policy(scripted: bool, instructions: list[str]):
-    """Build the tiny CPU model and tokenizer.
+def tiny_policy(spec):
+    """Build the demo policy (a tiny CPU network choosing among right and wrong commands per task).
 
     Args:
-        scripted: Rig the model to answer with scripted ``bash`` tool calls.
-        instructions: Text to train the tokenizer on (keeps prompts short).
+        spec: The ``HarborSpec`` (its tasks, instructions and harness prompt).
 
     Returns:
         ``(model, tokenizer)``.
     """
-    from trl_harbor.testing import build_model, build_tokenizer, script_tool_calls, tool_call_text
+    from trl_harbor.demo_policy import build_demo_policy
 
-    calls = [
-        tool_call_text("bash", {"command": "ls /workdir/data"}),
-        tool_call_text("bash", {"command": "head -n 3 /workdir/data/* > /workdir/answer.txt"}),
-    ]
-    tokenizer = build_tokenizer(corpus=instructions, extra_tokens=calls if scripted else ())
-    model = build_model(tokenizer)
-    if scripted:
-        script_tool_calls(model, tokenizer, calls)
-    return model, tokenizer
+    instructions = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
+    policy = build_demo_policy(spec.tasks, instructions, spec.env_cls.PROMPT_SUFFIX)
+    return policy.model, policy.tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,8 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     tiny = args.model == "tiny"
     if tiny:
-        instructions = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
-        model, tokenizer = tiny_policy(not args.no_script, [*instructions, spec.env_cls.PROMPT_SUFFIX])
+        model, tokenizer = tiny_policy(spec)
     else:
         model, tokenizer = args.model, None
     config = GRPOConfig(
@@ -119,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         per_device_train_batch_size=args.batch_size or args.num_generations,
         max_completion_length=args.max_completion_length,
         max_tool_calling_iterations=args.max_tool_calling_iterations,
-        learning_rate=args.learning_rate,
+        learning_rate=args.learning_rate or (0.01 if tiny else 1e-5),
+        optim="sgd" if tiny else "adamw_torch",
         logging_steps=1,
         log_completions=args.log_completions,
         num_train_epochs=1,

@@ -2,6 +2,8 @@
 
 Commands:
     check SUITE   Oracle solutions must score 1 and doing nothing must score 0, per task.
+    train         GRPO on a task suite (every GRPOConfig field a flag, --config file.yaml);
+                  with no --model, the embedded default run (demo policy, bundled suite, CPU).
 """
 
 from __future__ import annotations
@@ -103,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--ek", action="append", default=[], help="backend option key=value (repeatable)")
     check.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     check.set_defaults(func=_cmd_check)
+    # `train` has its own parser (TRL's TrlParser over GRPOConfig); main() hands it the rest of
+    # the command line. This entry only lists it in `trl-harbor --help`.
+    commands.add_parser(
+        "train",
+        add_help=False,
+        help="GRPO on a suite: every GRPOConfig field as a flag or in --config file.yaml "
+        "(`trl-harbor train --help`); no --model: the embedded demo run",
+    )
     return parser
 
 
@@ -116,6 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         The exit status.
     """
     os.environ.setdefault("HARBOR_TELEMETRY", "0")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if first is not None and argv[first] == "train" and set(argv[:first]) <= {"-v", "--verbose"}:
+        from trl_harbor.train import main as train_main
+
+        verbose = bool(argv[:first])
+        logging.basicConfig(
+            level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+        )
+        return train_main(argv[first + 1 :], verbose=verbose)
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

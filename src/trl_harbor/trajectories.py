@@ -1,0 +1,269 @@
+"""Per-rollout trajectory log: one JSON line per rollout, written as the batch is scored.
+
+:class:`TrajectoryLog` wraps the two things ``GRPOTrainer`` gets from a :class:`~trl_harbor.HarborSpec`:
+
+- :meth:`TrajectoryLog.environment_factory` builds the harness as a recording subclass (same
+  name, same tools, same schemas), whose ``reset`` opens a record and whose every tool call
+  appends its name, arguments, output, duration and error to it;
+- :meth:`TrajectoryLog.reward_func` wraps the outcome reward: once a batch is verified it writes
+  one line per rollout with the step, the task, the harness, every tool call, the final
+  message, the reward (and the verifier's reward components where the environment keeps
+  them) and the infrastructure error, if any.
+
+.. code-block:: python
+
+    log = TrajectoryLog("outputs/run/trajectories.jsonl")
+    trainer = GRPOTrainer(
+        ...,
+        environment_factory=log.environment_factory(spec.environment_factory),
+        reward_funcs=[log.reward_func(f) for f in spec.reward_funcs],
+    )
+
+Each process of a multi-process run writes its own file (``trajectories.rank1.jsonl`` ...).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TrajectoryLog", "read_trajectories", "recording_class"]
+
+_RECORD = "_trl_harbor_trajectory"
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _record_tool(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def tool(self: Any, *args: Any, **kwargs: Any) -> Any:
+        record = getattr(self, _RECORD, None)
+        try:
+            arguments = dict(signature.bind(self, *args, **kwargs).arguments)
+            arguments.pop(next(iter(signature.parameters)), None)  # self
+        except TypeError:
+            arguments = {"args": list(args), **kwargs}
+        call: dict[str, Any] = {"tool": name, "arguments": {k: _jsonable(v) for k, v in arguments.items()}}
+        start = time.monotonic()
+        try:
+            output = fn(self, *args, **kwargs)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            call.update(output=None, error=error, duration_s=round(time.monotonic() - start, 4))
+            if record is not None:
+                record["tool_calls"].append(call)
+            raise
+        text = output if isinstance(output, str) else _jsonable(output)
+        call.update(output=text, error=None, duration_s=round(time.monotonic() - start, 4))
+        if record is not None:
+            record["tool_calls"].append(call)
+        return output
+
+    return tool
+
+
+def _record_reset(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def reset(self: Any, *args: Any, **kwargs: Any) -> Any:
+        task_dir = kwargs.get("task_dir", args[0] if args else None)
+        setattr(
+            self,
+            _RECORD,
+            {
+                "task": Path(task_dir).name if task_dir else None,
+                "task_dir": str(task_dir) if task_dir else None,
+                "started_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+                "_t0": time.monotonic(),
+                "tool_calls": [],
+            },
+        )
+        return fn(self, *args, **kwargs)
+
+    return reset
+
+
+@functools.cache
+def recording_class(cls: type) -> type:
+    """A subclass of a harness that records every rollout's tool calls.
+
+    The subclass keeps the harness's name and every tool's signature and docstring (so the
+    model sees the same tools and TRL names the same reward column); ``reset`` opens a new
+    record, each tool call appends to it.
+
+    Args:
+        cls: The harness (a ``HarborEnv`` subclass).
+
+    Returns:
+        The recording subclass (one per harness class).
+    """
+    namespace: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction):
+        if name == "reset":
+            namespace[name] = _record_reset(fn)
+        elif not name.startswith("_") and name != "get_reward":
+            namespace[name] = _record_tool(name, fn)
+    return type(cls.__name__, (cls,), namespace)
+
+
+class _RecordingFactory:
+    """Picklable factory: builds the wrapped factory's environment as its recording subclass."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory = factory
+
+    def __call__(self) -> Any:
+        env = self.factory()
+        env.__class__ = recording_class(type(env))
+        return env
+
+
+def _final_message(completion: Any) -> str | None:
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):
+        for message in reversed(completion):
+            if isinstance(message, dict) and message.get("role") == "assistant":
+                content = message.get("content")
+                return content if isinstance(content, str) else _jsonable(content)
+    return None
+
+
+class TrajectoryLog:
+    """Write one JSON line per rollout: task, harness, tool calls, reward, infrastructure error.
+
+    Args:
+        path: The JSONL file (appended to; parent folders are created). In a multi-process
+            run, processes other than rank 0 write ``<stem>.rank<N><suffix>`` next to it.
+        environment_type: The backend, recorded on every line.
+    """
+
+    def __init__(self, path: str | Path, environment_type: str | None = None) -> None:
+        path = Path(path)
+        rank = int(os.environ.get("RANK", "0") or 0)
+        if rank:
+            path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+        self.path = path
+        self.environment_type = environment_type
+        self.written = 0
+        self._lock = threading.Lock()
+
+    def environment_factory(self, factory: Callable[[], Any]) -> Callable[[], Any]:
+        """Wrap an environment factory so that its environments record their tool calls.
+
+        Args:
+            factory: A zero-argument factory (``spec.environment_factory``).
+
+        Returns:
+            A picklable zero-argument factory of recording environments.
+        """
+        return _RecordingFactory(factory)
+
+    def reward_func(self, func: Callable[..., list[float | None]]) -> Callable[..., list[float | None]]:
+        """Wrap a reward function so that each scored batch is written to the log.
+
+        Args:
+            func: A reward function taking ``environments=`` (``spec.reward_funcs[0]``).
+
+        Returns:
+            A reward function with the same name and results.
+        """
+
+        @functools.wraps(func)
+        def logged(*args: Any, **kwargs: Any) -> list[float | None]:
+            rewards = func(*args, **kwargs)
+            environments = kwargs.get("environments")
+            if environments is not None:
+                state = kwargs.get("trainer_state")
+                step = None if state is None else int(state.global_step) + 1
+                self.write(environments, rewards, kwargs.get("completions"), step=step)
+            return rewards
+
+        return logged
+
+    def write(
+        self,
+        environments: Sequence[Any],
+        rewards: Sequence[float | None],
+        completions: Sequence[Any] | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Append one line per rollout.
+
+        Args:
+            environments: The rollouts' environments (recording ones carry their tool calls).
+            rewards: Their rewards, in the same order.
+            completions: Their completions (the last assistant message is recorded).
+            step: The training step the batch belongs to.
+        """
+        now = time.monotonic()
+        lines = []
+        for index, (env, reward) in enumerate(zip(environments, rewards, strict=True)):
+            record = dict(getattr(env, _RECORD, None) or {"task": None, "tool_calls": []})
+            t0 = record.pop("_t0", None)
+            episode = getattr(env, "_episode", None)
+            components = getattr(episode, "rewards", None)
+            value = None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else float(reward)
+            line = {
+                "step": step,
+                "rollout": index,
+                "task": record.get("task"),
+                "task_dir": record.get("task_dir"),
+                "harness": type(env).__name__,
+                "environment_type": self.environment_type,
+                "started_at": record.get("started_at"),
+                "duration_s": None if t0 is None else round(now - t0, 3),
+                "tool_calls": record.get("tool_calls", []),
+                "num_tool_calls": len(record.get("tool_calls", [])),
+                "final_message": _final_message(completions[index]) if completions is not None else None,
+                "reward": value,
+                "reward_components": _jsonable(dict(components)) if isinstance(components, dict) else None,
+                "infra_error": getattr(episode, "infra_error", None),
+            }
+            lines.append(json.dumps(line, ensure_ascii=False))
+        if not lines:
+            return
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as fh:
+                fh.write("\n".join(lines) + "\n")
+            self.written += len(lines)
+
+
+def read_trajectories(path: str | Path) -> list[dict[str, Any]]:
+    """Read a trajectory log.
+
+    Args:
+        path: A JSONL file written by :class:`TrajectoryLog`.
+
+    Returns:
+        One dict per rollout, in the order written.
+
+    Raises:
+        ValueError: When a line is not JSON (names the file and line).
+    """
+    rows = []
+    with Path(path).open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number}: not a JSON line ({exc})") from exc
+    return rows

@@ -1,0 +1,162 @@
+"""``trl-harbor train``: TRL's config conventions, the embedded default run learns, trajectories.
+
+Everything here is real: the command line's own parser (``trl.TrlParser`` over ``GRPOConfig``),
+``GRPOTrainer``, the local bubblewrap sandboxes and Harbor's verifier. The policy of the default
+run is the demo policy (``trl_harbor.demo_policy``) — a real, trainable tiny transformers model
+whose initial weights choose among right and wrong commands per task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+from conftest import BUNDLED_SUITE, requires_local
+
+from trl_harbor.cli import main as cli_main
+from trl_harbor.demo_policy import WRONG_COMMANDS, DemoPolicyError, build_demo_policy
+from trl_harbor.train import DEMO_DEFAULTS, parse_train_args
+from trl_harbor.trajectories import read_trajectories
+
+
+def _yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "train.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_config_file_sets_fields_and_flags_override_it(tmp_path: Path) -> None:
+    """Defaults < YAML < flags, for GRPOConfig fields and Harbor options alike (TRL's TrlParser rule)."""
+    config = _yaml(
+        tmp_path,
+        "num_generations: 2\nlearning_rate: 0.003\nmax_steps: 7\nnum_tasks: 3\n"
+        "command_timeout_sec: 30\nagent: bash\nenv:\n  TRL_HARBOR_TEST_VAR: from-yaml\n",
+    )
+    harbor, args = parse_train_args(["--config", str(config), "--learning_rate", "0.02", "--num-tasks", "2"])
+    assert args.num_generations == 2  # from the file
+    assert args.max_steps == 7  # from the file
+    assert args.learning_rate == 0.02  # the flag beats the file
+    assert harbor.num_tasks == 2  # the flag beats the file (dash spelling accepted)
+    assert harbor.command_timeout_sec == 30
+    assert harbor.model is None
+    assert args.per_device_train_batch_size == DEMO_DEFAULTS["per_device_train_batch_size"]  # demo default kept
+    assert os.environ["TRL_HARBOR_TEST_VAR"] == "from-yaml"
+
+
+def test_a_model_turns_the_demo_defaults_off(tmp_path: Path) -> None:
+    config = _yaml(tmp_path, "model: some/model\n")
+    harbor, args = parse_train_args(["--config", str(config)])
+    assert harbor.model == "some/model"
+    assert args.learning_rate != DEMO_DEFAULTS["learning_rate"]  # TRL's own default
+    harbor, args = parse_train_args(["--model", "other/model", "--indices", "0", "4"])
+    assert harbor.model == "other/model" and harbor.indices == [0, 4]
+
+
+@pytest.mark.parametrize(
+    ("text", "argv", "expected"),
+    [
+        ("num_generation: 2\n", [], "num_generation"),  # a typo in the file is named
+        ("", ["--num_tasks", "2", "--indices", "1"], "not both"),
+        ("", ["--on_infra_error", "ignore"], "on_infra_error"),
+    ],
+)
+def test_bad_configuration_is_named(tmp_path: Path, capsys, text: str, argv: list[str], expected: str) -> None:
+    config = _yaml(tmp_path, text or "seed: 1\n")
+    assert cli_main(["train", "--config", str(config), *argv]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_missing_config_file_is_named(tmp_path: Path, capsys) -> None:
+    assert cli_main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml is not a file" in capsys.readouterr().err
+
+
+def test_demo_policy_refuses_indistinct_instructions(copy_tasks) -> None:
+    from trl_harbor import HarborSpec
+
+    suite = copy_tasks("orders_count", "http_500_count")
+    (suite / "http_500_count" / "instruction.md").write_text((suite / "orders_count" / "instruction.md").read_text())
+    spec = HarborSpec(suite, environment_type="local")
+    texts = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
+    with pytest.raises(DemoPolicyError, match="not unique"):
+        build_demo_policy(spec.tasks, texts, spec.env_cls.PROMPT_SUFFIX)
+
+
+def _by_step(rows: list[dict]) -> dict[int, list[dict]]:
+    steps: dict[int, list[dict]] = {}
+    for row in rows:
+        steps.setdefault(row["step"], []).append(row)
+    return steps
+
+
+def _right_commands() -> dict[str, str]:
+    return {d.name: (d / "solution" / "solve.sh").read_text().strip() for d in BUNDLED_SUITE.iterdir() if d.is_dir()}
+
+
+@requires_local
+def test_config_run_trains_and_logs_every_rollout(tmp_path: Path, capsys, close_sandboxes) -> None:
+    """A short real run from a YAML file with a flag on top: the flag wins, every rollout is logged."""
+    config = _yaml(tmp_path, "max_steps: 5\nnum_generations: 2\nper_device_train_batch_size: 4\nindices: [1, 4]\n")
+    out = tmp_path / "run"
+    assert cli_main(["train", "--config", str(config), "--max_steps", "2", "--output_dir", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["demo"] is True
+    rows = read_trajectories(out / "trajectories.jsonl")
+    assert len(rows) == 2 * 4 == summary["rollouts"]
+    names = sorted(d.name for d in BUNDLED_SUITE.iterdir() if d.is_dir())
+    assert {row["task"] for row in rows} == {names[1], names[4]}
+    printed = capsys.readouterr().out
+    assert "DEMO POLICY" in printed and "--model Qwen/Qwen3-0.6B" in printed
+    assert "mean reward: first step" in printed
+
+
+@requires_local
+def test_default_run_learns_and_its_trajectories_match(tmp_path: Path, capsys, close_sandboxes) -> None:
+    """The embedded default, unchanged: the mean reward rises and stays up; the log is what ran.
+
+    Rewards come from Harbor's verifier on real sandboxes. The trajectory log must agree with
+    the trainer's own metrics step by step, and a rollout scores 1 exactly when its command was
+    the task's reference solution (the wrong candidates can never be right).
+    """
+    out = tmp_path / "demo"
+    assert cli_main(["train", "--output_dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    rewards = summary["rewards"]
+    steps = DEMO_DEFAULTS["max_steps"]
+    assert summary["steps"] == steps and len(rewards) == steps
+    # It learns: the mean reward rises from about chance (1 of 4 candidates is right)...
+    assert summary["last_reward"] > summary["first_reward"]
+    early, late = statistics.mean(rewards[:3]), statistics.mean(rewards[-5:])
+    assert early < 0.7, rewards
+    assert late >= 0.9, rewards
+    # ... and stays up: no collapse anywhere in the second half of the run.
+    assert min(rewards[steps // 2 :]) >= 0.75, rewards
+    assert f"last step {summary['last_reward']:.3f}" in printed
+
+    rows = read_trajectories(out / "trajectories.jsonl")
+    per_step = _by_step(rows)
+    batch = DEMO_DEFAULTS["per_device_train_batch_size"]
+    assert sorted(per_step) == list(range(1, steps + 1))
+    history = [r for r in json.loads((out / "log_history.json").read_text()) if "reward" in r]
+    right = _right_commands()
+    for step, logged in zip(range(1, steps + 1), history, strict=True):
+        lines = per_step[step]
+        assert len(lines) == batch
+        assert statistics.mean(line["reward"] for line in lines) == pytest.approx(logged["reward"])
+        for line in lines:
+            assert line["harness"] == "HarborBashEnv" and line["environment_type"] == "local"
+            assert line["infra_error"] is None
+            assert len(line["tool_calls"]) == 1
+            call = line["tool_calls"][0]
+            assert call["tool"] == "bash" and call["duration_s"] >= 0 and isinstance(call["output"], str)
+            command = call["arguments"]["command"]
+            assert command == right[line["task"]] or command in WRONG_COMMANDS
+            assert line["reward"] == (1.0 if command == right[line["task"]] else 0.0), line
+            if command == "ls /workdir/data":  # the output is what the sandbox holds
+                assert call["output"].split() == sorted(
+                    p.name for p in (BUNDLED_SUITE / line["task"] / "environment" / "data").iterdir()
+                )
