@@ -1,6 +1,7 @@
 """A generation batch, driven the way GRPOTrainer drives it: ours against the reference's way.
 
     .venv/bin/python benchmarks/batch.py [--sizes 8 64 256] [--latency 2] [--tool-calls 3]
+    .venv/bin/python benchmarks/batch.py --parts tools [--tool-sizes 8 64] [--tool-latencies 0.05 1]
 
 For each batch size N: N environments from the factory; ``reset`` on each, in a loop; ``k``
 ``bash`` tool calls on each, environment after environment (TRL calls tools one after
@@ -16,18 +17,30 @@ reference with start latency and large N takes N x 2 s just to reset, so it is s
 Printed: wall time per phase and the reference/ours ratio. "first tool" is the time from the
 first ``reset`` until every environment has its first tool result, i.e. what a batch waits
 before the model's first turn can continue.
+
+``--parts tools`` (run by default too) measures the trainer's own tool loop: one real CPU
+training step of a tiny policy (``trl_harbor.testing``) whose N rollouts each make one ``bash``
+call, with ``--tool-latencies`` added to every command (``LatencyLocalEnvironment``), through
+TRL's ``GRPOTrainer`` (one rollout's call after another) and through ``HarborGRPOTrainer`` (the
+turn's calls at once). "tool phase" is the wall time from the first command of the turn to the
+end of the last one (commands are timed once the batch's sandboxes are up: starts are not
+tools), compared with one command alone, measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import gc
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,8 +152,166 @@ def run_reference(suite: Path, n: int, latency: float, tool_calls: int) -> Timin
     return timing
 
 
+def _timed_bash_env(spans: list[tuple[float, float]]) -> type:
+    """The bash harness, recording when each command ran (once every sandbox of the batch was up)."""
+    from trl_harbor import HarborBashEnv
+
+    lock = threading.Lock()
+    instances: list[HarborBashEnv] = []
+
+    class TimedBashEnv(HarborBashEnv):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            instances.append(self)
+
+        def bash(self, command: str) -> str:
+            """Run a shell command in the sandbox and return its combined stdout and stderr.
+
+            Args:
+                command: The shell command to run.
+
+            Returns:
+                The command's combined stdout and stderr.
+            """
+            # Sandbox starts are not part of the tool phase: wait until the batch's sandboxes are up.
+            starts = [env._episode.ready for env in instances if env._episode and env._episode.ready]
+            concurrent.futures.wait(starts)
+            begin = time.perf_counter()
+            output = super().bash(command)
+            with lock:
+                spans.append((begin, time.perf_counter()))
+            return output
+
+    return TimedBashEnv
+
+
+def _latency_spec(suite: Path, agent: type, exec_latency: float) -> HarborSpec:
+    return HarborSpec(
+        suite, agent=agent, environment_type=LATENCY, env_kwargs={"environment_kwargs": {"exec_latency_sec": exec_latency}}
+    )
+
+
+def one_command(suite: Path, exec_latency: float, repeats: int = 11) -> float:
+    """Median wall time of one ``bash`` call alone (the sandbox already up; the first call not counted)."""
+    spans: list[tuple[float, float]] = []
+    env = _latency_spec(suite, _timed_bash_env(spans), exec_latency).environment_factory()
+    env.reset(task_dir=str(next(suite.iterdir())))
+    for _ in range(repeats):
+        env.bash(TOOL_COMMAND)
+    close_all()
+    return statistics.median(end - begin for begin, end in spans[1:])
+
+
+TOOL_COMMAND = "echo 42 > /workdir/answer.txt"
+
+
+def tool_turn(suite: Path, n: int, exec_latency: float, concurrent_tools: bool) -> tuple[float, list]:
+    """One GRPO step of ``n`` rollouts with one ``bash`` call each; returns (tool phase, rewards)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_harbor import HarborGRPOTrainer
+    from trl_harbor.testing import build_model, build_tokenizer, script_tool_calls, tool_call_text
+
+    spans: list[tuple[float, float]] = []
+    agent = _timed_bash_env(spans)
+    spec = _latency_spec(suite, agent, exec_latency)
+    call = tool_call_text("bash", {"command": TOOL_COMMAND})
+    instruction = (next(suite.iterdir()) / "instruction.md").read_text()
+    tokenizer = build_tokenizer(corpus=[instruction, agent.PROMPT_SUFFIX], extra_tokens=[call])
+    model = build_model(tokenizer, seed=0)
+    script_tool_calls(model, tokenizer, [call])
+    [harbor_reward] = spec.reward_funcs
+    rewards: list = []
+
+    def reward(**kwargs):
+        rewards.extend(harbor_reward(**kwargs))
+        return rewards[-n:]
+
+    reward.__name__ = "harbor_reward"
+    trainer_cls = HarborGRPOTrainer if concurrent_tools else GRPOTrainer
+    scratch = Path(tempfile.mkdtemp(prefix="trl-harbor-tool-turn-"))
+    with warnings.catch_warnings(), open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        warnings.simplefilter("ignore")
+        args = GRPOConfig(
+            output_dir=str(scratch),
+            use_cpu=True,
+            max_steps=1,
+            num_generations=n,
+            per_device_train_batch_size=n,
+            max_completion_length=64,
+            max_tool_calling_iterations=1,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            logging_steps=1,
+            seed=0,
+        )
+        trainer = trainer_cls(
+            model=model,
+            processing_class=tokenizer,
+            args=args,
+            train_dataset=spec.train_dataset,
+            environment_factory=spec.environment_factory,
+            reward_funcs=[reward],
+        )
+        trainer.train()
+    close_all()
+    shutil.rmtree(scratch, ignore_errors=True)
+    assert len(spans) == n, f"expected one tool call per rollout, got {len(spans)}"
+    return max(end for _, end in spans) - min(begin for begin, _ in spans), rewards
+
+
+def commands_at_once(suite: Path, n: int) -> float:
+    """Wall time of ``n`` commands started together on ``n`` ready local sandboxes, no latency added.
+
+    The floor of a concurrent tool phase on this machine: the local sandbox's own cost per
+    command (a cloud sandbox spends none of the trainer machine's CPU).
+    """
+    spans: list[tuple[float, float]] = []
+    spec = _latency_spec(suite, _timed_bash_env(spans), 0.0)
+    envs = [spec.environment_factory() for _ in range(n)]
+    for env in envs:
+        env.reset(task_dir=str(next(suite.iterdir())))
+    threads = [threading.Thread(target=env.bash, args=(TOOL_COMMAND,)) for env in envs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    close_all()
+    return max(end for _, end in spans) - min(begin for begin, _ in spans)
+
+
+def tool_phase_table(suite: Path, sizes: list[int], latencies: list[float]) -> None:
+    """Print the tool phase of one turn: TRL's GRPOTrainer vs HarborGRPOTrainer."""
+    header = (
+        f"{'N':>4} {'cmd lat.':>9} {'one command':>12} {'GRPOTrainer':>12} {'HarborGRPOTrainer':>18} "
+        f"{'TRL / ours':>11} {'ours / one command':>19}"
+    )
+    print("\ntool phase of one turn (one bash call per rollout, real CPU GRPO step)")
+    print(header)
+    print("-" * len(header))
+    for latency in latencies:
+        single = one_command(suite, latency)
+        for n in sizes:
+            trl_phase, trl_rewards = tool_turn(suite, n, latency, concurrent_tools=False)
+            ours_phase, ours_rewards = tool_turn(suite, n, latency, concurrent_tools=True)
+            assert trl_rewards == ours_rewards == [1.0] * n, (trl_rewards[:4], ours_rewards[:4])
+            print(
+                f"{n:>4} {latency * 1000:>7.0f}ms {single:>11.3f}s {trl_phase:>11.2f}s {ours_phase:>17.2f}s "
+                f"{trl_phase / ours_phase:>10.1f}x {ours_phase / single:>18.2f}x"
+            )
+    for n in sizes:
+        floor = commands_at_once(suite, n)
+        print(f"(N={n}: {n} commands at once with no latency added take {floor:.2f} s here: the local sandbox's CPU)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", choices=["batch", "tools"], default=["batch", "tools"])
+    parser.add_argument("--tool-sizes", type=int, nargs="+", default=[8, 64], help="N for the tool-phase table")
+    parser.add_argument(
+        "--tool-latencies", type=float, nargs="+", default=[0.05, 1.0], help="seconds added to each command"
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--latency", type=float, default=2.0, help="seconds added to each start (cloud model)")
     parser.add_argument("--exec-latency", type=float, default=0.05, help="seconds added to each command (cloud model)")
@@ -154,6 +325,16 @@ def main(argv: list[str] | None = None) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="trl-harbor-batch-"))
     suite = _suite(scratch)
     run_ours(suite, 1, 0.0, 1)  # warm-up: builds the task's layer, compiles the supervisor
+    if "batch" in args.parts:
+        batch_table(suite, args)
+    if "tools" in args.parts:
+        tool_phase_table(suite, args.tool_sizes, args.tool_latencies)
+    print(f"\n(python {sys.version.split()[0]}; {os.cpu_count()} CPUs)")
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def batch_table(suite: Path, args: argparse.Namespace) -> None:
+    """Print the batch phases: trl-harbor vs the reference integration."""
     single = {latency: run_ours(suite, 1, latency, 1).verify for latency in (0.0, args.latency)}
 
     header = (
@@ -191,8 +372,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  N={n:<4} latency={latency:g}s  first tool {first:6.1f}x  verify {verify:6.1f}x  "
                   f"total {total:6.1f}x")  # fmt: skip
     one = ", ".join(f"{seconds * 1000:.0f} ms at {lat:g} s start latency" for lat, seconds in single.items())
-    print(f"\n(one verification: {one}; python {sys.version.split()[0]}; {os.cpu_count()} CPUs)")
-    shutil.rmtree(scratch, ignore_errors=True)
+    print(f"\n(one verification: {one})")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 import os
 import shutil
@@ -119,7 +120,14 @@ def _recording(cls: type) -> type:
 
 
 def _train(
-    trainer_cls: type, tmp_path: Path, spec: HarborSpec, calls: list[str], batch: int, prompts: int = 1, **extra: Any
+    trainer_cls: type,
+    tmp_path: Path,
+    spec: HarborSpec,
+    calls: list[str],
+    batch: int,
+    prompts: int = 1,
+    turns: int = 2,
+    **extra: Any,
 ) -> Any:
     """One CPU GRPO step (``batch`` rollouts of ``prompts`` prompts) with a tiny policy sampling ``calls``."""
     import torch
@@ -139,7 +147,7 @@ def _train(
         num_generations=batch // prompts,
         per_device_train_batch_size=batch,
         max_completion_length=128,
-        max_tool_calling_iterations=2,
+        max_tool_calling_iterations=turns,
         report_to="none",
         logging_steps=1,
         save_strategy="no",
@@ -199,7 +207,9 @@ def _gold_spec(agent: Any, tmp_path: Path, names: tuple[str, ...] = (GOLD_TASK,)
 
 @requires_local
 @pytest.mark.slow
-def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(tmp_path: Path) -> None:
+def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from trl import GRPOTrainer
 
     from trl_harbor import HarborGRPOTrainer
@@ -220,7 +230,8 @@ def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(tmp_path: Pa
     for trainer_cls in (GRPOTrainer, HarborGRPOTrainer):
         logs[trainer_cls] = log = _Log()
         spec = _gold_spec(_probe_env(log), tmp_path)
-        trainer = _train(trainer_cls, tmp_path, spec, scripted, batch=8)
+        with caplog.at_level(logging.WARNING, logger="trl_harbor.trainer"):
+            trainer = _train(trainer_cls, tmp_path, spec, scripted, batch=8, turns=3)
         assert sorted(t.__name__ for t in trainer.tools) == ["abash", "bash"]
         outcomes[trainer_cls] = _outcome(trainer)
     ours, trls = outcomes[HarborGRPOTrainer], outcomes[GRPOTrainer]
@@ -232,6 +243,11 @@ def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(tmp_path: Pa
     messages = _tool_messages(trls)
     assert str({"error": EXPLOSION}) in messages  # TRL's report of a tool that raised
     assert not any(m.startswith("1\n2\n3\n") for m in messages)  # the long result was rolled back
+    # ... and that rollout stopped there while others went on to a third turn
+    per_env: dict[int, list[str]] = {}
+    for env, _, command, _, _ in sorted(logs[GRPOTrainer].calls, key=lambda c: c[3]):
+        per_env.setdefault(env, []).append(command)
+    assert any(cmds[-1] == LONG for cmds in per_env.values()) and max(map(len, per_env.values())) >= 4
     assert "0" in messages  # a read after a write in the same turn sees it
     assert trls["metrics"]["tools/failure_frequency"] > 0
 
@@ -243,6 +259,9 @@ def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(tmp_path: Pa
     assert ours["extra"] == trls["extra"]
     assert ours["metrics"] == trls["metrics"]
     assert sorted(c[1:3] for c in logs[HarborGRPOTrainer].calls) == sorted(c[1:3] for c in logs[GRPOTrainer].calls)
+
+    # every call was started ahead and collected by TRL's loop: none ran twice, none was missed
+    assert not [r for r in caplog.records if r.name == "trl_harbor.trainer"]
 
     # TRL's loop runs one rollout's call after another; ours runs them together
     assert not _overlapping(logs[GRPOTrainer].first_calls())

@@ -339,11 +339,12 @@ class ConcurrentToolsMixin:
             self._tool_concurrency,
         )
         self._sync_tool_dicts, self._async_tool_dicts = dispatcher.sync_dicts, dispatcher.async_dicts
-        interrupted = True
+        interrupted = False
         try:
-            result = parent(*args, **kwargs)
-            interrupted = False
-            return result
+            return parent(*args, **kwargs)
+        except (KeyboardInterrupt, SystemExit):
+            interrupted = True  # leave at once: calls still running are abandoned
+            raise
         finally:
             self._sync_tool_dicts, self._async_tool_dicts = sync_dicts, async_dicts
             dispatcher.finish(wait=not interrupted)
