@@ -243,7 +243,7 @@ def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(
     messages = _tool_messages(trls)
     assert str({"error": EXPLOSION}) in messages  # TRL's report of a tool that raised
     assert not any(m.startswith("1\n2\n3\n") for m in messages)  # the long result was rolled back
-    # ... and that rollout stopped there while others went on to a third turn
+    # ... the rollout ended there, while others went on to a third turn
     per_env: dict[int, list[str]] = {}
     for env, _, command, _, _ in sorted(logs[GRPOTrainer].calls, key=lambda c: c[3]):
         per_env.setdefault(env, []).append(command)
