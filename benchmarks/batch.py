@@ -186,9 +186,8 @@ def _timed_bash_env(spans: list[tuple[float, float]]) -> type:
 
 
 def _latency_spec(suite: Path, agent: type, exec_latency: float) -> HarborSpec:
-    return HarborSpec(
-        suite, agent=agent, environment_type=LATENCY, env_kwargs={"environment_kwargs": {"exec_latency_sec": exec_latency}}
-    )
+    kwargs = {"environment_kwargs": {"exec_latency_sec": exec_latency}}
+    return HarborSpec(suite, agent=agent, environment_type=LATENCY, env_kwargs=kwargs)
 
 
 def one_command(suite: Path, exec_latency: float, repeats: int = 11) -> float:

@@ -370,7 +370,10 @@ ASYNC_GRPO_TOOLS = {
         ("bash", {"command": "cat /workdir/mine.txt"}),
     ],
     "jupyter": lambda token, answer: [
-        ("add_and_execute_code_cell", {"code": f"token = '{token}'\nopen('/workdir/answer.txt', 'w').write('{answer}')"}),
+        (
+            "add_and_execute_code_cell",
+            {"code": f"token = '{token}'\nopen('/workdir/answer.txt', 'w').write('{answer}')"},
+        ),
         ("add_and_execute_code_cell", {"code": "print(token, end='')"}),
     ],
     "terminal_notes": lambda token, answer: [
