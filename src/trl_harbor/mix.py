@@ -431,32 +431,39 @@ class HarborMix:
         dealt in seeded shuffled passes; the specs' rows are spread evenly through the dataset.
         A column that a suite lacks is ``None`` in its rows.
         """
-        from datasets import Dataset, Features, Value
+        import pyarrow as pa
+        from datasets import Dataset, DatasetInfo, Features, Value
 
+        features = Features({**self._features, "environment": Value("string"), "suite": Value("string")})
+        schema = features.arrow_schema
         rng = random.Random(f"trl-harbor-mix:{self._seed}")
         order = _interleave([entry.rows for entry in self.entries], rng)
-        dealt = [
-            iter(_deal(len(ds), entry.rows, random.Random(f"trl-harbor-mix:{self._seed}:{i}")))
-            for i, (entry, ds) in enumerate(zip(self.entries, self._datasets, strict=True))
-        ]
-        sources = [ds.to_dict() for ds in self._datasets]
-        columns: dict[str, list[Any]] = {name: [] for name in self._features}
-        environment: list[str] = []
-        suite: list[str] = []
+        # Each spec's rows, dealt and cast to the mixed schema (Arrow, no per-row Python) ...
+        pieces = []
+        for i, (entry, ds) in enumerate(zip(self.entries, self._datasets, strict=True)):
+            dealt = _deal(len(ds), entry.rows, random.Random(f"trl-harbor-mix:{self._seed}:{i}"))
+            table = ds.with_format("arrow")[:].take(pa.array(dealt, pa.int64()))
+            fixed = {"environment": entry.environment, "suite": entry.suite}
+            arrays = [
+                pa.array([fixed[f.name]] * entry.rows, f.type)
+                if f.name in fixed
+                else table.column(f.name).cast(f.type)
+                if f.name in table.column_names
+                else pa.nulls(entry.rows, f.type)
+                for f in schema
+            ]
+            pieces.append(pa.Table.from_arrays(arrays, schema=schema))
+        # ... then interleaved: the k-th row of spec i in the order is row offset_i + k of the stack.
+        offsets = [0]
+        for entry in self.entries[:-1]:
+            offsets.append(offsets[-1] + entry.rows)
+        taken = [0] * len(self.entries)
+        positions = []
         for i in order:
-            row = next(dealt[i])
-            source = sources[i]
-            for name, values in columns.items():
-                column = source.get(name)
-                value = None if column is None else column[row]
-                if value is not None and name in self._widened:
-                    value = float(value)
-                values.append(value)
-            environment.append(self.entries[i].environment)
-            suite.append(self.entries[i].suite)
-        columns.update(environment=environment, suite=suite)
-        features = Features({**self._features, "environment": Value("string"), "suite": Value("string")})
-        return Dataset.from_dict(columns, features=features)
+            positions.append(offsets[i] + taken[i])
+            taken[i] += 1
+        table = pa.concat_tables(pieces).take(pa.array(positions, pa.int64()))
+        return Dataset(table.combine_chunks(), info=DatasetInfo(features=features))
 
     @cached_property
     def environment_factory(self) -> dict[str, Callable[[], HarborEnv]]:
