@@ -49,7 +49,7 @@ from trl_harbor.suite import TaskInfo
 if TYPE_CHECKING:
     from datasets import Dataset, Features
 
-__all__ = ["HarborMix", "HarborMixError", "MixEntry", "harbor_mix_reward", "suite_name"]
+__all__ = ["HarborMix", "HarborMixError", "MixEntry", "harbor_mix_reward", "merge_features", "suite_name"]
 
 #: The columns a mix adds to every row.
 MIX_COLUMNS: tuple[str, ...] = ("environment", "suite")
