@@ -101,3 +101,61 @@ def test_bash_tool_schema_matches(bundled_suite: Path) -> None:
     assert our_schema["required"] == ref_schema["required"] == ["command"]
     assert our_schema["properties"].keys() == ref_schema["properties"].keys()
     assert "/workdir/answer.txt" in ours.HarborBashEnv.PROMPT_SUFFIX
+
+
+REFERENCE_STYLE_HARNESS = '''
+from trl_harbor import HarborEnv  # the only line changed from `from trl.experimental.harbor import HarborEnv`
+
+
+class NotebookEnv(HarborEnv):
+    """A harness written against the reference integration's internals."""
+
+    PROMPT_SUFFIX = "\\n\\nUse the tools."
+
+    async def _setup(self):
+        await self._env.exec("mkdir -p /home/user/notes && echo ready > /home/user/notes/state")
+        self.setup_saw = (self._task.name, self._paths is not None)
+
+    def read_state(self) -> str:
+        """Read the notebook's state file.
+
+        Returns:
+            Its content.
+        """
+        result = self._run(self._env.exec("cat /home/user/notes/state; ls -d /workdir /home/user/input"))
+        return (result.stdout or "") + (result.stderr or "")
+
+    def answer(self, value: str) -> str:
+        """Submit an answer.
+
+        Args:
+            value: The answer.
+
+        Returns:
+            The command's output.
+        """
+        return self._exec(f"echo -n {value} > /workdir/answer.txt", timeout=30)
+'''
+
+
+@pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="needs bubblewrap")
+def test_a_harness_written_for_the_reference_runs_with_only_its_import_changed(
+    tmp_path: Path, bundled_suite: Path
+) -> None:
+    from conftest import GOLD_ANSWER, GOLD_TASK
+
+    harness = tmp_path / "notebook_env.py"
+    harness.write_text(REFERENCE_STYLE_HARNESS)
+    spec = ours.HarborSpec(
+        str(bundled_suite), agent=f"{harness}:NotebookEnv", environment_type="local",
+        indices=[sorted(p.name for p in bundled_suite.iterdir()).index(GOLD_TASK)],
+    )  # fmt: skip
+    env = spec.environment_factory()
+    try:
+        env.reset(task_dir=spec.train_dataset[0]["task_dir"])
+        assert sorted(env.read_state().split()) == ["/home/user/input", "/workdir", "ready"]
+        assert env.setup_saw == (GOLD_TASK, True)
+        env.answer(GOLD_ANSWER)
+        assert env.reward == 1.0
+    finally:
+        ours.close_all()

@@ -2,8 +2,9 @@
 
 Accepted forms:
 
-- a built-in name from :data:`AGENTS` (``"bash"``) or :data:`EXAMPLE_AGENTS` (``"jupyter"``,
-  ``"terminal_notes"``: the harnesses of :mod:`trl_harbor.harnesses`, imported only when
+- a built-in name from :data:`AGENTS` (``"bash"``, the reference's) or :data:`EXAMPLE_AGENTS`
+  (``"bash_steps"``, ``"jupyter"``, ``"terminal_notes"``: ``bash`` with ``submit_step`` for
+  multi-step tasks, and the harnesses of :mod:`trl_harbor.harnesses`, imported only when
   selected, so ``import trl_harbor`` stays light);
 - ``"package.module:ClassName"``, imported from ``sys.path``;
 - ``"path/to/file.py:ClassName"`` (Windows paths such as ``C:\\work\\env.py:MyEnv`` too),
@@ -20,16 +21,17 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from trl_harbor.env import HarborBashEnv, HarborBashStepsEnv, HarborEnv
+from trl_harbor.env import HarborBashEnv, HarborEnv
 
 __all__ = ["AGENTS", "EXAMPLE_AGENTS", "resolve_agent"]
 
 #: Built-in harnesses selectable by name.
-AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv, "bash_steps": HarborBashStepsEnv}
+AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv}
 
 #: The example harnesses (also loadable by their ``examples/grpo_harbor/harnesses/*/env.py`` paths),
 #: selectable by name and imported on first selection.
 EXAMPLE_AGENTS: dict[str, str] = {
+    "bash_steps": "trl_harbor.env:HarborBashStepsEnv",
     "jupyter": "trl_harbor.harnesses.jupyter.env:JupyterEnv",
     "terminal_notes": "trl_harbor.harnesses.terminal_notes.env:TerminalNotesEnv",
 }

@@ -410,10 +410,35 @@ class HarborEnv:
         episode = _PROVISIONING.get() or self._episode
         return None if episode is None else episode.task
 
+    # The reference integration's names, which harnesses written for it use.
+
     @property
     def _env(self) -> BaseEnvironment | None:
-        """The reference integration's name for :attr:`_environment` (harnesses written for it use it)."""
+        """The reference's name for :attr:`_environment`; from a tool, it waits for the sandbox to start.
+
+        (The reference starts the sandbox inside ``reset``; here it starts in the background.)
+        """
+        episode = self._episode
+        if _PROVISIONING.get() is None and episode is not None and not runtime.on_loop_thread():
+            runtime.run(episode.wait_ready())
         return self._environment
+
+    @property
+    def _paths(self) -> TrialPaths | None:
+        """Harbor's trial folders of this episode (the reference's ``self._paths``)."""
+        episode = _PROVISIONING.get() or self._episode
+        return None if episode is None else episode.paths
+
+    def _run(self, coro: Any) -> Any:
+        """Run a coroutine on the shared loop and wait for it (the reference's ``self._run``).
+
+        Args:
+            coro: A coroutine, e.g. ``self._env.exec(...)``.
+
+        Returns:
+            Its result.
+        """
+        return runtime.run(coro)
 
     # ── Harbor lifecycle (async, on the shared loop) ────────────────────────────────
 
@@ -435,9 +460,15 @@ class HarborEnv:
 
     async def _provision(self, episode: Episode) -> None:
         """Start the episode's sandbox and run the harness's ``_setup`` (in the background of ``reset``)."""
+
+        async def prepare() -> None:
+            # The folders the reference integration makes before its harness's setup (harnesses rely on them).
+            await self._aexec("mkdir -p /workdir /home/user/input", timeout=60)
+            await self._setup()
+
         token = _PROVISIONING.set(episode)
         try:
-            await episode.provision(self._setup, max_concurrent_starts=self._max_concurrent_starts)
+            await episode.provision(prepare, max_concurrent_starts=self._max_concurrent_starts)
         finally:
             _PROVISIONING.reset(token)
 

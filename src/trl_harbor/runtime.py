@@ -29,7 +29,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
-__all__ = ["close_all", "get_loop", "limit", "register_cleanup", "run", "submit", "unregister_cleanup"]
+__all__ = [
+    "close_all",
+    "get_loop",
+    "limit",
+    "on_loop_thread",
+    "register_cleanup",
+    "run",
+    "submit",
+    "unregister_cleanup",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +66,15 @@ def get_loop() -> asyncio.AbstractEventLoop:
             _loop, _thread = loop, thread
             _install_signal_handlers()
         return _loop
+
+
+def on_loop_thread() -> bool:
+    """Whether the caller runs on the shared loop's thread (where blocking on it would deadlock).
+
+    Returns:
+        ``True`` on the loop's thread.
+    """
+    return _thread is not None and threading.current_thread() is _thread
 
 
 def submit[T](coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
