@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from trl_harbor import runtime
 from trl_harbor.episode import (
     INFRA_MODES,
+    CommandTimeoutError,
     Episode,
     RewardError,
     Verification,
@@ -150,12 +151,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _is_command_timeout(exc: BaseException) -> bool:
-    # Harbor's backends report a command timeout as their own exception types or a
-    # RuntimeError("Command timed out after N seconds"): the policy's doing, not the infra's.
-    return isinstance(exc, TimeoutError) or "timeout" in type(exc).__name__.lower() or "timed out" in str(exc)
 
 
 class HarborEnv:
@@ -329,7 +324,8 @@ class HarborEnv:
 
         Waits for the sandbox if it is still starting. Never raises: a failure (sandbox did
         not start, timeout, backend error) comes back as text for the model to read. Output
-        longer than ``max_output_chars`` is cut and marked.
+        longer than ``max_output_chars`` keeps its first and last halves, with a marker between
+        (the end of a failing command's output is where its error is).
 
         Args:
             command: The shell command.
@@ -351,16 +347,13 @@ class HarborEnv:
                 return f"Error: {episode.infra_error}. This rollout will not be scored."
             if episode.sealed:
                 return "Error: the rollout is over; its sandbox is being graded."
-            if _is_command_timeout(exc):
+            if isinstance(exc, CommandTimeoutError):
                 return f"Error: the command timed out after {timeout} s."
             if runtime.run(episode.healthy()):
                 # The sandbox answers: the command itself was killed (e.g. by the agent's own `kill -9 -1`).
                 return f"Error: the command ended without an answer ({type(exc).__name__}: {exc})."
             return f"Error: {episode.fail('exec', exc)}. This rollout will not be scored."
-        output = (result.stdout or "") + (result.stderr or "")
-        if len(output) > self._max_output_chars:
-            cut = len(output) - self._max_output_chars
-            output = output[: self._max_output_chars] + f"\n... [truncated {cut} characters]"
+        output = _head_and_tail((result.stdout or "") + (result.stderr or ""), self._max_output_chars)
         if not output:
             return f"(empty output, rc={result.return_code})"
         if result.return_code:
@@ -551,6 +544,14 @@ class HarborBashEnv(HarborEnv):
             The command's combined stdout and stderr.
         """
         return self._exec(command)
+
+
+def _head_and_tail(text: str, limit: int) -> str:
+    """Cut ``text`` to about ``limit`` characters, keeping its start and its end (where errors are)."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit // 2, limit - limit // 2
+    return f"{text[:head]}\n... [truncated: {len(text) - head - tail} characters omitted] ...\n{text[-tail:]}"
 
 
 def _steps_note(task: Task) -> str:

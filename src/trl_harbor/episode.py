@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from harbor.trial.network_policy import TrialNetworkPlan
 
 __all__ = [
+    "CommandTimeoutError",
     "Episode",
     "RewardError",
     "Verification",
@@ -152,6 +153,16 @@ class Verification:
     changes: tuple[str, ...] = ()
     killed: int = 0
     steps: tuple[tuple[str, dict[str, float]], ...] = ()
+
+
+class CommandTimeoutError(TimeoutError):
+    """A command ran past its timeout (the backend stopped it). The policy's doing, not the infrastructure's."""
+
+
+def _is_timeout(error: BaseException) -> bool:
+    # Harbor's backends report a command timeout as TimeoutError, their own "...Timeout..." types,
+    # or RuntimeError("Command timed out after N seconds"): this is the one place that knows.
+    return isinstance(error, TimeoutError) or "timeout" in type(error).__name__.lower() or "timed out" in str(error)
 
 
 class _BackendFault(RuntimeError):
@@ -437,6 +448,8 @@ class Episode:
             Harbor's ``ExecResult``.
 
         Raises:
+            CommandTimeoutError: When the command ran past ``timeout`` (the backend's deadline;
+                a guard 60 s later catches a backend that never answers).
             RuntimeError: When the sandbox did not start, was stopped, or the rollout is
                 being graded.
         """
@@ -450,9 +463,14 @@ class Episode:
             raise RuntimeError("no sandbox is running (it was stopped)")
         if user is None:
             user = self.task.config.agent.user
-        return await asyncio.wait_for(
-            self.environment.exec(command, timeout_sec=timeout, user=user), timeout=timeout + 60
-        )
+        try:
+            return await asyncio.wait_for(
+                self.environment.exec(command, timeout_sec=timeout, user=user), timeout=timeout + 60
+            )
+        except Exception as exc:
+            if _is_timeout(exc):
+                raise CommandTimeoutError(f"the command timed out after {timeout} s") from exc
+            raise
 
 
     # ── grading ────────────────────────────────────────────────────────────────────

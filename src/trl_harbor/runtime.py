@@ -145,6 +145,8 @@ def run[T](coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     try:
         return future.result(timeout)
     except FutureTimeoutError as exc:
+        if future.done():
+            raise  # the coroutine's own TimeoutError, not this wait's
         future.cancel()
         raise TimeoutError(f"coroutine did not finish within {timeout} s") from exc
     except KeyboardInterrupt:

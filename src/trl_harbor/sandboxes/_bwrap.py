@@ -80,7 +80,7 @@ class SandboxCommandError(SandboxError):
     """The sandbox's supervisor did not answer a command (the sandbox died or was stopped)."""
 
 
-class SandboxTimeoutError(SandboxError):
+class SandboxTimeoutError(SandboxError, TimeoutError):
     """A command ran past its timeout; its whole process tree was killed."""
 
 
