@@ -160,3 +160,28 @@ def test_default_run_learns_and_its_trajectories_match(tmp_path: Path, capsys, c
                 assert call["output"].split() == sorted(
                     p.name for p in (BUNDLED_SUITE / line["task"] / "environment" / "data").iterdir()
                 )
+
+
+@requires_local
+def test_model_from_a_local_checkpoint_trains_with_trl_defaults(tmp_path: Path, close_sandboxes) -> None:
+    """``--model PATH`` loads the checkpoint (no demo defaults) and saves the trained model."""
+    from trl_harbor import HarborSpec
+
+    spec = HarborSpec(BUNDLED_SUITE, environment_type="local")
+    texts = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
+    policy = build_demo_policy(spec.tasks, texts, spec.env_cls.PROMPT_SUFFIX)
+    checkpoint = tmp_path / "checkpoint"
+    policy.model.save_pretrained(checkpoint)
+    policy.tokenizer.save_pretrained(checkpoint)
+    out = tmp_path / "run"
+    argv = [
+        "train", "--model", str(checkpoint), "--num_tasks", "2", "--max_steps", "1", "--num_generations", "2",
+        "--per_device_train_batch_size", "4", "--max_completion_length", "128", "--max_tool_calling_iterations", "1",
+        "--logging_steps", "1", "--report_to", "none", "--output_dir", str(out),
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["demo"] is False and summary["steps"] == 1
+    assert (out / "config.json").is_file()  # the trained model was saved
+    rows = read_trajectories(out / "trajectories.jsonl")
+    assert len(rows) == 4 and all(len(row["tool_calls"]) == 1 for row in rows)
