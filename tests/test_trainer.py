@@ -146,7 +146,7 @@ def _train(
         max_steps=1,
         num_generations=batch // prompts,
         per_device_train_batch_size=batch,
-        max_completion_length=128,
+        max_completion_length=256,
         max_tool_calling_iterations=turns,
         report_to="none",
         logging_steps=1,
@@ -218,10 +218,14 @@ def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(
     def call(tool: str, command: str) -> str:
         return tool_call_text(tool, {"command": command})
 
+    def bad(tool: str) -> str:
+        return tool_call_text(tool, {"cmd": READ})
+
     scripted = [
         call("bash", GOOD),
         call("bash", WRONG) + "\n" + call("bash", READ),  # two sync calls in one turn
-        call("bash", WRONG) + "\n" + call("abash", READ),  # a sync and an async call in one turn
+        # sync and async calls in one turn, two of them with a wrong argument name (TypeError)
+        "\n".join([call("bash", WRONG), bad("abash"), call("abash", READ), bad("bash")]),
         call("abash", GOOD),
         call("bash", LONG),
         call("bash", "explode"),
@@ -242,6 +246,7 @@ def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(
     assert {GOOD, WRONG, READ, LONG, "explode"} <= set(commands) and tools == {"bash", "abash"}, commands
     messages = _tool_messages(trls)
     assert str({"error": EXPLOSION}) in messages  # TRL's report of a tool that raised
+    assert any("unexpected keyword argument 'cmd'" in m for m in messages)
     assert not any(m.startswith("1\n2\n3\n") for m in messages)  # the long result was rolled back
     # ... the rollout ended there, while others went on to a third turn
     per_env: dict[int, list[str]] = {}

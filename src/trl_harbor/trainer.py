@@ -225,7 +225,11 @@ class _TurnDispatcher:
     def _start_turn(self) -> None:
         batch: list[list[_Call]] = []
         for index, messages in enumerate(self._completions):
-            calls = self._pending_calls(index, messages)
+            try:
+                calls = self._pending_calls(index, messages)
+            except Exception as exc:  # never break the loop: TRL runs this rollout's calls itself
+                logger.warning("trl-harbor: could not read rollout %d's tool calls ahead: %r", index, exc)
+                continue
             if calls:
                 self._queues[index] = collections.deque(calls)
                 self._started.extend(calls)
@@ -263,6 +267,8 @@ class _TurnDispatcher:
             if not isinstance(function, dict) or "name" not in function or "arguments" not in function:
                 continue
             name = function["name"]
+            if not isinstance(name, str):
+                continue
             try:
                 kwargs = dict(**function["arguments"])  # what `f(**arguments)` accepts, the loop's call
             except TypeError:
