@@ -197,6 +197,7 @@ def test_task_venv_at_opt_venv_with_pip_through_host_trust(loopback_registry, ca
     assert "ModuleNotFoundError" in results[2].stdout
 
 
+@pytest.mark.slow
 def test_apt_get_at_build_and_verify_time(loopback_registry, cache_dir, tmp_path):  # noqa: F811
     """Bugs 4 and 6: apt-get mixed with other commands in one RUN, and apt-get in the sandbox."""
     task = _task(

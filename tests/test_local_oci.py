@@ -120,6 +120,7 @@ def test_unpullable_base_names_image_registries_and_fixes(store, loopback_regist
     assert "registries.conf" in message and "archive" in message and "root='host'" in message
 
 
+@pytest.mark.slow
 def test_unreachable_debian_base_is_bootstrapped_from_debian_packages(loopback_registry, tmp_path):  # noqa: F811
     """No registry serves debian:bookworm-slim here; a Debian mirror does: mmdebstrap makes the base."""
     context = _context(tmp_path / "env", "FROM debian:bookworm-slim\nRUN echo built-on-debian > /marker\n")
@@ -140,3 +141,15 @@ def test_debian_suite_names():
     ]  # fmt: skip
     assert debian_suite("debian") == "stable"
     assert debian_suite("python:3.12-slim") is None and debian_suite("debian@sha256:00") is None
+
+
+def test_tasks_share_identical_build_steps(store, loopback_registry, tmp_path):  # noqa: F811
+    """Like docker build's cache: a step with the same parent and instruction is built once."""
+    prefix = f"FROM {loopback_registry.base}\nRUN date +%s%N > /stamp\n"
+    first = _context(tmp_path / "one", prefix + "COPY a.txt /a.txt\n", {"a.txt": "a"})
+    second = _context(tmp_path / "two", prefix + "COPY b.txt /b.txt\n", {"b.txt": "b"})
+    one = asyncio.run(store.get(first, "one"))
+    two = asyncio.run(store.get(second, "two"))
+    assert one.path != two.path
+    assert (one.rootfs / "stamp").read_text() == (two.rootfs / "stamp").read_text()
+    assert (two.rootfs / "b.txt").exists() and not (two.rootfs / "a.txt").exists()

@@ -378,7 +378,8 @@ class LocalEnvironment(BaseEnvironment):
         if self._box is None:
             raise SandboxCommandError("the sandbox is not running (call start() first)")
         if not (user in ("root", "0") or user.startswith(("root:", "0:"))):
-            command = f"exec {RUNAS} {shlex.quote(user)} bash -c {shlex.quote(command)}"
+            # "$0" is the shell the supervisor chose (bash, else sh): the same one runs the command.
+            command = f'exec {RUNAS} {shlex.quote(user)} "$0" -c {shlex.quote(command)}'
         return await self._box.run(
             command,
             cwd=cwd or self.workdir,

@@ -497,7 +497,8 @@ class ImageStore:
         await asyncio.gather(*(self.pull(ref) for ref in bases))
         out.mkdir(parents=True)
         args = [
-            "bud", "--isolation", "chroot", "--pull=false", "--format", "oci", "--network", "host",
+            # --layers: steps shared by tasks (same parent, same instruction, same files) are built once.
+            "bud", "--isolation", "chroot", "--pull=false", "--format", "oci", "--network", "host", "--layers",
             "-f", str(dockerfile), "--iidfile", str(out / "iid"),
             "-o", f"type=local,dest={out / 'rootfs'}",
         ]  # fmt: skip
@@ -525,8 +526,7 @@ class ImageStore:
             )
         image_id = (out / "iid").read_text().strip()
         config = await self._inspect(image_id)
-        # The exported root is kept; buildah's copy of the final image is not needed.
-        await self._run_buildah("rmi", "--force", image_id)
+        # buildah keeps the image's layers (not a second root): later builds reuse its steps.
         prepare_image_root(out / "rootfs")
         record = ImageRecord(
             key=key,
@@ -558,7 +558,9 @@ class ImageStore:
         return found
 
     def remove(self, image: BuiltImage) -> None:
-        """Delete a built image (sandboxes running on it keep their mounts until they stop)."""
+        """Delete a built image and its layers (sandboxes running on it keep it until they stop)."""
+        if image.record.image_id:
+            subprocess.run([*self._buildah(), "rmi", image.record.image_id], capture_output=True, check=False)
         remove_tree(image.path)
         self._memo = {k: v for k, v in self._memo.items() if v.path != image.path}
 
