@@ -4,6 +4,7 @@ Commands:
     check SUITE   Oracle solutions must score 1 and doing nothing must score 0, per task.
     train         GRPO on a task suite (every GRPOConfig field a flag, --config file.yaml);
                   with no --model, the embedded default run (demo policy, bundled suite, CPU).
+    eval SUITE    A model behind an OpenAI-compatible endpoint on a suite: pass@k, mean reward.
 """
 
 from __future__ import annotations
@@ -88,6 +89,69 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from trl_harbor.evaluate import EvalConfig, evaluate
+
+    console = Console()
+    try:
+        config = EvalConfig(
+            dataset=args.suite,
+            base_url=args.base_url,
+            model=args.model,
+            agent=args.agent,
+            environment_type=args.environment_type,
+            num_tasks=args.num_tasks,
+            indices=args.indices,
+            num_rollouts=args.num_rollouts,
+            k=sorted(set(args.k or [1])),
+            concurrency=args.concurrency,
+            max_turns=args.max_turns,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            pass_threshold=args.pass_threshold,
+            command_timeout_sec=args.command_timeout_sec,
+            max_output_chars=args.max_output_chars,
+            reward_key=args.reward_key,
+            output_dir=args.output_dir,
+        )
+        with Progress(
+            TextColumn("rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=console, transient=True, disable=not console.is_terminal and not args.progress,
+        ) as progress:  # fmt: skip
+            bar = progress.add_task("eval", total=None)
+            result = evaluate(config, on_done=lambda total: progress.update(bar, total=total, advance=1))
+    except ValueError as exc:
+        console.print(f"[red]trl-harbor eval: error: {exc}")
+        return 2
+
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    table = Table(title=f"{args.model} on {args.suite} ({args.environment_type})")
+    for column in ("task", "n", "passed", "mean reward", *[f"pass@{k}" for k in config.k], "tool calls", "errors"):
+        table.add_column(column)
+    for score in result.tasks:
+        table.add_row(
+            score.task, str(score.n), str(score.passed), fmt(score.mean_reward),
+            *[fmt(score.pass_at[k]) for k in config.k], f"{score.tool_calls:.1f}", str(score.errors),
+        )  # fmt: skip
+    table.add_row(
+        "[b]all", str(sum(s.n for s in result.tasks)), str(sum(s.passed for s in result.tasks)),
+        fmt(result.mean_reward), *[fmt(result.pass_at[k]) for k in config.k], "", str(result.errors),
+    )  # fmt: skip
+    console.print(table)
+    console.print(
+        f"{result.rollouts} rollouts in {result.seconds:.1f} s ({result.rollouts_per_minute:g}/min); "
+        f"results in {Path(config.output_dir) / 'eval.json'}, trajectories in "
+        f"{Path(config.output_dir) / 'trajectories.jsonl'}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``trl-harbor``.
 
@@ -105,6 +169,27 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--ek", action="append", default=[], help="backend option key=value (repeatable)")
     check.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     check.set_defaults(func=_cmd_check)
+    ev = commands.add_parser("eval", help="a model behind an OpenAI-compatible endpoint on a suite: pass@k")
+    ev.add_argument("suite", help="a folder of task folders, one holding tasks/, or a HF dataset id")
+    ev.add_argument("--base-url", required=True, help="the endpoint, e.g. http://127.0.0.1:8000/v1")
+    ev.add_argument("--model", required=True, help="the model name the endpoint serves")
+    ev.add_argument("--agent", default="bash", help="harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls")
+    ev.add_argument("--environment-type", "-e", default="local", help="local (default), docker, ... or module:Class")
+    ev.add_argument("--num-tasks", type=int, default=None, help="the first N tasks of the sorted suite")
+    ev.add_argument("--indices", type=int, nargs="+", default=None, help="these positions of the sorted suite")
+    ev.add_argument("--num-rollouts", "-n", type=int, default=4, help="rollouts per task (default 4)")
+    ev.add_argument("--k", type=int, action="append", help="report pass@k (repeatable; default 1)")
+    ev.add_argument("--concurrency", "-c", type=int, default=16, help="rollouts in flight at once (default 16)")
+    ev.add_argument("--max-turns", type=int, default=10, help="model turns per rollout (default 10)")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--max-tokens", type=int, default=2048, help="tokens per model turn")
+    ev.add_argument("--pass-threshold", type=float, default=1.0, help="a rollout passes at this reward (default 1)")
+    ev.add_argument("--command-timeout-sec", type=int, default=180)
+    ev.add_argument("--max-output-chars", type=int, default=8000)
+    ev.add_argument("--reward-key", default=None, help="key of a multi-key reward.json")
+    ev.add_argument("--output-dir", default="outputs/trl-harbor-eval")
+    ev.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
+    ev.set_defaults(func=_cmd_eval)
     # `train` has its own parser (TRL's TrlParser over GRPOConfig); main() hands it the rest of
     # the command line. This entry only lists it in `trl-harbor --help`.
     commands.add_parser(

@@ -203,6 +203,7 @@ class TrajectoryLog:
         rewards: Sequence[float | None],
         completions: Sequence[Any] | None = None,
         step: int | None = None,
+        extra: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         """Append one line per rollout.
 
@@ -211,6 +212,7 @@ class TrajectoryLog:
             rewards: Their rewards, in the same order.
             completions: Their completions (the last assistant message is recorded).
             step: The training step the batch belongs to.
+            extra: Per-rollout fields to add to each line (e.g. an endpoint error).
         """
         now = time.monotonic()
         lines = []
@@ -218,7 +220,13 @@ class TrajectoryLog:
             record = dict(getattr(env, _RECORD, None) or {"task": None, "tool_calls": []})
             t0 = record.pop("_t0", None)
             episode = getattr(env, "_episode", None)
-            components = getattr(episode, "rewards", None)
+            verification = getattr(env, "verification", None)  # HarborEnv: how the rollout was graded
+            components = getattr(verification, "rewards", None)
+            if components is None:
+                components = getattr(episode, "rewards", None)
+            infra_error = getattr(env, "infra_error", None) if hasattr(type(env), "infra_error") else None
+            if infra_error is None:
+                infra_error = getattr(episode, "infra_error", None)
             value = None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else float(reward)
             line = {
                 "step": step,
@@ -234,8 +242,16 @@ class TrajectoryLog:
                 "final_message": _final_message(completions[index]) if completions is not None else None,
                 "reward": value,
                 "reward_components": _jsonable(dict(components)) if isinstance(components, dict) else None,
-                "infra_error": getattr(episode, "infra_error", None),
+                "infra_error": infra_error,
             }
+            if verification is not None:
+                line["verification"] = {
+                    "reason": getattr(verification, "reason", ""),
+                    "tampered": list(getattr(verification, "tampered", ())),
+                    "killed": getattr(verification, "killed", 0),
+                }
+            if extra is not None:
+                line.update(extra[index])
             lines.append(json.dumps(line, ensure_ascii=False))
         if not lines:
             return

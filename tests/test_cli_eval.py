@@ -1,0 +1,165 @@
+"""``trl-harbor eval`` against a real HTTP endpoint on loopback.
+
+The endpoint is a *scripted* OpenAI-compatible chat-completions server: it stands in for a
+model only so that the tool calls — and so the outcomes — are known in advance. Everything under
+it is real: the HTTP round trips, the harness and its tools, the local bubblewrap sandboxes and
+Harbor's verifier, which alone decides each reward.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from conftest import BUNDLED_SUITE, requires_local
+
+from trl_harbor.cli import main as cli_main
+from trl_harbor.evaluate import pass_at_k
+from trl_harbor.trajectories import read_trajectories
+
+WRONG = "echo -n 0 > /workdir/answer.txt"
+#: Per task, the first-turn command of each successive rollout ("right": the reference solution).
+SCRIPT = {
+    "http_500_count": ["right", "right", WRONG, WRONG],
+    "orders_count": [WRONG, WRONG, WRONG, WRONG],
+    "priciest_product": ["right", "right", "right", "right"],
+}
+
+
+class ScriptedEndpoint:
+    """A scripted chat-completions server: the first turn calls ``bash`` with the scripted command,
+    the turn after a tool result answers in prose. It records every request and how many were in
+    flight at once (the first requests wait, up to a few seconds, for company)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: list[dict] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.company = threading.Event()
+        self.next = dict.fromkeys(SCRIPT, 0)
+        self.titles = {name: (BUNDLED_SUITE / name / "instruction.md").read_text().splitlines()[0] for name in SCRIPT}
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with endpoint.lock:
+                    endpoint.requests.append(body)
+                    endpoint.in_flight += 1
+                    endpoint.max_in_flight = max(endpoint.max_in_flight, endpoint.in_flight)
+                    if endpoint.in_flight >= 2:
+                        endpoint.company.set()
+                try:
+                    endpoint.company.wait(timeout=5)
+                    message = endpoint.answer(body)
+                finally:
+                    with endpoint.lock:
+                        endpoint.in_flight -= 1
+                data = json.dumps(
+                    {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": message}]}
+                )
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data.encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def answer(self, body: dict) -> dict:
+        messages = body["messages"]
+        if messages[-1]["role"] == "tool":
+            return {"role": "assistant", "content": "I wrote the answer."}
+        task = next(name for name, title in self.titles.items() if title in messages[0]["content"])
+        with self.lock:
+            choice = SCRIPT[task][self.next[task]]
+            self.next[task] += 1
+        command = (BUNDLED_SUITE / task / "solution" / "solve.sh").read_text().strip() if choice == "right" else choice
+        call = {
+            "id": f"call_{task}",
+            "type": "function",
+            "function": {"name": "bash", "arguments": json.dumps({"command": command})},
+        }
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+@pytest.fixture
+def endpoint() -> Iterator[ScriptedEndpoint]:
+    server = ScriptedEndpoint()
+    server.thread.start()
+    yield server
+    server.server.shutdown()
+    server.server.server_close()
+
+
+def test_pass_at_k_estimator() -> None:
+    assert pass_at_k(4, 2, 1) == pytest.approx(0.5)
+    assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)
+    assert pass_at_k(4, 0, 2) == 0.0
+    assert pass_at_k(4, 3, 2) == 1.0
+    assert pass_at_k(1, 1, 2) is None
+
+
+@requires_local
+def test_eval_reports_known_pass_at_k(tmp_path: Path, copy_tasks, endpoint: ScriptedEndpoint, close_sandboxes) -> None:
+    suite = copy_tasks(*SCRIPT)
+    out = tmp_path / "eval"
+    argv = ["eval", str(suite), "--base-url", endpoint.url, "--model", "scripted", "-n", "4",
+            "--k", "1", "--k", "2", "--concurrency", "6", "--output-dir", str(out)]  # fmt: skip
+    assert cli_main(argv) == 0
+    result = json.loads((out / "eval.json").read_text())
+    by_task = {t["task"]: t for t in result["tasks"]}
+    assert by_task["http_500_count"]["passed"] == 2
+    assert by_task["http_500_count"]["pass_at"]["1"] == pytest.approx(0.5)
+    assert by_task["http_500_count"]["pass_at"]["2"] == pytest.approx(5 / 6)
+    assert by_task["orders_count"]["pass_at"] == {"1": 0.0, "2": 0.0}
+    assert by_task["priciest_product"]["pass_at"] == {"1": 1.0, "2": 1.0}
+    assert result["pass_at"]["1"] == pytest.approx(0.5)
+    assert result["pass_at"]["2"] == pytest.approx((5 / 6 + 0 + 1) / 3)
+    assert result["mean_reward"] == pytest.approx(0.5)
+    assert result["rollouts"] == 12 and result["errors"] == 0
+    # Rollouts were in flight at once, and the model was offered the harness's bash tool.
+    assert endpoint.max_in_flight >= 2
+    assert endpoint.requests[0]["tools"][0]["function"]["name"] == "bash"
+    assert "command" in endpoint.requests[0]["tools"][0]["function"]["parameters"]["properties"]
+    # One trajectory line per rollout, matching what ran.
+    rows = read_trajectories(out / "trajectories.jsonl")
+    assert len(rows) == 12
+    for row in rows:
+        (call,) = row["tool_calls"]
+        right = call["arguments"]["command"] != WRONG
+        assert row["reward"] == (1.0 if right else 0.0), row
+        assert row["final_message"] == "I wrote the answer." and row["endpoint_error"] is None
+
+
+@requires_local
+def test_eval_counts_an_unreachable_endpoint_as_errors(tmp_path: Path, copy_tasks, close_sandboxes) -> None:
+    suite = copy_tasks("orders_count")
+    out = tmp_path / "eval"
+    argv = [
+        "eval",
+        str(suite),
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--model",
+        "m",
+        "-n",
+        "2",
+        "--output-dir",
+        str(out),
+    ]
+    assert cli_main(argv) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert result["errors"] == 2 and result["tasks"][0]["n"] == 0 and result["mean_reward"] is None
+    rows = read_trajectories(out / "trajectories.jsonl")
+    assert all(row["endpoint_error"] and row["reward"] is None for row in rows)
