@@ -339,16 +339,16 @@ def test_separate_verifier_environment(tmp_path: Path, close_sandboxes: None, mo
         )
     )
 
-    from trl_harbor.episode import Episode
+    from trl_harbor import grading
 
     separate_runs = [0]
-    real = Episode._grade_separately
+    real = grading._grade_separately
 
-    async def counting(self, step):
+    async def counting(episode, step):
         separate_runs[0] += 1
-        return await real(self, step)
+        return await real(episode, step)
 
-    monkeypatch.setattr(Episode, "_grade_separately", counting)
+    monkeypatch.setattr(grading, "_grade_separately", counting)
     env = HarborBashEnv(environment_type="local")
     env.reset(task_dir=str(task))
     env.bash(f"echo {GOLD_ANSWER} > /workdir/answer.txt; echo marker > /workdir/agent-only.txt")
