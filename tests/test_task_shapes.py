@@ -248,3 +248,25 @@ def test_check_grades_like_training_and_reports_every_task_even_broken_ones(tmp_
     assert "docker-compose.yaml" in results["sidecar"].why
     assert not results["cheating_oracle"].passed and "changed what the verifier runs" in results["cheating_oracle"].why
     assert results["cheating_oracle"].to_dict()["passed"] is False
+
+
+@requires_local
+def test_check_command_line_json_reward_options_and_a_malformed_task(tmp_path: Path, copy_tasks, capsys) -> None:
+    import json
+
+    from conftest import GOLD_TASK
+
+    from trl_harbor.cli import main
+
+    suite = copy_tasks(GOLD_TASK)
+    bad = suite / "zz_bad"
+    bad.mkdir()
+    (bad / "task.toml").write_text("version = [\n")
+    (bad / "instruction.md").write_text("x\n")
+    status = main(["check", str(suite), "-e", "local", "--json", "--jobs", "2", "--reward-weight", "reward=1"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 1 and report["passed"] == 1 and report["failed"] == 1
+    rows = {row["task_dir"].rsplit("/", 1)[-1]: row for row in report["tasks"]}
+    assert rows[GOLD_TASK]["passed"] and rows[GOLD_TASK]["oracle"]["reward"] == 1.0
+    assert not rows["zz_bad"]["passed"] and "TOML" in rows["zz_bad"]["why"]
+    assert main(["check", str(suite), "--reward-weight", "oops"]) == 2

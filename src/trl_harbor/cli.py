@@ -20,12 +20,6 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _find_task_dirs(suite: str) -> list[Path]:
-    from trl_harbor.suite import load_suite
-
-    return [task.path for task in load_suite(suite).tasks]
-
-
 def _parse_kwargs(pairs: list[str]) -> dict:
     kwargs = {}
     for pair in pairs:
@@ -45,9 +39,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from trl_harbor.check import check_suite
+    from trl_harbor.suite import TaskSuiteError, candidate_task_dirs
 
     console = Console(stderr=False)
-    task_dirs = _find_task_dirs(args.suite)
+    try:
+        # Not validated here: check reports every task, a malformed one as a failed row.
+        task_dirs = candidate_task_dirs(args.suite)
+        weights = _parse_weights(args.reward_weight)
+    except (TaskSuiteError, ValueError) as error:
+        console.print(f"[red]{error}")
+        return 2
     if args.task:
         wanted = set(args.task)
         task_dirs = [d for d in task_dirs if d.name in wanted]
@@ -57,7 +58,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             return 2
     with Progress(
         TextColumn("checking"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True, disable=not console.is_terminal and not args.progress,
+        console=console, transient=True, disable=args.json or (not console.is_terminal and not args.progress),
     ) as progress:  # fmt: skip
         bar = progress.add_task("check", total=len(task_dirs))
         results = asyncio.run(
@@ -66,27 +67,43 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 args.environment_type,
                 concurrency=args.concurrency,
                 env_kwargs=_parse_kwargs(args.ek),
+                reward_key=args.reward_key,
+                reward_weights=weights,
                 on_done=lambda _: progress.advance(bar),
             )
         )
+    failed = [r for r in results if not r.passed]
+    if args.json:
+        print(json.dumps({"passed": len(results) - len(failed), "failed": len(failed),
+                          "tasks": [r.to_dict() for r in results]}, indent=2))  # fmt: skip
+        return 1 if failed else 0
     table = Table(title=f"{args.suite} on {args.environment_type}")
     for column in ("task", "oracle", "nothing", "result", "why"):
         table.add_column(column)
     for r in results:
-        why = r.oracle.error or r.nop.error or ""
-        if not why and not r.passed:
-            why = f"expected oracle=1 and nothing={r.floor:g}"
         table.add_row(
             r.task,
             "error" if r.oracle.reward is None else f"{r.oracle.reward:g}",
             "error" if r.nop.reward is None else f"{r.nop.reward:g}",
             "[green]pass" if r.passed else "[red]FAIL",
-            why[:200],
+            r.why[:300],
         )
     console.print(table)
-    failed = [r for r in results if not r.passed]
     console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
+
+
+def _parse_weights(pairs: list[str]) -> dict[str, float] | None:
+    weights = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            weights[key] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key:
+            raise ValueError(f"--reward-weight expects key=number, got {pair!r}")
+    return weights or None
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -164,9 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="oracle must score 1 and doing nothing 0, for every task")
     check.add_argument("suite", help="a folder of task folders, or one holding tasks/")
     check.add_argument("--environment-type", "-e", default="local", help="local (default), docker, ... or module:Class")
-    check.add_argument("--concurrency", "-n", type=int, default=max(2, (os.cpu_count() or 2) * 2))
+    check.add_argument(
+        "--jobs", "--concurrency", "-j", "-n", dest="concurrency", type=int, default=max(2, (os.cpu_count() or 2) * 2),
+        help="tasks checked at once",
+    )  # fmt: skip
     check.add_argument("--task", "-t", action="append", help="check only this task (repeatable)")
     check.add_argument("--ek", action="append", default=[], help="backend option key=value (repeatable)")
+    check.add_argument("--reward-key", default=None, help="the reward.json entry that is the reward")
+    check.add_argument(
+        "--reward-weight", action="append", default=[], metavar="KEY=W",
+        help="weigh reward.json entries: the reward is the weighted sum (repeatable)",
+    )  # fmt: skip
+    check.add_argument("--json", action="store_true", help="print the results as JSON (exit status unchanged)")
     check.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     check.set_defaults(func=_cmd_check)
     ev = commands.add_parser("eval", help="a model behind an OpenAI-compatible endpoint on a suite: pass@k")

@@ -27,6 +27,7 @@ __all__ = [
     "TaskInfo",
     "TaskSuite",
     "TaskSuiteError",
+    "candidate_task_dirs",
     "find_suite_root",
     "load_suite",
     "metadata_columns",
@@ -250,6 +251,29 @@ def _missing_host_variables(task: Any) -> list[str]:
     return problems
 
 
+def candidate_task_dirs(dataset: str | Path, revision: str | None = None) -> list[Path]:
+    """The folders of a suite that look like tasks, sorted by name, without validating them.
+
+    Args:
+        dataset: A local path or a Hugging Face dataset repo id (see :func:`find_suite_root`).
+        revision: Hub revision for a repo id.
+
+    Returns:
+        The candidate task directories.
+
+    Raises:
+        TaskSuiteError: When the suite cannot be found or holds no task directory.
+    """
+    root = find_suite_root(dataset, revision)
+    candidates = sorted((child for child in root.iterdir() if _is_candidate_task_dir(child)), key=lambda p: p.name)
+    if not candidates:
+        raise TaskSuiteError(
+            f"{root}: no task directories found. Fix: each task is a folder with instruction.md, "
+            "task.toml, environment/ and tests/test.sh."
+        )
+    return candidates
+
+
 def load_suite(dataset: str | Path, revision: str | None = None) -> TaskSuite:
     """Find and validate every task of a suite.
 
@@ -265,12 +289,7 @@ def load_suite(dataset: str | Path, revision: str | None = None) -> TaskSuite:
             (the message lists every malformed task).
     """
     root = find_suite_root(dataset, revision)
-    candidates = sorted((child for child in root.iterdir() if _is_candidate_task_dir(child)), key=lambda p: p.name)
-    if not candidates:
-        raise TaskSuiteError(
-            f"{root}: no task directories found. Fix: each task is a folder with instruction.md, "
-            "task.toml, environment/ and tests/test.sh."
-        )
+    candidates = candidate_task_dirs(root)
     tasks: list[TaskInfo] = []
     errors: list[str] = []
     for candidate in candidates:
