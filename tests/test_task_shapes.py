@@ -270,3 +270,75 @@ def test_check_command_line_json_reward_options_and_a_malformed_task(tmp_path: P
     assert rows[GOLD_TASK]["passed"] and rows[GOLD_TASK]["oracle"]["reward"] == 1.0
     assert not rows["zz_bad"]["passed"] and "TOML" in rows["zz_bad"]["why"]
     assert main(["check", str(suite), "--reward-weight", "oops"]) == 2
+
+
+def _single_task(root: Path, name: str, toml_extra: str = "", test_sh: str | None = None) -> Path:
+    task = root / name
+    (task / "environment").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /workdir\n")
+    (task / "instruction.md").write_text("Write 7 to /workdir/answer.txt\n")
+    (task / "task.toml").write_text(f'version = "1.0"\n{toml_extra}\n[environment]\nnetwork_mode = "no-network"\n')
+    script = task / "tests" / "test.sh"
+    script.write_text(
+        test_sh
+        or "#!/bin/bash\nmkdir -p /logs/verifier\n"
+        '[ "$(cat /workdir/answer.txt 2>/dev/null)" = 7 ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'
+    )
+    script.chmod(0o755)
+    return task
+
+
+@requires_local
+def test_a_separate_verifier_is_built_from_tests_dockerfile_and_gets_the_artifacts(
+    tmp_path: Path, close_sandboxes: None
+) -> None:
+    task = _single_task(
+        tmp_path / "suite",
+        "separate",
+        'artifacts = ["/workdir/answer.txt"]\n[verifier]\nenvironment_mode = "separate"\n',
+        "#!/bin/bash\nmkdir -p /logs/verifier\n"
+        '[ -f /verifier-only/marker ] && [ ! -e /workdir/scratch.txt ] && [ "$(cat /workdir/answer.txt)" = 7 ] '
+        "&& echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n",
+    )
+    # Harbor's convention: a verifier image built from tests/ carries its tests itself.
+    (task / "tests" / "Dockerfile").write_text(
+        "FROM python:3.12-slim\nRUN mkdir -p /verifier-only && touch /verifier-only/marker\nCOPY test.sh /tests/test.sh\n"
+    )
+    spec = HarborSpec(task.parent, environment_type="local")
+    env = spec.environment_factory()
+    env.reset(task_dir=str(task))
+    assert "No such file" in env.bash("ls /verifier-only")  # the agent's sandbox is the task's, not the verifier's
+    env.bash("echo 7 > /workdir/answer.txt; touch /workdir/scratch.txt")  # only the declared artifact crosses
+    assert env.reward == 1.0, env.verification
+
+
+@requires_local
+def test_the_environment_healthcheck_runs_before_the_agent(tmp_path: Path, close_sandboxes: None) -> None:
+    root = tmp_path / "suite"
+    retrying = _single_task(
+        root,
+        "comes_up",
+        "",
+    )
+    toml = retrying / "task.toml"
+    toml.write_text(
+        toml.read_text()
+        + '[environment.healthcheck]\ncommand = "test -f /tmp/up || { touch /tmp/up; exit 1; }"\n'
+        + "interval_sec = 0.1\nretries = 3\n"
+    )
+    never = _single_task(root, "never_up")
+    (never / "task.toml").write_text(
+        (never / "task.toml").read_text()
+        + '[environment.healthcheck]\ncommand = "false"\ninterval_sec = 0.1\nretries = 1\n'
+    )
+    spec = HarborSpec(root, environment_type="local")
+    dirs = {p.name: str(p) for p in spec.task_dirs}
+    up, down = spec.environment_factory(), spec.environment_factory()
+    up.reset(task_dir=dirs["comes_up"])
+    down.reset(task_dir=dirs["never_up"])
+    assert up.bash("ls /tmp/up").strip() == "/tmp/up"  # the check ran (twice) before the first tool call
+    up.bash("echo 7 > /workdir/answer.txt")
+    assert up.reward == 1.0
+    assert down.bash("true").startswith("Error: sandbox start failed") and "ealthcheck" in down.infra_error
+    assert down.reward is None and down.verification.infra
