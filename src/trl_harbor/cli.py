@@ -5,6 +5,7 @@ Commands:
     train         GRPO on a task suite (every GRPOConfig field a flag, --config file.yaml);
                   with no --model, the embedded default run (demo policy, bundled suite, CPU).
     eval SUITE    A model behind an OpenAI-compatible endpoint on a suite: pass@k, mean reward.
+    report DIR    A self-contained HTML page from a train or eval run's logs.
 """
 
 from __future__ import annotations
@@ -169,6 +170,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from trl_harbor.report import ReportError, build_report
+
+    try:
+        page = build_report(args.run_dir, args.output)
+    except (ReportError, ValueError) as exc:
+        print(f"trl-harbor report: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {page}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``trl-harbor``.
 
@@ -216,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--output-dir", default="outputs/trl-harbor-eval")
     ev.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     ev.set_defaults(func=_cmd_eval)
+    report = commands.add_parser("report", help="a self-contained HTML page from a train or eval run's logs")
+    report.add_argument("run_dir", help="the --output_dir of trl-harbor train or eval")
+    report.add_argument("--output", "-o", default=None, help="the HTML file (default: RUN_DIR/report.html)")
+    report.set_defaults(func=_cmd_report)
     # `train` has its own parser (TRL's TrlParser over GRPOConfig); main() hands it the rest of
     # the command line. This entry only lists it in `trl-harbor --help`.
     commands.add_parser(

@@ -1,0 +1,281 @@
+"""``trl-harbor report RUN_DIR``: one self-contained HTML page from a run's logs.
+
+Reads what ``trl-harbor train`` or ``trl-harbor eval`` wrote into its output folder —
+``trajectories.jsonl`` (one line per rollout), and ``log_history.json`` / ``summary.json``
+(train) or ``eval.json`` (eval) — and writes ``report.html``: the mean reward over steps (from the
+trainer's own metrics) and per task (from the rollouts), pass rates, tool-call counts, failure
+causes, and a browsable list of every trajectory. No network, no external files: the charts are
+inline SVG, the page works offline.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ReportData", "ReportError", "build_report", "load_run"]
+
+
+class ReportError(ValueError):
+    """The folder holds no run logs this command can read."""
+
+
+@dataclass
+class ReportData:
+    """The numbers a report shows (also embedded in the page as JSON, id ``report-data``).
+
+    Attributes:
+        kind: ``"train"`` or ``"eval"``.
+        step_rewards: ``[(step, mean reward)]`` from the trainer's metrics (train runs).
+        task_rows: Per task: rollouts, mean reward, pass rate, mean tool calls, errors.
+        task_step_rewards: Per task, ``{step: mean reward}`` from the rollouts (train runs).
+        tool_counts: Calls per tool name.
+        failures: Count per failure cause.
+        rollouts: Rollouts in the log.
+        eval_summary: ``eval.json`` without its per-task rows (eval runs).
+    """
+
+    kind: str
+    step_rewards: list[tuple[int, float]] = field(default_factory=list)
+    task_rows: list[dict[str, Any]] = field(default_factory=list)
+    task_step_rewards: dict[str, dict[int, float]] = field(default_factory=dict)
+    tool_counts: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    rollouts: int = 0
+    eval_summary: dict[str, Any] | None = None
+
+
+def _failure(row: dict[str, Any]) -> str | None:
+    if row.get("endpoint_error"):
+        return "endpoint error"
+    if row.get("infra_error"):
+        return "infrastructure: " + str(row["infra_error"]).split(":")[0][:80]
+    verification = row.get("verification") or {}
+    if verification.get("tampered"):
+        return "tampered with the verifier"
+    if row.get("reward") == 0.0:
+        return "no tool call, reward 0" if not row.get("tool_calls") else "wrong answer (reward 0)"
+    return None
+
+
+def load_run(run_dir: str | Path) -> tuple[ReportData, list[dict[str, Any]]]:
+    """Read a run folder and compute the report's numbers.
+
+    Args:
+        run_dir: The output folder of ``trl-harbor train`` or ``trl-harbor eval``.
+
+    Returns:
+        ``(data, trajectories)``.
+
+    Raises:
+        ReportError: When the folder has no ``trajectories.jsonl`` and no metrics.
+    """
+    from trl_harbor.trajectories import read_trajectories
+
+    run_dir = Path(run_dir)
+    trajectories_path = run_dir / "trajectories.jsonl"
+    history_path, eval_path = run_dir / "log_history.json", run_dir / "eval.json"
+    if not trajectories_path.is_file() and not history_path.is_file() and not eval_path.is_file():
+        raise ReportError(
+            f"{run_dir}: no trajectories.jsonl, log_history.json or eval.json; point report at the "
+            "--output_dir of trl-harbor train or eval"
+        )
+    rows = read_trajectories(trajectories_path) if trajectories_path.is_file() else []
+    data = ReportData(kind="eval" if eval_path.is_file() else "train", rollouts=len(rows))
+    if history_path.is_file():
+        history = json.loads(history_path.read_text())
+        data.step_rewards = [(int(r["step"]), float(r["reward"])) for r in history if "reward" in r and "step" in r]
+    if eval_path.is_file():
+        record = json.loads(eval_path.read_text())
+        data.eval_summary = {k: v for k, v in record.items() if k != "tasks"}
+    by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        by_task[str(row.get("task"))].append(row)
+    tools: Counter[str] = Counter()
+    failures: Counter[str] = Counter()
+    for row in rows:
+        tools.update(call.get("tool", "?") for call in row.get("tool_calls", []))
+        cause = _failure(row)
+        if cause:
+            failures[cause] += 1
+    for task in sorted(by_task):
+        task_rows = by_task[task]
+        scored = [r["reward"] for r in task_rows if r.get("reward") is not None]
+        data.task_rows.append(
+            {
+                "task": task,
+                "rollouts": len(task_rows),
+                "mean_reward": sum(scored) / len(scored) if scored else None,
+                "pass_rate": sum(r >= 1.0 for r in scored) / len(scored) if scored else None,
+                "tool_calls": sum(len(r.get("tool_calls", [])) for r in task_rows) / len(task_rows),
+                "errors": len(task_rows) - len(scored),
+            }
+        )
+        per_step: dict[int, list[float]] = defaultdict(list)
+        for r in task_rows:
+            if r.get("step") is not None and r.get("reward") is not None:
+                per_step[int(r["step"])].append(r["reward"])
+        if per_step:
+            data.task_step_rewards[task] = {s: sum(v) / len(v) for s, v in sorted(per_step.items())}
+    data.tool_counts = dict(tools.most_common())
+    data.failures = dict(failures.most_common())
+    return data, rows
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def _line_chart(series: dict[str, list[tuple[int, float]]], width: int = 640, height: int = 220) -> str:
+    """An inline SVG line chart of rewards (0..1) over steps."""
+    points = [p for values in series.values() for p in values]
+    if not points:
+        return "<p class=muted>no steps logged</p>"
+    steps = [s for s, _ in points]
+    lo, hi = min(steps), max(steps)
+    top = max(1.0, max(v for _, v in points))
+    pad = 36
+
+    def xy(step: int, value: float) -> tuple[float, float]:
+        x = pad + (width - 2 * pad) * ((step - lo) / (hi - lo) if hi > lo else 0.5)
+        y = height - pad - (height - 2 * pad) * (value / top)
+        return x, y
+
+    palette = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4b5563", "#be185d"]
+    parts = [f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img">']
+    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
+        _, y = xy(lo, tick * top)
+        parts.append(f'<line x1="{pad}" y1="{y:.1f}" x2="{width - pad}" y2="{y:.1f}" stroke="#e5e7eb"/>')
+        parts.append(f'<text x="4" y="{y + 4:.1f}" font-size="10">{tick * top:.2f}</text>')
+    parts.append(f'<text x="{pad}" y="{height - 8}" font-size="10">step {lo}</text>')
+    parts.append(f'<text x="{width - pad - 40}" y="{height - 8}" font-size="10">step {hi}</text>')
+    for i, (name, values) in enumerate(series.items()):
+        color = palette[i % len(palette)]
+        coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(s, v) for s, v in values))
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{coords}"/>')
+        for s, v in values:
+            x, y = xy(s, v)
+            parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"><title>{html.escape(name)}: '
+                         f"step {s}, {v:.3f}</title></circle>")  # fmt: skip
+    parts.append("</svg>")
+    legend = " ".join(
+        f'<span style="color:{palette[i % len(palette)]}">■</span> {html.escape(name)}' for i, name in enumerate(series)
+    )
+    return "".join(parts) + f"<div class=legend>{legend}</div>"
+
+
+def _table(headers: list[str], rows: list[list[str]], table_id: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+_CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1000px;color:#111827;padding:0 16px}
+h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #e5e7eb}
+table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #e5e7eb;padding:3px 8px;text-align:left}
+th{background:#f9fafb}.muted{color:#6b7280}.legend{font-size:12px;margin:4px 0 12px}
+details{border:1px solid #e5e7eb;border-radius:4px;margin:4px 0;padding:4px 8px}
+summary{cursor:pointer}pre{white-space:pre-wrap;background:#f3f4f6;padding:6px;max-height:320px;overflow:auto}
+.ok{color:#15803d}.bad{color:#b91c1c}
+"""
+
+
+def build_report(run_dir: str | Path, output: str | Path | None = None, max_trajectories: int = 2000) -> Path:
+    """Write the run's HTML report.
+
+    Args:
+        run_dir: The run's output folder.
+        output: The HTML file (default: ``RUN_DIR/report.html``).
+        max_trajectories: At most this many trajectories are listed (the latest ones).
+
+    Returns:
+        The path of the page.
+
+    Raises:
+        ReportError: When the folder holds no run logs.
+    """
+    run_dir = Path(run_dir)
+    data, rows = load_run(run_dir)
+    out = Path(output) if output is not None else run_dir / "report.html"
+    sections = [f"<h1>trl-harbor {data.kind} report</h1>", f"<p class=muted>{html.escape(str(run_dir.resolve()))} · "
+                f"{data.rollouts} rollouts</p>"]  # fmt: skip
+    if data.step_rewards:
+        first, last = data.step_rewards[0][1], data.step_rewards[-1][1]
+        sections.append("<h2>Mean reward over steps</h2>")
+        sections.append(
+            f"<p>first step <b id=first-reward>{first:.3f}</b> → last step <b id=last-reward>{last:.3f}</b></p>"
+        )
+        sections.append(_line_chart({"all tasks": data.step_rewards}))
+        sections.append(
+            _table(["step", "mean reward"], [[str(s), f"{v:.3f}"] for s, v in data.step_rewards], "step-rewards")
+        )
+    if data.task_step_rewards:
+        sections.append("<h2>Mean reward per task over steps</h2>")
+        sections.append(_line_chart({t: sorted(v.items()) for t, v in data.task_step_rewards.items()}))
+    if data.eval_summary:
+        summary = data.eval_summary
+        cells = [[f"pass@{k}", _fmt(v)] for k, v in (summary.get("pass_at") or {}).items()]
+        cells += [["mean reward", _fmt(summary.get("mean_reward"))], ["rollouts", str(summary.get("rollouts"))],
+                  ["rollouts/min", str(summary.get("rollouts_per_minute"))]]  # fmt: skip
+        sections.append("<h2>Evaluation</h2>" + _table(["metric", "value"], cells, "eval-summary"))
+    sections.append("<h2>Per task</h2>")
+    sections.append(
+        _table(
+            ["task", "rollouts", "mean reward", "pass rate", "tool calls / rollout", "not scored"],
+            [
+                [
+                    html.escape(r["task"]),
+                    str(r["rollouts"]),
+                    _fmt(r["mean_reward"]),
+                    _fmt(r["pass_rate"]),
+                    f"{r['tool_calls']:.2f}",
+                    str(r["errors"]),
+                ]
+                for r in data.task_rows
+            ],  # fmt: skip
+            "per-task",
+        )
+    )
+    sections.append("<h2>Tool calls</h2>")
+    sections.append(_table(["tool", "calls"], [[html.escape(k), str(v)] for k, v in data.tool_counts.items()], "tools"))
+    sections.append("<h2>Failure causes</h2>")
+    sections.append(
+        _table(["cause", "rollouts"], [[html.escape(k), str(v)] for k, v in data.failures.items()], "failures")
+        if data.failures
+        else "<p class=muted>none</p>"
+    )
+    sections.append(f"<h2>Trajectories</h2><p class=muted>{min(len(rows), max_trajectories)} of {len(rows)}</p>")
+    for row in rows[-max_trajectories:]:
+        reward = row.get("reward")
+        mark = "ok" if reward is not None and reward >= 1 else "bad"
+        head = (
+            f"step {row.get('step', '–')} · {html.escape(str(row.get('task')))} · "
+            f"<span class={mark}>reward {_fmt(reward)}</span> · {len(row.get('tool_calls', []))} tool calls"
+        )
+        calls = "".join(
+            f"<p><b>{html.escape(str(c.get('tool')))}</b> ({c.get('duration_s')} s)</p>"
+            f"<pre>{html.escape(json.dumps(c.get('arguments'), ensure_ascii=False, indent=1))}</pre>"
+            f"<pre>{html.escape(str(c.get('output') if c.get('error') is None else c.get('error')))}</pre>"
+            for c in row.get("tool_calls", [])
+        )
+        extra = ""
+        if row.get("final_message"):
+            extra += f"<p><b>final message</b></p><pre>{html.escape(str(row['final_message']))}</pre>"
+        for key in ("infra_error", "endpoint_error"):
+            if row.get(key):
+                extra += f"<p class=bad>{key}: {html.escape(str(row[key]))}</p>"
+        sections.append(f"<details><summary>{head}</summary>{calls}{extra}</details>")
+    payload = json.dumps(data.__dict__, default=str).replace("</", "<\\/")
+    page = (
+        f"<!doctype html><html><head><meta charset=utf-8><title>trl-harbor {data.kind} report</title>"
+        f"<style>{_CSS}</style></head><body>{''.join(sections)}"
+        f'<script type="application/json" id="report-data">{payload}</script></body></html>'
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page, encoding="utf-8")
+    return out

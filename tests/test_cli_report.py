@@ -1,0 +1,82 @@
+"""``trl-harbor report``: the page's numbers are the logs' numbers (from a real short training run)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from html.parser import HTMLParser
+from pathlib import Path
+
+from conftest import requires_local
+
+from trl_harbor.cli import main as cli_main
+from trl_harbor.trajectories import read_trajectories
+
+
+class _Tables(HTMLParser):
+    """Collect the cells of every ``<table id=...>`` and count ``<details>`` blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[list[str]]] = {}
+        self.details = 0
+        self._table: str | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self._table = dict(attrs).get("id")
+            self.tables[self._table] = []
+        elif tag == "tr" and self._table:
+            self.tables[self._table].append([])
+        elif tag == "td" and self._table:
+            self._cell = []
+        elif tag == "details":
+            self.details += 1
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self._table = None
+        elif tag == "td" and self._cell is not None:
+            self.tables[self._table][-1].append("".join(self._cell).strip())
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+@requires_local
+def test_report_numbers_match_the_logs(tmp_path: Path, close_sandboxes) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--max_steps", "2", "--num_generations", "2", "--per_device_train_batch_size", "4",
+            "--indices", "0", "5", "--output_dir", str(out)]  # fmt: skip
+    assert cli_main(argv) == 0
+    assert cli_main(["report", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    assert "http://" not in page and "https://" not in page  # self-contained
+    parser = _Tables()
+    parser.feed(page)
+
+    history = [r for r in json.loads((out / "log_history.json").read_text()) if "reward" in r]
+    steps = [row for row in parser.tables["step-rewards"] if row]
+    assert [(int(s), float(v)) for s, v in steps] == [(r["step"], round(r["reward"], 3)) for r in history]
+
+    rows = read_trajectories(out / "trajectories.jsonl")
+    assert parser.details == len(rows) == 8
+    rewards: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        rewards[row["task"]].append(row["reward"])
+    table = {r[0]: r for r in parser.tables["per-task"] if r}
+    assert set(table) == set(rewards)
+    for task, values in rewards.items():
+        assert int(table[task][1]) == len(values)
+        assert float(table[task][2]) == round(sum(values) / len(values), 3)
+        assert float(table[task][3]) == round(sum(v >= 1 for v in values) / len(values), 3)
+    tools = {r[0]: int(r[1]) for r in parser.tables["tools"] if r}
+    assert tools == {"bash": sum(len(row["tool_calls"]) for row in rows)}
+
+
+def test_report_of_an_empty_folder_names_it(tmp_path: Path, capsys) -> None:
+    assert cli_main(["report", str(tmp_path)]) == 2
+    assert str(tmp_path) in capsys.readouterr().err
