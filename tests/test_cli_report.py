@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections import defaultdict
 from html.parser import HTMLParser
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_report_numbers_match_the_logs(tmp_path: Path, close_sandboxes) -> None:
         assert float(table[task][3]) == round(sum(v >= 1 for v in values) / len(values), 3)
     tools = {r[0]: int(r[1]) for r in parser.tables["tools"] if r}
     assert tools == {"bash": sum(len(row["tool_calls"]) for row in rows)}
+    if shutil.which("chromium"):  # the page renders in headless Chromium (Debian's package)
+        assert cli_main(["report", str(out), "--png"]) == 0
+        assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_report_of_an_empty_folder_names_it(tmp_path: Path, capsys) -> None:

@@ -171,14 +171,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from trl_harbor.report import ReportError, build_report
+    from trl_harbor.report import ReportError, build_report, screenshot
 
     try:
         page = build_report(args.run_dir, args.output)
+        print(f"report: {page}")
+        if args.png:
+            print(f"screenshot: {screenshot(page, page.with_suffix('.png'))}")
     except (ReportError, ValueError) as exc:
         print(f"trl-harbor report: error: {exc}", file=sys.stderr)
         return 2
-    print(f"report: {page}")
     return 0
 
 
@@ -232,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="a self-contained HTML page from a train or eval run's logs")
     report.add_argument("run_dir", help="the --output_dir of trl-harbor train or eval")
     report.add_argument("--output", "-o", default=None, help="the HTML file (default: RUN_DIR/report.html)")
+    report.add_argument("--png", action="store_true", help="also render report.png with headless Chromium")
     report.set_defaults(func=_cmd_report)
     # `train` has its own parser (TRL's TrlParser over GRPOConfig); main() hands it the rest of
     # the command line. This entry only lists it in `trl-harbor --help`.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ReportData", "ReportError", "build_report", "load_run"]
+__all__ = ["ReportData", "ReportError", "build_report", "load_run", "screenshot"]
 
 
 class ReportError(ValueError):
@@ -279,3 +279,33 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, max_traj
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
     return out
+
+
+def screenshot(page: str | Path, png: str | Path, width: int = 1100, height: int = 1600) -> Path:
+    """Render the page to a PNG with headless Chromium (Debian's ``chromium`` package).
+
+    Args:
+        page: The HTML file.
+        png: The PNG to write.
+        width: Viewport width in pixels.
+        height: Viewport height in pixels (the screenshot is this tall).
+
+    Returns:
+        The PNG's path.
+
+    Raises:
+        ReportError: When no Chromium is installed or it fails.
+    """
+    import shutil
+    import subprocess
+
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    if browser is None:
+        raise ReportError("no Chromium found for --png; install it (apt-get install chromium) or open the HTML")
+    png = Path(png).resolve()
+    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+               f"--window-size={width},{height}", f"--screenshot={png}", Path(page).resolve().as_uri()]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0 or not png.is_file():
+        raise ReportError(f"{browser} could not render {page}: {done.stderr[-500:]}")
+    return png
