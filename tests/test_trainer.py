@@ -3,7 +3,8 @@
 Real CPU ``GRPOTrainer`` steps (a tiny model rigged to emit scripted tool calls, see
 ``trl_harbor.testing``) on the local sandbox, once with TRL's own tool loop and once with
 ``HarborGRPOTrainer``, from the same seed: the logged completions, rewards, advantages and token
-ids must be identical, and only the concurrent run may overlap the calls of different rollouts.
+ids must be identical, and only the concurrent run may have calls of different rollouts in
+flight at once (each command is made 0.3 s slower, so calls started together surely overlap).
 The scripted calls cover one and several calls per turn, sync and async tools, a tool that
 raises, a result long enough to be rolled back at ``max_completion_length``, and a sandbox that
 cannot start.
@@ -40,6 +41,8 @@ GOOD = f"echo -n {GOLD_ANSWER} > /workdir/answer.txt"
 WRONG = "echo -n 0 > /workdir/answer.txt"
 READ = "cat /workdir/answer.txt"
 LONG = "seq 1 400"  # a result far longer than max_completion_length: rolled back by TRL's loop
+#: The local sandbox, slower by a fixed delay per command (so that overlapping calls surely overlap).
+LATENCY = "trl_harbor.sandboxes.latency:LatencyLocalEnvironment"
 
 
 @pytest.fixture(autouse=True)
@@ -49,22 +52,25 @@ def _clean():
 
 
 class _Log:
-    """Every tool call of a run: (environment id, tool, command, begin, end)."""
+    """Every tool call of a run, (environment id, tool, command, begin, end), and the most
+    calls that were ever in flight at once."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, str, str, float, float]] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
         self.lock = threading.Lock()
+
+    def enter(self) -> float:
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        return time.monotonic()
 
     def add(self, env: object, tool: str, command: str, begin: float) -> None:
         with self.lock:
+            self.in_flight -= 1
             self.calls.append((id(env), tool, command, begin, time.monotonic()))
-
-    def first_calls(self) -> list[tuple[float, float]]:
-        """The first call of each environment: (begin, end)."""
-        seen: dict[int, tuple[float, float]] = {}
-        for env, _, _, begin, end in sorted(self.calls, key=lambda c: c[3]):
-            seen.setdefault(env, (begin, end))
-        return list(seen.values())
 
 
 def _probe_env(log: _Log) -> type:
@@ -80,7 +86,7 @@ def _probe_env(log: _Log) -> type:
             Returns:
                 The command's combined stdout and stderr.
             """
-            begin = time.monotonic()
+            begin = log.enter()
             try:
                 if command == "explode":
                     raise RuntimeError(EXPLOSION)
@@ -97,7 +103,7 @@ def _probe_env(log: _Log) -> type:
             Returns:
                 The command's combined stdout and stderr.
             """
-            begin = time.monotonic()
+            begin = log.enter()
             try:
                 return await asyncio.to_thread(self._exec, command)
             finally:
@@ -188,21 +194,19 @@ def _outcome(trainer: Any) -> dict[str, Any]:
     }
 
 
-def _overlapping(intervals: list[tuple[float, float]]) -> bool:
-    """Whether every interval began before any of them ended."""
-    return max(b for b, _ in intervals) < min(e for _, e in intervals)
-
-
 def _tool_messages(outcome: dict[str, Any]) -> list[str]:
     return [m["content"] for c in outcome["completion"] for m in c if m["role"] == "tool"]
 
 
-def _gold_spec(agent: Any, tmp_path: Path, names: tuple[str, ...] = (GOLD_TASK,)) -> HarborSpec:
+def _gold_spec(agent: Any, tmp_path: Path, exec_latency: float = 0.0) -> HarborSpec:
+    """The gold task on the local sandbox (with ``exec_latency`` added to every command)."""
     suite = tmp_path / "suite"
-    for name in names:
-        if not (suite / name).exists():
-            shutil.copytree(BUNDLED_SUITE / name, suite / name)
-    return HarborSpec(suite, agent=agent, environment_type="local")
+    if not (suite / GOLD_TASK).exists():
+        shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / GOLD_TASK)
+    if not exec_latency:
+        return HarborSpec(suite, agent=agent, environment_type="local")
+    kwargs = {"environment_kwargs": {"exec_latency_sec": exec_latency}}
+    return HarborSpec(suite, agent=agent, environment_type=LATENCY, env_kwargs=kwargs)
 
 
 @requires_local
@@ -233,7 +237,7 @@ def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(
     outcomes, logs = {}, {}
     for trainer_cls in (GRPOTrainer, HarborGRPOTrainer):
         logs[trainer_cls] = log = _Log()
-        spec = _gold_spec(_probe_env(log), tmp_path)
+        spec = _gold_spec(_probe_env(log), tmp_path, exec_latency=0.3)
         with caplog.at_level(logging.WARNING, logger="trl_harbor.trainer"):
             trainer = _train(trainer_cls, tmp_path, spec, scripted, batch=8, turns=3)
         assert sorted(t.__name__ for t in trainer.tools) == ["abash", "bash"]
@@ -269,8 +273,8 @@ def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(
     assert not [r for r in caplog.records if r.name == "trl_harbor.trainer"]
 
     # TRL's loop runs one rollout's call after another; ours runs them together
-    assert not _overlapping(logs[GRPOTrainer].first_calls())
-    assert _overlapping(logs[HarborGRPOTrainer].first_calls())
+    assert logs[GRPOTrainer].most_in_flight == 1
+    assert logs[HarborGRPOTrainer].most_in_flight > 1
 
 
 @requires_local
@@ -350,14 +354,14 @@ def test_an_untested_trl_release_runs_trls_loop_after_one_warning(
     monkeypatch.setattr(trainer_module, "SUPPORTED_TRL_VERSIONS", ())
     monkeypatch.setattr(trainer_module, "_warned_unsupported", False)
     log = _Log()
-    spec = _gold_spec(_probe_env(log), tmp_path)
+    spec = _gold_spec(_probe_env(log), tmp_path, exec_latency=0.2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train(HarborGRPOTrainer, tmp_path, spec, [tool_call_text("bash", {"command": GOOD})], batch=4)
     ours = [w for w in caught if "trl-harbor" in str(w.message)]
     assert len(ours) == 1 and "TRL's own tool loop" in str(ours[0].message)
     assert len(log.calls) == 8  # 4 rollouts, 2 turns
-    assert not _overlapping(log.first_calls())
+    assert log.most_in_flight == 1
 
 
 def test_tool_concurrency_must_be_positive() -> None:
