@@ -51,6 +51,7 @@ def test_build_reports_failures(loopback_registry, tmp_path: Path, capsys) -> No
     assert _images("build", str(suite), "--cache-dir", str(tmp_path / "cache")) == 1
     out = capsys.readouterr().out
     assert "broken: FAILED" in out and "0 of 1 image(s) ready" in out
+    _images("prune", "--all", "--cache-dir", str(tmp_path / "cache"))
 
 
 def test_load_a_base_image_from_an_archive_then_build_offline(tmp_path: Path, capsys) -> None:
@@ -67,3 +68,4 @@ def test_load_a_base_image_from_an_archive_then_build_offline(tmp_path: Path, ca
     assert "offline: built in" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no such file"):
         _images("load", str(tmp_path / "missing.tar"), name, "--cache-dir", cache)
+    _images("prune", "--all", "--cache-dir", cache)  # also releases the storage's mounts

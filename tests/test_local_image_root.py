@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,16 @@ from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import make_task, open_env, run
 from trl_harbor.sandboxes._bwrap import state_root
+from trl_harbor.sandboxes.oci import ImageStore
 
 pytestmark = pytest.mark.local
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("image-cache"))
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    path = tmp_path_factory.mktemp("image-cache")
+    yield str(path)
+    ImageStore(path).release_mounts()
 
 
 def _task(tmp_path: Path, dockerfile: str, files: dict[str, str] | None = None, network: str = "no-network") -> Path:
@@ -217,11 +221,17 @@ def test_apt_get_at_build_and_verify_time(loopback_registry, cache_dir, tmp_path
             [
                 ("echo '{\"a\": 3}' | jq .a", None),
                 ("apt-get install -y --no-install-recommends bc >/dev/null 2>&1; echo '2+3' | bc", None),
+                # TLS through this network's interception: the host's CAs are trusted inside.
+                (
+                    "python3 -c \"import urllib.request as u; print(u.urlopen('https://pypi.org/simple/six/').status)\"",
+                    None,
+                ),
             ],
         )
     )
     assert results[0].stdout.strip() == "3", results[0].stderr
     assert results[1].stdout.strip() == "5", results[1].stderr
+    assert results[2].stdout.strip() == "200", results[2].stderr
 
 
 def test_fingerprints_see_the_agents_changes_on_an_image_root(loopback_registry, cache_dir, tmp_path):  # noqa: F811
@@ -342,6 +352,7 @@ def test_concurrent_cold_starts_share_one_pull_and_build(loopback_registry, tmp_
             await asyncio.gather(*(e.stop(delete=True) for e in envs))
 
     stamps, writes = run(scenario())
+    ImageStore(Path(cache)).release_mounts()
     assert len(set(stamps)) == 1 and stamps[0].strip()
     assert writes == [str(i) for i in range(16)]
     assert len([p for p in (Path(cache) / "images").iterdir() if p.is_dir()]) == 1

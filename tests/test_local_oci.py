@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,10 @@ pytestmark = pytest.mark.local
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory, loopback_registry) -> ImageStore:  # noqa: F811
-    return ImageStore(tmp_path_factory.mktemp("image-cache"))
+def store(tmp_path_factory: pytest.TempPathFactory, loopback_registry) -> Iterator[ImageStore]:  # noqa: F811
+    store = ImageStore(tmp_path_factory.mktemp("image-cache"))
+    yield store
+    store.release_mounts()
 
 
 def _context(root: Path, dockerfile: str, files: dict[str, str] | None = None) -> Path:
@@ -127,7 +130,9 @@ def test_unreachable_debian_base_is_bootstrapped_from_debian_packages(loopback_r
     store = ImageStore(tmp_path / "cache", debian_bootstrap=False)
     with pytest.raises(BaseImageUnavailableError, match="debian:bookworm-slim"):
         asyncio.run(store.get(context, "debian"))
-    image = asyncio.run(ImageStore(tmp_path / "cache").get(context, "debian"))
+    bootstrapping = ImageStore(tmp_path / "cache")
+    image = asyncio.run(bootstrapping.get(context, "debian"))
+    bootstrapping.release_mounts()
     assert (image.rootfs / "marker").read_text() == "built-on-debian\n"
     assert (image.rootfs / "etc/debian_version").read_text().startswith("12")
     assert image.config.env["PATH"].startswith("/usr/local/sbin")

@@ -137,6 +137,7 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     if args.all:
         before = cache_size(store.storage_dir)
         asyncio.run(store.prune_bases())
+        store.release_mounts()
         freed += max(0, before - cache_size(store.storage_dir))
     print(f"removed {removed} image(s), freed {_human(freed)}")
     return 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import functools
 import logging
 import os
 import posixpath
@@ -63,10 +64,13 @@ from trl_harbor.sandboxes._bwrap import (
 )
 from trl_harbor.sandboxes.image import Image, ImageBuilder, ImageBuildError
 from trl_harbor.sandboxes.oci import (
+    HOST_CA_BUNDLE,
     BaseImageUnavailableError,
     BuiltImage,
     ImageStore,
     buildah_path,
+    host_ca_bundle,
+    host_proxy_env,
     host_trust_mounts,
 )
 
@@ -370,7 +374,17 @@ class LocalEnvironment(BaseEnvironment):
         base = {"PATH": DOCKER_DEFAULT_PATH, "HOSTNAME": _hostname(self.environment_name)}
         if user in ("root", "0") or user.startswith(("root:", "0:")):
             base["HOME"] = "/root"
+        if self.local_options.host_trust:
+            base.update(self._trust_env)
         return {**base, **self._oci.config.env, **(env or {})}
+
+    @functools.cached_property
+    def _trust_env(self) -> dict[str, str]:
+        """The host's proxies, and its CA bundle for tools that ignore the system store (requests)."""
+        found = host_proxy_env()
+        if host_ca_bundle() is not None:
+            found.update({"REQUESTS_CA_BUNDLE": HOST_CA_BUNDLE, "SSL_CERT_FILE": HOST_CA_BUNDLE})
+        return found
 
     async def _run_as(
         self, user: str, command: str, cwd: str | None, env: dict[str, str] | None, timeout: float | None

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from trl_harbor.sandboxes._bwrap import SYSTEM_PATH, SandboxUnavailableError, remove_tree
+from trl_harbor.sandboxes._bwrap import SYSTEM_PATH, SandboxUnavailableError, _unmount_under, remove_tree
 
 logger = logging.getLogger(__name__)
 
@@ -498,7 +498,9 @@ class ImageStore:
         out.mkdir(parents=True)
         args = [
             # --layers: steps shared by tasks (same parent, same instruction, same files) are built once.
+            # --force-rm: a failed step's container is removed too (it stays mounted otherwise).
             "bud", "--isolation", "chroot", "--pull=false", "--format", "oci", "--network", "host", "--layers",
+            "--force-rm",
             "-f", str(dockerfile), "--iidfile", str(out / "iid"),
             "-o", f"type=local,dest={out / 'rootfs'}",
         ]  # fmt: skip
@@ -588,6 +590,11 @@ class ImageStore:
                 return
             errors.append(f"{transport}: {stderr.strip()}")
         raise ImageError(f"{archive} is neither an OCI nor a Docker archive buildah can read:\n" + "\n".join(errors))
+
+    def release_mounts(self) -> None:
+        """Detach what buildah's storage keeps mounted (e.g. before deleting the cache folder)."""
+        subprocess.run([*self._buildah(), "umount", "--all"], capture_output=True, check=False)
+        _unmount_under(self.storage_dir)
 
     async def prune_bases(self) -> None:
         """Remove base images no longer needed from buildah's storage."""
