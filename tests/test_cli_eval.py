@@ -163,3 +163,44 @@ def test_eval_counts_an_unreachable_endpoint_as_errors(tmp_path: Path, copy_task
     assert result["errors"] == 2 and result["tasks"][0]["n"] == 0 and result["mean_reward"] is None
     rows = read_trajectories(out / "trajectories.jsonl")
     assert all(row["endpoint_error"] and row["reward"] is None for row in rows)
+
+
+@requires_local
+def test_eval_a_local_checkpoint_without_an_endpoint(tmp_path: Path, copy_tasks, close_sandboxes) -> None:
+    """``--model PATH`` and no ``--base-url``: the checkpoint generates in-process, TRL parses its calls.
+
+    The checkpoint is the demo policy with one task's right command and the other task's wrong
+    command made certain, so the outcomes are known.
+    """
+    import torch
+
+    from trl_harbor import HarborSpec
+    from trl_harbor.demo_policy import _FIRST_TASK, build_demo_policy
+    from trl_harbor.testing import tool_call_text
+
+    suite = copy_tasks("http_500_count", "orders_count")
+    spec = HarborSpec(suite, environment_type="local")
+    texts = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
+    policy = build_demo_policy(spec.tasks, texts, spec.env_cls.PROMPT_SUFFIX)
+
+    def token(command: str) -> int:
+        return policy.tokenizer(tool_call_text("bash", {"command": command}), add_special_tokens=False)["input_ids"][0]
+
+    with torch.no_grad():
+        policy.model.lm_head.weight[token(policy.right["http_500_count"]), _FIRST_TASK + 0] += 20
+        policy.model.lm_head.weight[token(WRONG), _FIRST_TASK + 1] += 20
+    checkpoint = tmp_path / "checkpoint"
+    policy.model.save_pretrained(checkpoint)
+    policy.tokenizer.save_pretrained(checkpoint)
+    out = tmp_path / "eval"
+    assert cli_main(["eval", str(suite), "--model", str(checkpoint), "-n", "3", "--output-dir", str(out)]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    by_task = {t["task"]: t for t in result["tasks"]}
+    assert by_task["http_500_count"]["pass_at"]["1"] == 1.0 and by_task["orders_count"]["pass_at"]["1"] == 0.0
+    assert result["errors"] == 0
+    rows = read_trajectories(out / "trajectories.jsonl")
+    assert len(rows) == 6
+    for row in rows:
+        (call,) = row["tool_calls"]
+        expected = policy.right["http_500_count"] if row["task"] == "http_500_count" else WRONG
+        assert call["arguments"]["command"] == expected

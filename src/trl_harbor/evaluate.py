@@ -1,12 +1,15 @@
 """``trl-harbor eval``: run a policy on a task suite and report pass@1, pass@k and mean reward.
 
 The policy is any OpenAI-compatible chat-completions endpoint with tool calling (vLLM, SGLang,
-``transformers serve``, a hosted API). Each rollout is what training does with the same harness
-and backend: ``reset`` the harness for the task, hand the model its instruction and the
-harness's tools (the same JSON schemas TRL builds), execute the tool calls it makes in the
-sandbox, and, once it answers without a tool call (or runs out of turns), score the rollout with
-the task's Harbor verifier. Many rollouts are in flight at once (``concurrency`` threads: the
-model's latency and the sandboxes overlap).
+``transformers serve``, a hosted API), or, with no ``base_url``, a local checkpoint (a hub id or
+a path, e.g. the output folder of ``trl-harbor train``) generating with ``transformers`` in this
+process, its tool calls parsed the way TRL parses them in training.
+
+Each rollout is what training does with the same harness and backend: ``reset`` the harness
+for the task, hand the model its instruction and the harness's tools (the same JSON schemas TRL
+builds), execute the tool calls it makes in the sandbox, and, once it answers without a tool
+call (or runs out of turns), score the rollout with the task's Harbor verifier. Many rollouts
+are in flight at once (``concurrency`` threads: the model's latency and the sandboxes overlap).
 
 ``pass@k`` is the unbiased estimator of Chen et al. (2021) over the ``n`` scored rollouts of a
 task, ``c`` of which passed (reward >= ``pass_threshold``): ``1 - C(n-c, k) / C(n, k)``.
@@ -61,8 +64,9 @@ class EvalConfig:
 
     Attributes:
         dataset: The task suite (a folder or a Hugging Face dataset id).
-        base_url: The endpoint's base URL, e.g. ``http://127.0.0.1:8000/v1``.
-        model: The model name the endpoint serves.
+        base_url: The endpoint's base URL, e.g. ``http://127.0.0.1:8000/v1``; ``None``: load
+            ``model`` locally with ``transformers``.
+        model: The model name the endpoint serves, or (no ``base_url``) a hub id or path.
         agent: The harness.
         environment_type: The sandbox backend.
         num_tasks: Use the first N tasks of the sorted suite.
@@ -83,7 +87,7 @@ class EvalConfig:
     """
 
     dataset: str
-    base_url: str
+    base_url: str | None
     model: str
     agent: str = "bash"
     environment_type: str = "local"
@@ -157,7 +161,65 @@ class EvalResult:
     rollouts_per_minute: float
 
 
+class _LocalPolicy:
+    """A checkpoint generating in this process: the chat template renders the tools, TRL's
+    ``parse_response`` reads the tool calls back (one generation at a time, under a lock)."""
+
+    def __init__(self, model: str) -> None:
+        import threading
+
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from trl.chat_template_utils import add_response_schema
+
+        self.torch = torch
+        self.tokenizer = add_response_schema(AutoTokenizer.from_pretrained(model))
+        self.model = AutoModelForCausalLM.from_pretrained(model)
+        self.model.eval()
+        self.lock = threading.Lock()
+
+    def chat(self, messages: list[dict], tools: list[dict], temperature: float, max_tokens: int) -> dict:
+        from trl.chat_template_utils import parse_response
+
+        rendered = []
+        for message in messages:  # the chat template wants tool-call arguments as objects
+            if message.get("tool_calls"):
+                calls = [
+                    {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                    for c in message["tool_calls"]
+                ]
+                message = {**message, "tool_calls": calls}
+            rendered.append(message)
+        prompt = self.tokenizer.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+        with self.lock, self.torch.no_grad():
+            output = self.model.generate(
+                self.torch.tensor([prompt]),
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                max_new_tokens=max_tokens,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        ids = output[0, len(prompt) :].tolist()
+        parsed = parse_response(self.tokenizer, ids, prefix=prompt, tools=tools)
+        calls = [
+            {"id": f"call_{i}", "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"].get("arguments", {}))}}
+            for i, c in enumerate(parsed.get("tool_calls") or [])
+        ]  # fmt: skip
+        return {"role": "assistant", "content": parsed.get("content"), **({"tool_calls": calls} if calls else {})}
+
+
+_LOCAL: dict[str, _LocalPolicy] = {}
+
+
 def _chat(config: EvalConfig, messages: list[dict], tools: list[dict]) -> dict:
+    if config.base_url is None:
+        try:
+            policy = _LOCAL[config.model]
+        except KeyError:
+            raise EndpointError(f"the local model {config.model!r} is not loaded") from None
+        return policy.chat(messages, tools, config.temperature, config.max_tokens)
     body = {
         "model": config.model,
         "messages": messages,
@@ -257,6 +319,11 @@ def evaluate(config: EvalConfig, on_done: Callable[[int], None] | None = None) -
             "reward_key": config.reward_key,
         },
     )
+    if config.base_url is None and config.model not in _LOCAL:
+        try:
+            _LOCAL[config.model] = _LocalPolicy(config.model)
+        except OSError as exc:
+            raise ValueError(f"--model {config.model!r} (no --base-url): cannot load it locally: {exc}") from exc
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     log = TrajectoryLog(output_dir / "trajectories.jsonl", environment_type=config.environment_type)

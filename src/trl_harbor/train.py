@@ -379,8 +379,7 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
     finally:
         close_all()
     seconds = time.monotonic() - start
-    if not demo or config.save_strategy != "no":
-        trainer.save_model(str(output_dir))
+    trainer.save_model(str(output_dir))  # `trl-harbor eval --model OUTPUT_DIR` evaluates it
     history = trainer.state.log_history
     rewards = [record.get("reward") for record in history if "reward" in record]
     summary = TrainSummary(
