@@ -30,6 +30,11 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ImageStore(path).release_mounts()
 
 
+def _running(marker: str) -> str:
+    """A command printing how many processes run ``sleep <marker>`` (no procps in minbase)."""
+    return f"for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^[s]leep {marker}'"
+
+
 def _task(tmp_path: Path, dockerfile: str, files: dict[str, str] | None = None, network: str = "no-network") -> Path:
     return make_task(tmp_path / "tasks", dockerfile=textwrap.dedent(dockerfile), files=files, network_mode=network)
 
@@ -356,3 +361,47 @@ def test_concurrent_cold_starts_share_one_pull_and_build(loopback_registry, tmp_
     assert len(set(stamps)) == 1 and stamps[0].strip()
     assert writes == [str(i) for i in range(16)]
     assert len([p for p in (Path(cache) / "images").iterdir() if p.is_dir()]) == 1
+
+
+def test_seal_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """The verifier's guard works on image roots: the agent's processes die, the ENTRYPOINT's
+    service stays, and a changed program on the verifier's PATH (in the image's /usr) is found."""
+    from trl_harbor.sealing import Seal
+
+    task = _task(
+        tmp_path,
+        f"""\
+        FROM {loopback_registry.base}
+        COPY entrypoint.sh /usr/local/bin/entrypoint.sh
+        RUN chmod +x /usr/local/bin/entrypoint.sh
+        ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]
+        WORKDIR /workdir
+        """,
+        {"entrypoint.sh": '#!/bin/sh\nsleep 7777 &\nexec "$@"\n'},
+    )
+
+    async def scenario():
+        env = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        await env.start(force_build=False)
+        try:
+            for _ in range(100):
+                if (await env.exec(_running("7777"))).stdout.strip() != "0":
+                    break
+                await asyncio.sleep(0.05)
+            seal = Seal()
+            await seal.take_processes(env)
+            await seal.take_files(env, "root")
+            await env.exec(
+                "nohup sleep 8888 >/dev/null 2>&1 & echo 'exit 0' > /usr/bin/test-helper; chmod +x /usr/bin/test-helper; echo '#' >> /usr/bin/env"
+            )
+            report = await seal.apply(env)
+            service = await env.exec(_running("7777"))
+            agent = await env.exec(_running("8888"))
+            return report, [service.stdout.strip(), agent.stdout.strip()]
+        finally:
+            await env.stop(delete=True)
+
+    report, alive = run(scenario())
+    assert alive == ["1", "0"]
+    assert report.killed >= 1
+    assert any(change.path == "/usr/bin/env" for change in report.tampered), report.changes
