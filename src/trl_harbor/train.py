@@ -218,10 +218,7 @@ def parse_train_args(argv: Sequence[str]) -> tuple[HarborTrainArguments, GRPOCon
     if "-h" in argv or "--help" in argv:
         _parser(demo=False).parse_args_and_config(argv)  # prints the help and exits
     # First pass, Harbor options only: is there a model? (a fresh parser: the file sets its defaults)
-    env_before = dict(os.environ)
     harbor, _ = TrlParser(HarborTrainArguments).parse_args_and_config(argv, return_remaining_strings=True)
-    os.environ.clear()
-    os.environ.update(env_before)  # the second pass applies the file's `env:` again
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _parser(demo=harbor.model is None).parse_args_and_config(argv)
