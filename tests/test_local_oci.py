@@ -158,3 +158,20 @@ def test_tasks_share_identical_build_steps(store, loopback_registry, tmp_path): 
     assert one.path != two.path
     assert (one.rootfs / "stamp").read_text() == (two.rootfs / "stamp").read_text()
     assert (two.rootfs / "b.txt").exists() and not (two.rootfs / "a.txt").exists()
+
+
+def test_registry_mirror_from_registries_conf(loopback_registry, tmp_path, monkeypatch):  # noqa: F811
+    """A mirror is plain registries.conf: FROM a registry this machine cannot reach, served by its mirror."""
+    conf = tmp_path / "registries.conf"
+    conf.write_text(
+        loopback_registry.registries_conf.read_text()
+        + f'\n[[registry]]\nlocation = "registry.invalid"\n[[registry.mirror]]\nlocation = "{loopback_registry.address}"\ninsecure = true\n'
+    )
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(conf))
+    context = _context(tmp_path / "env", "FROM registry.invalid/debian:bookworm\nRUN echo mirrored > /marker\n")
+    store = ImageStore(tmp_path / "cache")
+    try:
+        image = asyncio.run(store.get(context, "mirrored"))
+    finally:
+        store.release_mounts()
+    assert (image.rootfs / "marker").read_text() == "mirrored\n"
