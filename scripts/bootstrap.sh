@@ -21,6 +21,11 @@ command -v slirp4netns >/dev/null || need+=(slirp4netns)
 for tool in buildah skopeo umoci mmdebstrap docker-registry; do
   command -v "$tool" >/dev/null || need+=("$tool")
 done
+# Sandboxes on task images run a statically linked supervisor: a C compiler and libc.a.
+command -v cc >/dev/null || need+=(gcc)
+if command -v dpkg-query >/dev/null && ! dpkg-query -W -f='${Status}' libc6-dev 2>/dev/null | grep -q "ok installed"; then
+  need+=(libc6-dev)
+fi
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing ${need[*]}"
