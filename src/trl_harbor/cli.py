@@ -6,6 +6,7 @@ Commands:
                   with no --model, the embedded default run (demo policy, bundled suite, CPU).
     eval SUITE    A model behind an OpenAI-compatible endpoint on a suite: pass@k, mean reward.
     report DIR    A self-contained HTML page from a train or eval run's logs.
+    images        The local sandbox's task images: list, build SUITE, prune, load ARCHIVE NAME.
 """
 
 from __future__ import annotations
@@ -244,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="GRPO on a suite: every GRPOConfig field as a flag or in --config file.yaml "
         "(`trl-harbor train --help`); no --model: the embedded demo run",
     )
+    from trl_harbor.images import add_parser as add_images_parser
+
+    add_images_parser(commands)
     return parser
 
 
