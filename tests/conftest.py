@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
+# Most tests build docker-typed specs only for their datasets, on machines without a Docker daemon;
+# the backend preflight (trl_harbor.preflight) is tested explicitly with preflight=True.
+os.environ.setdefault("TRL_HARBOR_PREFLIGHT", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED_SUITE = REPO / "examples" / "tasks"

@@ -21,6 +21,7 @@ at once; the three properties are computed on first access (``datasets`` is impo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -28,6 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from trl_harbor.agents import resolve_agent
 from trl_harbor.env import HarborEnv, verify_all
+from trl_harbor.preflight import (
+    DEFAULT_INFRA_STOP_FRACTION,
+    check_backend,
+    check_batch,
+    check_task_configs,
+    preflight_enabled,
+)
 from trl_harbor.sandboxes import LOCAL_ENVIRONMENT_IMPORT_PATH
 from trl_harbor.suite import TaskInfo, TaskSuiteError, load_suite, metadata_columns, select_tasks
 
@@ -45,6 +53,7 @@ def harbor_reward(
     environment_reward: Sequence[float | None] | None = None,
     log_metric: Callable[[str, float], None] | None = None,
     log_extra: Callable[[str, list], None] | None = None,
+    infra_stop_fraction: float | None = DEFAULT_INFRA_STOP_FRACTION,
     **kwargs: Any,
 ) -> list[float | None]:
     """Outcome reward: the Harbor verifier's scalar for each rollout, verified concurrently.
@@ -66,6 +75,9 @@ def harbor_reward(
         environment_reward: Per-rollout rewards computed elsewhere; used as given.
         log_metric: TRL's metric logger (passed by ``GRPOTrainer``).
         log_extra: TRL's completions-table logger (passed by ``GRPOTrainer``).
+        infra_stop_fraction: Stop the run when at least this fraction of the batch was lost
+            to the infrastructure (default: all of it); ``None`` never stops
+            (:func:`trl_harbor.preflight.check_batch`).
         **kwargs: Other columns TRL passes (ignored).
 
     Returns:
@@ -73,6 +85,8 @@ def harbor_reward(
 
     Raises:
         ValueError: When neither ``environments`` nor ``environment_reward`` is given.
+        trl_harbor.preflight.InfrastructureFailureError: When the batch was lost to the
+            infrastructure (after its metrics are logged).
     """
     if environment_reward is not None:
         return [None if r is None else float(r) for r in environment_reward]
@@ -101,6 +115,7 @@ def harbor_reward(
             log_metric(f"harbor/reward/{key}", sum(values) / len(values))
     if log_extra is not None:
         log_extra("harbor_error", [(o.reason if o else "") for o in outcomes])
+    check_batch(outcomes, infra_stop_fraction)
     return rewards
 
 
@@ -205,6 +220,11 @@ class HarborSpec:
         revision: Hub revision (branch, tag or commit) when ``dataset`` is a repo id.
         env_kwargs: Extra keyword arguments for every environment (e.g.
             ``{"command_timeout_sec": 60, "max_output_chars": 4000}``).
+        preflight: Check now that the backend can start sandboxes here (e.g. that Docker's
+            daemon answers); ``None``: unless ``TRL_HARBOR_PREFLIGHT=0``. See
+            :mod:`trl_harbor.preflight`.
+        infra_stop_fraction: ``reward_funcs`` stops the run when at least this fraction of a
+            batch was lost to the infrastructure (default: all of it); ``None`` never stops.
 
     Raises:
         ValueError: When both ``num_tasks`` and ``indices`` are given, an index is out of
@@ -212,7 +232,10 @@ class HarborSpec:
         TypeError: When ``agent`` does not resolve to a ``HarborEnv`` subclass.
         trl_harbor.suite.TaskSuiteError: When the suite cannot be found, a task is
             malformed, or the harness or backend cannot run a task (multi-step tasks without
-            a ``submit_step`` tool, compose tasks on the local sandbox); a ``ValueError``.
+            a ``submit_step`` tool, compose tasks on the local sandbox, a ``task.toml`` key
+            that is a typo); a ``ValueError``.
+        trl_harbor.preflight.BackendUnavailableError: When the preflight finds that the
+            backend cannot start sandboxes here.
     """
 
     def __init__(
@@ -226,6 +249,8 @@ class HarborSpec:
         revision: str | None = None,
         *,
         env_kwargs: dict[str, Any] | None = None,
+        preflight: bool | None = None,
+        infra_stop_fraction: float | None = DEFAULT_INFRA_STOP_FRACTION,
     ) -> None:
         if num_tasks is not None and indices is not None:
             raise ValueError("Provide num_tasks or indices, not both.")
@@ -245,6 +270,10 @@ class HarborSpec:
                 f"the {len(self.suite.tasks)} in {dataset!s}."
             )
         check_runnable(self.tasks, self.env_cls, environment_type)
+        check_task_configs(self.task_dirs, self.suite.root)
+        self._infra_stop_fraction = infra_stop_fraction
+        if preflight_enabled(preflight):
+            check_backend(environment_type, self._env_kwargs.get("environment_kwargs"))
 
     @property
     def tasks(self) -> list[TaskInfo]:
@@ -283,7 +312,11 @@ class HarborSpec:
     @property
     def reward_funcs(self) -> list[Callable[..., list[float]]]:
         """The outcome reward as a one-element list: each rollout's verifier scalar."""
-        return [harbor_reward]
+        if self._infra_stop_fraction == DEFAULT_INFRA_STOP_FRACTION:
+            return [harbor_reward]
+        reward = functools.partial(harbor_reward, infra_stop_fraction=self._infra_stop_fraction)
+        reward.__name__ = harbor_reward.__name__  # type: ignore[attr-defined] - TRL names reward columns by it
+        return [reward]
 
     @staticmethod
     def mix(

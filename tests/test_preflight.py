@@ -1,0 +1,140 @@
+"""A backend that cannot work at all fails fast: at spec build, or at the first batch lost whole.
+
+On this project's machines the ``docker`` command exists and no daemon runs, which is exactly the
+case that used to train on: every rollout's sandbox failed to start, every reward was ``None``.
+The docker tests point ``DOCKER_HOST`` at a socket that does not exist, so that they find no
+daemon on any machine (and the real CLI and Harbor's real Docker backend say so).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import BUNDLED_SUITE, GOLD_TASK, requires_local, tiny_grpo_trainer
+
+from trl_harbor import HarborSpec, close_all
+from trl_harbor.env import HarborBashEnv
+from trl_harbor.preflight import BackendUnavailableError, InfrastructureFailureError, check_batch
+from trl_harbor.suite import TaskSuiteError
+
+
+@pytest.fixture
+def no_docker_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Docker daemon, on any machine: the CLI is pointed at a socket that does not exist."""
+    from trl_harbor import preflight
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-such-docker.sock")
+    monkeypatch.setattr(preflight, "_PASSED", set())
+
+
+def test_docker_without_a_daemon_fails_at_spec_build_with_the_cause_and_the_fixes(no_docker_daemon: None) -> None:
+    with pytest.raises(BackendUnavailableError) as caught:
+        HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=True)
+    message = str(caught.value)
+    assert "environment_type='docker' cannot start sandboxes on this machine" in message
+    assert "docker" in message.lower() and ("daemon" in message.lower() or "not installed" in message.lower())
+    assert "environment_type='local'" in message and "preflight=False" in message
+
+
+def test_the_preflight_can_be_turned_off(no_docker_daemon: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=False)
+    monkeypatch.setenv("TRL_HARBOR_PREFLIGHT", "0")
+    HarborSpec(BUNDLED_SUITE, environment_type="docker")  # the default defers to the variable
+    monkeypatch.setenv("TRL_HARBOR_PREFLIGHT", "1")
+    with pytest.raises(BackendUnavailableError):
+        HarborSpec(BUNDLED_SUITE, environment_type="docker")
+
+
+def test_local_backend_passes_and_bad_backends_are_named() -> None:
+    HarborSpec(BUNDLED_SUITE, environment_type="local", preflight=True)
+    with pytest.raises(BackendUnavailableError, match=r"'no_such_module_xyz:Env'.*No module named"):
+        HarborSpec(BUNDLED_SUITE, environment_type="no_such_module_xyz:Env", preflight=True)
+    with pytest.raises(BackendUnavailableError, match="root"):
+        HarborSpec(
+            BUNDLED_SUITE, environment_type="local", env_kwargs={"environment_kwargs": {"root": "vm"}}, preflight=True
+        )
+    with pytest.raises(ValueError, match="unknown environment_type 'dockr'"):
+        HarborSpec(BUNDLED_SUITE, environment_type="dockr", preflight=True)
+
+
+def test_task_toml_typos_are_refused_and_other_unknown_keys_only_logged(
+    copy_tasks, caplog: pytest.LogCaptureFixture
+) -> None:
+    suite = copy_tasks(GOLD_TASK)
+    toml = suite / GOLD_TASK / "task.toml"
+    original = toml.read_text()
+    toml.write_text(original.replace("[agent]", "[agent]\ntimeout_secs = 5", 1))
+    with pytest.raises(TaskSuiteError, match=r"\[agent\] 'timeout_secs'.*did you mean 'timeout_sec'"):
+        HarborSpec(suite, environment_type="local")
+    toml.write_text(original.replace("[agent]", "[agent]\nsomething_else_entirely = 5", 1))
+    with caplog.at_level("WARNING", logger="trl_harbor"):
+        HarborSpec(suite, environment_type="local")
+    assert "something_else_entirely" in caplog.text
+
+
+# ── the whole-batch guard ─────────────────────────────────────────────────────────────
+
+
+def test_batch_guard_thresholds() -> None:
+    from trl_harbor.env import Verification
+
+    lost = Verification(None, reason="sandbox start failed for task 'x': no daemon", infra=True)
+    fine = Verification(1.0)
+    check_batch([lost])  # one rollout alone is an isolated failure
+    check_batch([lost, fine])  # half a batch: the default stops only a batch lost whole
+    check_batch([lost, lost], None)  # never
+    with pytest.raises(InfrastructureFailureError, match=r"(?s)2 of 2 rollouts.*2 x sandbox start failed"):
+        check_batch([lost, lost])
+    with pytest.raises(InfrastructureFailureError, match=r"1 of 2 rollouts"):
+        check_batch([lost, fine], 0.5)
+
+
+@requires_local
+def test_a_batch_lost_to_the_backend_stops_the_reward_function(tmp_path: Path, close_sandboxes: None) -> None:
+    """Real sandboxes: a batch whose every sandbox fails to start raises with the cause; a mixed one does not."""
+    suite = tmp_path / "suite"
+    shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "a_good")
+    shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "b_unstartable")
+    (suite / "b_unstartable" / "environment" / "Dockerfile").write_text("FROM python:3.12\nRUN exit 7\n")
+
+    def batch(spec: HarborSpec, names: list[str]) -> list:
+        by_name = {p.name: str(p) for p in spec.task_dirs}
+        envs = [spec.environment_factory() for _ in names]
+        for env, name in zip(envs, names, strict=True):
+            env.reset(task_dir=by_name[name])
+        [reward] = spec.reward_funcs
+        return reward(completions=[None] * len(envs), environments=envs)
+
+    spec = HarborSpec(suite, environment_type="local")
+    assert batch(spec, ["a_good", "b_unstartable"]) == [0.0, None]  # one lost rollout: training goes on
+    with pytest.raises(InfrastructureFailureError, match=r"(?s)2 of 2 rollouts.*RUN exit 7"):
+        batch(spec, ["b_unstartable", "b_unstartable"])
+    lenient = HarborSpec(suite, environment_type="local", infra_stop_fraction=None)
+    assert lenient.reward_funcs[0].__name__ == "harbor_reward"
+    assert batch(lenient, ["b_unstartable", "b_unstartable"]) == [None, None]
+    strict = HarborSpec(suite, environment_type="local", infra_stop_fraction=0.5)
+    with pytest.raises(InfrastructureFailureError, match=r"1 of 2 rollouts"):
+        batch(strict, ["a_good", "b_unstartable"])
+
+
+@pytest.mark.slow
+def test_training_on_docker_without_a_daemon_stops_at_the_first_step(tmp_path: Path, no_docker_daemon: None) -> None:
+    """The case that used to train on, learning nothing: now trainer.train() raises the cause."""
+    from trl_harbor.testing import tool_call_text
+
+    spec = HarborSpec(
+        BUNDLED_SUITE,
+        environment_type="docker",
+        indices=[sorted(p.name for p in BUNDLED_SUITE.iterdir()).index(GOLD_TASK)],
+        preflight=False,
+    )
+    call = tool_call_text("bash", {"command": "ls"})
+    trainer = tiny_grpo_trainer(tmp_path, spec, [call], HarborBashEnv.PROMPT_SUFFIX, spec.reward_funcs)
+    try:
+        with pytest.raises(InfrastructureFailureError, match=r"(?s)2 of 2 rollouts.*sandbox start failed"):
+            trainer.train()
+    finally:
+        close_all()
+    assert trainer.state.global_step == 0
