@@ -114,7 +114,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from trl_harbor.evaluate import EvalConfig, evaluate
+    from trl_harbor.train import quiet_libraries
 
+    quiet_libraries(args.verbose)  # library deprecations and load bars are not the user's business
     console = Console()
     try:
         config = EvalConfig(

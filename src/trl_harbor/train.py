@@ -41,6 +41,7 @@ __all__ = [
     "bundled_suite",
     "main",
     "parse_train_args",
+    "quiet_libraries",
     "run_train",
 ]
 
@@ -224,8 +225,12 @@ def parse_train_args(argv: Sequence[str]) -> tuple[HarborTrainArguments, GRPOCon
         return _parser(demo=harbor.model is None).parse_args_and_config(argv)
 
 
-def _quiet(verbose: bool) -> None:
-    """Silence what is not the user's business (deprecations, experimental notices, hub bars)."""
+def quiet_libraries(verbose: bool) -> None:
+    """Silence what is not the user's business (deprecations, experimental notices, load bars).
+
+    Args:
+        verbose: Keep everything (only sets the environment defaults).
+    """
     os.environ.setdefault("HARBOR_TELEMETRY", "0")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -422,14 +427,14 @@ def main(argv: Sequence[str] | None = None, verbose: bool = False) -> int:
     Returns:
         The exit status: 0 on success, 2 for bad arguments or a bad suite.
     """
-    _quiet(verbose)
+    quiet_libraries(verbose)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         harbor, config = parse_train_args(argv)
     except ValueError as exc:
         print(f"trl-harbor train: error: {exc}", file=sys.stderr)
         return 2
-    _quiet(verbose)  # parsing imported transformers; set its verbosity now
+    quiet_libraries(verbose)  # parsing imported transformers; set its verbosity now
     try:
         run_train(harbor, config)
     except TrainSetupError as exc:
