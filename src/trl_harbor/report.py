@@ -33,6 +33,8 @@ class ReportData:
         step_rewards: ``[(step, mean reward)]`` from the trainer's metrics (train runs).
         task_rows: Per task: rollouts, mean reward, pass rate, mean tool calls, errors.
         task_step_rewards: Per task, ``{step: mean reward}`` from the rollouts (train runs).
+        suite_step_rewards: Per suite (a task folder's parent), ``{step: mean reward}``, when a
+            run mixes several suites.
         tool_counts: Calls per tool name.
         failures: Count per failure cause.
         rollouts: Rollouts in the log.
@@ -43,6 +45,7 @@ class ReportData:
     step_rewards: list[tuple[int, float]] = field(default_factory=list)
     task_rows: list[dict[str, Any]] = field(default_factory=list)
     task_step_rewards: dict[str, dict[int, float]] = field(default_factory=dict)
+    suite_step_rewards: dict[str, dict[int, float]] = field(default_factory=dict)
     tool_counts: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
     rollouts: int = 0
@@ -121,6 +124,15 @@ def load_run(run_dir: str | Path) -> tuple[ReportData, list[dict[str, Any]]]:
                 per_step[int(r["step"])].append(r["reward"])
         if per_step:
             data.task_step_rewards[task] = {s: sum(v) / len(v) for s, v in sorted(per_step.items())}
+    by_suite: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if row.get("task_dir") and row.get("step") is not None and row.get("reward") is not None:
+            suite = Path(row["task_dir"]).parent
+            by_suite[f"{suite.parent.name}/{suite.name}"][int(row["step"])].append(row["reward"])
+    if len(by_suite) > 1:
+        data.suite_step_rewards = {
+            name: {s: sum(v) / len(v) for s, v in sorted(steps.items())} for name, steps in sorted(by_suite.items())
+        }
     data.tool_counts = dict(tools.most_common())
     data.failures = dict(failures.most_common())
     return data, rows
@@ -214,6 +226,9 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, max_traj
         sections.append(
             _table(["step", "mean reward"], [[str(s), f"{v:.3f}"] for s, v in data.step_rewards], "step-rewards")
         )
+    if data.suite_step_rewards:
+        sections.append("<h2>Mean reward per suite over steps</h2>")
+        sections.append(_line_chart({t: sorted(v.items()) for t, v in data.suite_step_rewards.items()}))
     if data.task_step_rewards:
         sections.append("<h2>Mean reward per task over steps</h2>")
         sections.append(_line_chart({t: sorted(v.items()) for t, v in data.task_step_rewards.items()}))
@@ -254,7 +269,8 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, max_traj
         reward = row.get("reward")
         mark = "ok" if reward is not None and reward >= 1 else "bad"
         head = (
-            f"step {row.get('step', '–')} · {html.escape(str(row.get('task')))} · "
+            (f"step {row['step']}" if row.get("step") is not None else f"rollout {row.get('rollout', '–')}")
+            + f" · {html.escape(str(row.get('task')))} · "
             f"<span class={mark}>reward {_fmt(reward)}</span> · {len(row.get('tool_calls', []))} tool calls"
         )
         calls = "".join(
