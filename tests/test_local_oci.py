@@ -131,11 +131,13 @@ def test_unreachable_debian_base_is_bootstrapped_from_debian_packages(loopback_r
     with pytest.raises(BaseImageUnavailableError, match="debian:bookworm-slim"):
         asyncio.run(store.get(context, "debian"))
     bootstrapping = ImageStore(tmp_path / "cache")
-    image = asyncio.run(bootstrapping.get(context, "debian"))
-    bootstrapping.release_mounts()
-    assert (image.rootfs / "marker").read_text() == "built-on-debian\n"
-    assert (image.rootfs / "etc/debian_version").read_text().startswith("12")
-    assert image.config.env["PATH"].startswith("/usr/local/sbin")
+    try:
+        image = asyncio.run(bootstrapping.get(context, "debian"))
+        assert (image.rootfs / "marker").read_text() == "built-on-debian\n"
+        assert (image.rootfs / "etc/debian_version").read_text().startswith("12")
+        assert image.config.env["PATH"].startswith("/usr/local/sbin")
+    finally:
+        bootstrapping.release_mounts()
 
 
 def test_debian_suite_names():
@@ -172,6 +174,6 @@ def test_registry_mirror_from_registries_conf(loopback_registry, tmp_path, monke
     store = ImageStore(tmp_path / "cache")
     try:
         image = asyncio.run(store.get(context, "mirrored"))
+        assert (image.rootfs / "marker").read_text() == "mirrored\n"
     finally:
         store.release_mounts()
-    assert (image.rootfs / "marker").read_text() == "mirrored\n"

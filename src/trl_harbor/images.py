@@ -23,7 +23,7 @@ __all__ = ["add_parser", "cache_size", "run"]
 
 
 def cache_size(path: Path) -> int:
-    """Bytes used on disk under ``path``, counting each hard-linked file once.
+    """Bytes used on disk under ``path``, counting each hard-linked file once, not entering mounts.
 
     Args:
         path: A folder (missing: 0).
@@ -33,7 +33,13 @@ def cache_size(path: Path) -> int:
     """
     seen: set[tuple[int, int]] = set()
     total = 0
+    try:
+        device = os.lstat(path).st_dev
+    except OSError:
+        return 0
     for folder, dirs, files in os.walk(path):
+        # Mounted image roots (overlays of layers counted already) are not entered.
+        dirs[:] = [d for d in dirs if _same_device(os.path.join(folder, d), device)]
         for name in dirs + files:
             try:
                 info = os.lstat(os.path.join(folder, name))
@@ -44,6 +50,13 @@ def cache_size(path: Path) -> int:
             seen.add((info.st_dev, info.st_ino))
             total += info.st_blocks * 512
     return total
+
+
+def _same_device(path: str, device: int) -> bool:
+    try:
+        return os.lstat(path).st_dev == device
+    except OSError:
+        return False
 
 
 def _human(size: int) -> str:
@@ -67,18 +80,16 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if not images:
         print(f"no task images in {store.images_dir}")
     else:
-        print(f"{'key':<24}  {'size':>9}  {'built':<16}  {'base':<40}  task")
+        print(f"{'key':<24}  {'built':<16}  {'build':>7}  {'base':<40}  task")
         for image in images:
             record = image.record
             built = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.built_at))
             bases = ", ".join(record.bases) or "scratch"
-            print(f"{record.key:<24}  {_human(cache_size(image.rootfs)):>9}  {built:<16}  {bases:<40}  {record.source}")
-    images_size = cache_size(store.images_dir)
-    storage_size = cache_size(store.storage_dir)
-    print(
-        f"\n{len(images)} image(s): {_human(images_size)}; base images and layers "
-        f"({store.storage_dir}): {_human(storage_size)}; total {_human(images_size + storage_size)}"
-    )
+            took = f"{record.build_seconds:.0f}s"
+            print(f"{record.key:<24}  {built:<16}  {took:>7}  {bases:<40}  {record.source}")
+    # Images share layers (with their bases and each other): the cache is measured as a whole.
+    size = cache_size(store.storage_dir) + cache_size(store.images_dir)
+    print(f"\n{len(images)} image(s); cache {store.cache_dir}: {_human(size)} (layers shared, counted once)")
     return 0
 
 

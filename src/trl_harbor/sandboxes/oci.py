@@ -15,12 +15,15 @@ trl-harbor specific.
 Cache layout under ``<cache_dir>`` (default ``~/.cache/trl-harbor``, ``TRL_HARBOR_CACHE_DIR``
 overrides):
 
-* ``containers/`` -- buildah's storage: pulled base images, one copy per layer however
-  many tasks use them;
-* ``images/<key>/rootfs`` -- a built task image, read-only to sandboxes, and
-  ``images/<key>/image.json`` -- its :class:`ImageRecord` (``ENV``, ``WORKDIR``, ``USER``,
-  ``ENTRYPOINT``, ``CMD``). ``<key>`` hashes the Dockerfile, the build context and the
-  build arguments: an unchanged task never rebuilds.
+* ``containers/`` -- buildah's storage: base images and the task images built on them,
+  one copy per layer however many tasks share it. Each task image has one buildah
+  container, ``trl-harbor-<key>``, whose mounted root (an overlay of the image's layers,
+  plus the mount points sandboxes need) is the *image root* sandboxes start from: disk
+  use is per layer, not per task and not per sandbox;
+* ``images/<key>/image.json`` -- the task image's :class:`ImageRecord` (``ENV``,
+  ``WORKDIR``, ``USER``, ``ENTRYPOINT``, ``CMD``, its buildah image and container).
+  ``<key>`` hashes the Dockerfile, the build context and the build arguments: an
+  unchanged task never rebuilds.
 
 Builds need root (buildah runs with ``--isolation chroot``, which needs no cgroups, no
 daemon and no OCI runtime).
@@ -49,7 +52,7 @@ from trl_harbor.sandboxes._bwrap import SYSTEM_PATH, SandboxUnavailableError, _u
 logger = logging.getLogger(__name__)
 
 #: Part of every image key: bump when a change here changes what a build produces.
-BUILDER_VERSION = "oci-1"
+BUILDER_VERSION = "oci-2"
 #: Proxy settings ``docker build`` passes to ``RUN`` without persisting them (predefined ARGs).
 PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "FTP_PROXY", "NO_PROXY", "ALL_PROXY")
 #: Where the host's CA bundle appears inside builds and sandboxes.
@@ -99,10 +102,12 @@ class ImageRecord(BaseModel):
         built_at: Unix time of the build.
         build_seconds: How long the build (pulls included) took.
         config: The image's run configuration.
+        container: The buildah container whose mounted root sandboxes start from.
     """
 
     key: str
     image_id: str = ""
+    container: str = ""
     source: str = ""
     bases: list[str] = Field(default_factory=list)
     built_at: float = 0.0
@@ -111,16 +116,23 @@ class ImageRecord(BaseModel):
 
 
 class BuiltImage:
-    """A built image on disk: its folder, root and record."""
+    """A built image: its folder, record and (once :meth:`ImageStore.get` mounted it) root."""
 
     def __init__(self, path: Path, record: ImageRecord):
         self.path = path
         self.record = record
+        self.mountpoint: Path | None = None
 
     @property
     def rootfs(self) -> Path:
-        """The image's root directory (read-only to sandboxes)."""
-        return self.path / "rootfs"
+        """The image's root directory (read-only to sandboxes).
+
+        Raises:
+            ImageError: If the image has not been mounted in this process.
+        """
+        if self.mountpoint is None:
+            raise ImageError(f"the image {self.record.key} is not mounted (get it from ImageStore.get)")
+        return self.mountpoint
 
     @property
     def config(self) -> ImageConfig:
@@ -460,8 +472,25 @@ class ImageStore:
             final = self.images_dir / key
             await self._build_locked(environment_dir, final, task_name, force)
             image = load_image(final)
+            if not await self._mount(image):
+                # Its container is gone (removed with buildah, or the storage was reset): rebuild.
+                logger.warning("the image of task %r lost its container; rebuilding it", task_name)
+                await self._build_locked(environment_dir, final, task_name, True)
+                image = load_image(final)
+                if not await self._mount(image):
+                    raise ImageBuildError(f"task {task_name!r}: buildah could not mount the image it built")
             self._memo[signature] = image
             return image
+
+    async def _mount(self, image: BuiltImage) -> bool:
+        if not image.record.container:
+            return False
+        rc, stdout, _ = await self._run_buildah("mount", image.record.container)
+        path = Path(stdout.strip().splitlines()[-1]) if rc == 0 and stdout.strip() else None
+        if path is None or not path.is_dir():
+            return False
+        image.mountpoint = path
+        return True
 
     def _private_dirs(self) -> None:
         # Image roots hold the image's setuid programs, owned by the host's root: like
@@ -502,7 +531,6 @@ class ImageStore:
             "bud", "--isolation", "chroot", "--pull=false", "--format", "oci", "--network", "host", "--layers",
             "--force-rm",
             "-f", str(dockerfile), "--iidfile", str(out / "iid"),
-            "-o", f"type=local,dest={out / 'rootfs'}",
         ]  # fmt: skip
         for name, value in self.build_args.items():
             args += ["--build-arg", f"{name}={value}"]
@@ -528,11 +556,20 @@ class ImageStore:
             )
         image_id = (out / "iid").read_text().strip()
         config = await self._inspect(image_id)
-        # buildah keeps the image's layers (not a second root): later builds reuse its steps.
-        prepare_image_root(out / "rootfs")
+        # The image's root is a buildah container's mounted root: no copy, layers shared.
+        container = f"trl-harbor-{key}"
+        await self._run_buildah("rm", container)  # left by an earlier build of this key, if any
+        rc, _, stderr = await self._run_buildah("from", "--quiet", "--pull=false", "--name", container, image_id)
+        if rc != 0:
+            raise ImageBuildError(f"task {task_name!r}: buildah could not use the image it built: {stderr.strip()}")
+        rc, stdout, stderr = await self._run_buildah("mount", container)
+        if rc != 0:
+            raise ImageBuildError(f"task {task_name!r}: buildah could not mount the image it built: {stderr.strip()}")
+        prepare_image_root(Path(stdout.strip().splitlines()[-1]), config.workdir)
         record = ImageRecord(
             key=key,
             image_id=image_id,
+            container=container,
             source=str(environment_dir.resolve()),
             bases=bases,
             built_at=time.time(),
@@ -560,7 +597,9 @@ class ImageStore:
         return found
 
     def remove(self, image: BuiltImage) -> None:
-        """Delete a built image and its layers (sandboxes running on it keep it until they stop)."""
+        """Delete a built image: its container, its own layers and its record (not while sandboxes use it)."""
+        if image.record.container:
+            subprocess.run([*self._buildah(), "rm", image.record.container], capture_output=True, check=False)
         if image.record.image_id:
             subprocess.run([*self._buildah(), "rmi", image.record.image_id], capture_output=True, check=False)
         remove_tree(image.path)
@@ -607,22 +646,34 @@ MOUNT_POINTS = ("proc", "dev", "sys", "tmp", "run/trl-harbor")
 LOG_DIRS = ("logs/agent", "logs/verifier", "logs/artifacts")
 
 
-def prepare_image_root(root: Path) -> None:
-    """Give an exported image root what sandboxes mount on it, once, at build time.
+def prepare_image_root(root: Path, workdir: str | None = None) -> None:
+    """Give an image root what sandboxes need, once, at build time.
+
+    The mount points, Harbor's log folders, and the ``WORKDIR`` (``docker build`` makes it;
+    buildah leaves it to the first step that uses it). Links in the image are never followed.
 
     Args:
-        root: The exported root.
+        root: The image's root.
+        workdir: The image's ``WORKDIR``.
     """
     root.chmod(0o755)
-    for name in MOUNT_POINTS + LOG_DIRS:
+    wanted = [(name, None) for name in MOUNT_POINTS] + [(name, 0o777) for name in LOG_DIRS]
+    if workdir and workdir.strip("/"):
+        wanted.append((workdir.strip("/"), None))
+    for name, mode in wanted:
         path = root
-        for part in name.split("/"):
+        for part in [p for p in name.split("/") if p not in ("", ".")]:
+            if part == "..":
+                break
             path = path / part
             if path.is_symlink():
                 break  # never followed: it points into the host here (e.g. /run -> /var/run)
-            path.mkdir(exist_ok=True)
-            if part == name.split("/")[-1]:
-                path.chmod(0o1777 if name == "tmp" else 0o777 if name in LOG_DIRS else 0o755)
+            if not path.exists():
+                path.mkdir()
+                path.chmod(0o1777 if name == "tmp" else 0o755)
+        else:
+            if mode is not None and path.is_dir() and not path.is_symlink():
+                path.chmod(mode)
 
 
 _DEBIAN_VERSIONS = {"10": "buster", "11": "bullseye", "12": "bookworm", "13": "trixie"}
