@@ -3,9 +3,9 @@
 A task's ``environment/Dockerfile`` is built by `buildah <https://buildah.io>`_, a
 daemonless builder packaged by Debian, Ubuntu and Fedora, exactly as ``docker build``
 would build it: base images pulled from OCI registries, multi-stage builds,
-``COPY --from``, ``USER``, ``ARG``/``ENV`` substitution, ``.dockerignore``. The result is
-exported once to a plain directory, the *image root*, which every sandbox of the task
-then mounts read-only under its own copy-on-write layer (see ``local.py``).
+``COPY --from``, ``USER``, ``ARG``/``ENV`` substitution, ``.dockerignore``. The result's
+root, mounted once by buildah (the *image root*), is what every sandbox of the task
+mounts read-only under its own copy-on-write layer (see ``local.py``).
 
 Registries are found the way every containers tool finds them: ``registries.conf``
 (mirrors, insecure registries, short-name aliases; ``CONTAINERS_REGISTRIES_CONF``
