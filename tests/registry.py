@@ -180,6 +180,15 @@ def serve_loopback_registry(workdir: Path) -> Iterator[LoopbackRegistry]:
 
 @pytest.fixture(scope="session")
 def loopback_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackRegistry]:
-    """Start a registry on loopback, seed it with the Debian base image, point builds at it."""
-    with serve_loopback_registry(tmp_path_factory.mktemp("registry")) as registry:
-        yield registry
+    """Start a registry on loopback, seed it with the Debian base image, point builds at it.
+
+    At the end of the session, what buildah left mounted under the session's temporary folders
+    (image caches made by tests) is detached, so those folders can be deleted.
+    """
+    from trl_harbor.sandboxes._bwrap import _unmount_under
+
+    try:
+        with serve_loopback_registry(tmp_path_factory.mktemp("registry")) as registry:
+            yield registry
+    finally:
+        _unmount_under(tmp_path_factory.getbasetemp())
