@@ -395,6 +395,18 @@ CASES: list[Case] = [
         harnesses=("bash",),
     ),
     Case(
+        "fill memory with files, then fork",
+        "resource abuse",
+        "with its memory limit reached by tmpfs pages, the sandbox's own processes are OOM-killed, never its "
+        "supervisor: the rollout is scored 0, not skipped as an infrastructure failure",
+        sh(
+            "dd if=/dev/zero of=/workdir/fill bs=1M count=4096 2>&1 | tail -1",
+            "bash -c ':(){ :|:& };:' 2>/dev/null; sleep 5",
+            "echo survived",
+        ),
+        harnesses=("bash",),
+    ),
+    Case(
         "2 GB of output",
         "resource abuse",
         "streamed and dropped: the model gets a bounded head and tail, the trainer's memory stays flat",
