@@ -156,6 +156,9 @@ def test_default_run_learns_and_its_trajectories_match(tmp_path: Path, capsys, c
             command = call["arguments"]["command"]
             assert command == right[line["task"]] or command in WRONG_COMMANDS
             assert line["reward"] == (1.0 if command == right[line["task"]] else 0.0), line
+            assert line["reward_components"]["reward"] == line["reward"]  # the verifier's own numbers
+            if line["task"] in ("supplier_profit", "low_stock_value", "longest_session_user"):  # multi-key
+                assert {"exact", "answered"} <= set(line["reward_components"]), line
             if command == "ls /workdir/data":  # the output is what the sandbox holds
                 assert call["output"].split() == sorted(
                     p.name for p in (BUNDLED_SUITE / line["task"] / "environment" / "data").iterdir()

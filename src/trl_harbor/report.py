@@ -280,6 +280,9 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, max_traj
             for c in row.get("tool_calls", [])
         )
         extra = ""
+        if row.get("reward_components"):
+            components = json.dumps(row["reward_components"], ensure_ascii=False)
+            extra += f"<p><b>verifier</b> {html.escape(components)}</p>"
         if row.get("final_message"):
             extra += f"<p><b>final message</b></p><pre>{html.escape(str(row['final_message']))}</pre>"
         for key in ("infra_error", "endpoint_error"):

@@ -394,9 +394,10 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
         output_dir=str(output_dir),
         demo=demo,
     )
-    (output_dir / "log_history.json").write_text(json.dumps(history, indent=1, default=str))
-    (output_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=1))
-    print_fn(_summary_text(summary, log))
+    if trainer.is_world_process_zero():  # one writer in a multi-process run
+        (output_dir / "log_history.json").write_text(json.dumps(history, indent=1, default=str))
+        (output_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=1))
+        print_fn(_summary_text(summary, log))
     return summary
 
 
