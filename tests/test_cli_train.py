@@ -188,3 +188,30 @@ def test_model_from_a_local_checkpoint_trains_with_trl_defaults(tmp_path: Path, 
     assert (out / "config.json").is_file()  # the trained model was saved
     rows = read_trajectories(out / "trajectories.jsonl")
     assert len(rows) == 4 and all(len(row["tool_calls"]) == 1 for row in rows)
+
+
+@requires_local
+def test_trajectory_log_records_what_a_rollout_did(tmp_path: Path, copy_tasks, close_sandboxes) -> None:
+    """The recording harness keeps its tools; the line holds each call's arguments and real output."""
+    from trl_harbor import HarborSpec
+    from trl_harbor.trajectories import TrajectoryLog
+
+    spec = HarborSpec(copy_tasks("orders_count"), environment_type="local")
+    log = TrajectoryLog(tmp_path / "t.jsonl", environment_type="local")
+    env = log.environment_factory({"bash": spec.environment_factory})["bash"]()
+    assert type(env).__name__ == "HarborBashEnv"
+    row = {k: v for k, v in spec.train_dataset[0].items() if k != "prompt"}
+    env.reset(**row)
+    listing = env.bash("ls /workdir/data")
+    env.bash("echo -n 421 > /workdir/answer.txt")
+    rewards = log.reward_func(spec.reward_funcs[0])(
+        environments=[env], completions=[[{"role": "assistant", "content": "421"}]]
+    )
+    (line,) = read_trajectories(tmp_path / "t.jsonl")
+    assert rewards == [1.0] and line["reward"] == 1.0 and line["reward_components"]["reward"] == 1.0
+    assert line["task"] == "orders_count" and line["final_message"] == "421" and line["infra_error"] is None
+    assert [c["arguments"]["command"] for c in line["tool_calls"]] == [
+        "ls /workdir/data",
+        "echo -n 421 > /workdir/answer.txt",
+    ]
+    assert line["tool_calls"][0]["output"] == listing == "orders.csv\n"

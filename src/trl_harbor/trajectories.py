@@ -164,15 +164,21 @@ class TrajectoryLog:
         self.written = 0
         self._lock = threading.Lock()
 
-    def environment_factory(self, factory: Callable[[], Any]) -> Callable[[], Any]:
+    def environment_factory(
+        self, factory: Callable[[], Any] | dict[str, Callable[[], Any]]
+    ) -> Callable[[], Any] | dict[str, Callable[[], Any]]:
         """Wrap an environment factory so that its environments record their tool calls.
 
         Args:
-            factory: A zero-argument factory (``spec.environment_factory``).
+            factory: A zero-argument factory (``spec.environment_factory``), or TRL's
+                ``{name: factory}`` mapping for several environments in one run.
 
         Returns:
-            A picklable zero-argument factory of recording environments.
+            A picklable zero-argument factory of recording environments (a mapping of them
+            for a mapping).
         """
+        if isinstance(factory, dict):
+            return {name: _RecordingFactory(f) for name, f in factory.items()}
         return _RecordingFactory(factory)
 
     def reward_func(self, func: Callable[..., list[float | None]]) -> Callable[..., list[float | None]]:
