@@ -215,3 +215,10 @@ def test_trajectory_log_records_what_a_rollout_did(tmp_path: Path, copy_tasks, c
         "echo -n 421 > /workdir/answer.txt",
     ]
     assert line["tool_calls"][0]["output"] == listing == "orders.csv\n"
+
+
+def test_the_example_config_parses() -> None:
+    """examples/train_qwen3.yaml is a valid configuration, and a flag still overrides it."""
+    harbor, args = parse_train_args(["--config", str(BUNDLED_SUITE.parent / "train_qwen3.yaml"), "--max_steps", "3"])
+    assert harbor.model == "Qwen/Qwen3-0.6B" and harbor.command_timeout_sec == 60
+    assert args.max_tool_calling_iterations == 10 and args.use_vllm and args.max_steps == 3
