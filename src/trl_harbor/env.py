@@ -345,6 +345,8 @@ class HarborEnv:
         except Exception as exc:  # the model gets the error, training goes on
             if episode.infra_error is not None:
                 return f"Error: {episode.infra_error}. This rollout will not be scored."
+            if episode.exhausted is not None:
+                return f"Error: {episode.exhausted}. The rollout is over."
             if episode.sealed:
                 return "Error: the rollout is over; its sandbox is being graded."
             if isinstance(exc, CommandTimeoutError):
@@ -352,6 +354,8 @@ class HarborEnv:
             if runtime.run(episode.healthy()):
                 # The sandbox answers: the command itself was killed (e.g. by the agent's own `kill -9 -1`).
                 return f"Error: the command ended without an answer ({type(exc).__name__}: {exc})."
+            if runtime.run(episode.check_exhausted(episode.environment)):
+                return f"Error: {episode.exhausted}. The rollout is over."
             return f"Error: {episode.fail('exec', exc)}. This rollout will not be scored."
         output = _head_and_tail((result.stdout or "") + (result.stderr or ""), self._max_output_chars)
         if not output:

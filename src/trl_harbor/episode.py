@@ -123,6 +123,8 @@ class Episode:
         self._grading: asyncio.Future[Verification] | None = None
         self._stopping: asyncio.Future[None] | None = None
         self.seal = Seal()
+        #: Why the sandbox died of its own limits (memory, processes, disk) that the agent exhausted.
+        self.exhausted: str | None = None
         #: The task's ``[[steps]]`` (empty for a single-step task), the current one, and each
         #: graded step's outcome.
         self.steps: list[StepConfig] = list(task.config.steps or [])
@@ -168,6 +170,31 @@ class Episode:
         except Exception:  # noqa: BLE001 - any failure to answer is the answer
             return False
         return result.return_code == 0
+
+    async def check_exhausted(self, environment: BaseEnvironment | None) -> bool:
+        """Ask a sandbox that stopped answering whether the agent exhausted its limits.
+
+        A backend that can tell provides ``async resource_exhaustion() -> str | None`` (the
+        local sandbox reads its cgroups). A sandbox the agent filled up (memory, processes) is
+        the policy's doing: the rollout scores 0 instead of being skipped, or breaking the
+        sandbox would be a way out of a low score.
+
+        Args:
+            environment: The sandbox that failed.
+
+        Returns:
+            Whether the agent exhausted it (then :attr:`exhausted` says how).
+        """
+        probe = getattr(environment, "resource_exhaustion", None)
+        if self.exhausted is None and callable(probe):
+            try:
+                found = await probe()
+            except Exception:  # noqa: BLE001 - no answer is no evidence
+                found = None
+            if found:
+                self.exhausted = f"the rollout exhausted its sandbox ({found}), which stopped answering"
+                logger.info("trl-harbor: task %s: %s", self.task.name, self.exhausted)
+        return self.exhausted is not None
 
     # ── lifecycle ──────────────────────────────────────────────────────────────────
 
@@ -323,6 +350,8 @@ class Episode:
             await self.wait_ready()
         if self.infra_error is not None:
             raise RuntimeError(self.infra_error)
+        if self.exhausted is not None:
+            raise RuntimeError(self.exhausted)
         if self.sealed or self.finished:
             raise RuntimeError("the rollout is over: its sandbox is being graded")
         if self.environment is None:

@@ -191,6 +191,8 @@ async def grade_step(episode: Episode, step: StepConfig | None) -> Verification:
     """Seal the sandbox and verify the task (or one step of it), classifying any failure."""
     from harbor.models.task.verifier_mode import VerifierEnvironmentMode, resolve_step_verifier_mode
 
+    if episode.exhausted is not None:  # the rollout broke its own sandbox: its fault, not the backend's
+        return _exhausted(episode)
     if episode.infra_error is None and episode.environment is None:
         episode.fail("verify", "the sandbox is gone (it was stopped before verification)")
     if episode.infra_error is not None:
@@ -204,7 +206,14 @@ async def grade_step(episode: Episode, step: StepConfig | None) -> Verification:
             return await _grade_separately(episode, step)
         return await _grade_in_place(episode, step)
     except _BackendFault as fault:
+        if await episode.check_exhausted(episode.environment):
+            return _exhausted(episode)
         return _infra(episode, episode.fail("verify", str(fault)))
+
+
+def _exhausted(episode: Episode) -> Verification:
+    AGENT_FAILURES["failed"] += 1
+    return Verification(0.0, reason=f"{episode.exhausted}; scored 0")
 
 
 def _infra(episode: Episode, reason: str, error: BaseException | None = None) -> Verification:
@@ -351,6 +360,8 @@ async def _verifier_failed(
     """Score 0 when the sandbox is healthy (the rollout broke its verification), else an infra failure."""
     cause = f"{type(exc).__name__}: {exc}"
     if not await episode.healthy(environment):
+        if environment is episode.environment and await episode.check_exhausted(environment):
+            return _exhausted(episode)
         return _infra(episode, episode.fail("verify", cause))
     AGENT_FAILURES["failed"] += 1
     reason = f"verification failed in a healthy sandbox ({cause}); scored 0"
