@@ -405,3 +405,27 @@ def test_seal_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(loo
     assert alive == ["1", "0"]
     assert report.killed >= 1
     assert any(change.path == "/usr/bin/env" for change in report.tampered), report.changes
+
+
+def test_kernel_knobs_are_read_only(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """The sandbox's root is the host's uid 0 in its own namespace: /proc/sys and sysrq must be read-only."""
+    task = _task(tmp_path, f"FROM {loopback_registry.base}\n")
+    results = run(
+        _session(
+            task,
+            tmp_path,
+            cache_dir,
+            [
+                ("v=$(cat /proc/sys/vm/swappiness); echo $v > /proc/sys/vm/swappiness", None),
+                ("echo h > /proc/sysrq-trigger", None),
+                ("cat /proc/sys/kernel/hostname; ls /proc/sys/net/ipv4/conf", None),
+                ("cat /proc/kcore /proc/keys /proc/timer_list /proc/sched_debug 2>/dev/null | wc -c", None),
+            ],
+        )
+    )
+    assert results[0].return_code != 0 and "Read-only" in results[0].stderr
+    assert results[1].return_code != 0  # read-only (or absent: kernels without magic SysRq)
+    assert "Read-only" in results[1].stderr or not Path("/proc/sysrq-trigger").exists()
+    hostname, *interfaces = results[2].stdout.split()
+    assert hostname == "demo" and "lo" in interfaces and "eth0" not in interfaces
+    assert results[3].stdout.strip() == "0"  # masked: empty or unreadable

@@ -200,6 +200,26 @@ def static_binary(name: str) -> str:
     )
 
 
+_PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+_PROC_MASKED = ("kcore", "keys", "latency_stats", "timer_list", "timer_stats", "sched_debug", "acpi", "scsi")
+
+
+@cache
+def _proc_hardening() -> tuple[str, ...]:
+    """bubblewrap arguments making ``/proc``'s global parts read-only and masking the leaky ones."""
+    args: list[str] = []
+    for name in _PROC_READ_ONLY:
+        if os.path.exists(f"/proc/{name}"):
+            args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+    for name in _PROC_MASKED:
+        path = f"/proc/{name}"
+        if os.path.isdir(path):
+            args += ["--tmpfs", path, "--remount-ro", path]
+        elif os.path.exists(path):
+            args += ["--ro-bind", "/dev/null", path]
+    return tuple(args)
+
+
 @cache
 def _root_links() -> tuple[tuple[str, str], ...]:
     """The merged-/usr links at the host's root (``/bin -> usr/bin``, ...)."""
@@ -441,6 +461,11 @@ class Box:
             resolv.write_text(f"nameserver {_SLIRP_GATEWAY_DNS}\n")
             args += ["--ro-bind", str(resolv), "/etc/resolv.conf"]
         args += ["--proc", "/proc", "--dev", "/dev"]
+        # As Docker does: the kernel's global knobs read-only, its leaky files masked. The box's
+        # root is the host's uid 0 (in its own user namespace), which the kernel lets write
+        # /proc/sys and /proc/sysrq-trigger unless they are read-only. /proc/sys, bound from
+        # the host, still shows the box's own namespaced values (network, host name).
+        args += _proc_hardening()
         if c.layer_venv is not None:
             args += ["--bind" if c.layer_writable else "--ro-bind", str(c.layer_venv), LAYER_VENV]
         for source, target in c.extra_ro_binds:
