@@ -204,3 +204,17 @@ def test_eval_a_local_checkpoint_without_an_endpoint(tmp_path: Path, copy_tasks,
         (call,) = row["tool_calls"]
         expected = policy.right["http_500_count"] if row["task"] == "http_500_count" else WRONG
         assert call["arguments"]["command"] == expected
+
+
+@requires_local
+def test_eval_several_suites_each_on_its_own(tmp_path: Path, copy_tasks, endpoint: ScriptedEndpoint, close_sandboxes) -> None:
+    first = copy_tasks("http_500_count", dest="first")
+    second = copy_tasks("priciest_product", dest="second")
+    out = tmp_path / "eval"
+    argv = ["eval", str(first), str(second), "--base-url", endpoint.url, "--model", "scripted", "-n", "2",
+            "--output-dir", str(out)]  # fmt: skip
+    assert cli_main(argv) == 0
+    one = json.loads((out / "first" / "eval.json").read_text())
+    two = json.loads((out / "second" / "eval.json").read_text())
+    assert [t["task"] for t in one["tasks"]] == ["http_500_count"]
+    assert [t["task"] for t in two["tasks"]] == ["priciest_product"] and two["pass_at"]["1"] == 1.0

@@ -222,3 +222,31 @@ def test_the_example_config_parses() -> None:
     harbor, args = parse_train_args(["--config", str(BUNDLED_SUITE.parent / "train_qwen3.yaml"), "--max_steps", "3"])
     assert harbor.model == "Qwen/Qwen3-0.6B" and harbor.command_timeout_sec == 60
     assert args.max_tool_calling_iterations == 10 and args.use_vllm and args.max_steps == 3
+
+
+@requires_local
+def test_several_datasets_are_mixed_with_weights(tmp_path: Path, copy_tasks, close_sandboxes) -> None:
+    """``--dataset A B --dataset_weights 3 1`` trains on a mix of two suites and logs each suite's reward."""
+    from trl_harbor import HarborSpec
+
+    first = copy_tasks("orders_count", dest="first")
+    second = copy_tasks("http_500_count", dest="second")
+    spec = HarborSpec(BUNDLED_SUITE, environment_type="local")
+    texts = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
+    policy = build_demo_policy(spec.tasks, texts, spec.env_cls.PROMPT_SUFFIX)
+    checkpoint = tmp_path / "checkpoint"
+    policy.model.save_pretrained(checkpoint)
+    policy.tokenizer.save_pretrained(checkpoint)
+    out = tmp_path / "run"
+    argv = [
+        "train", "--model", str(checkpoint), "--dataset", str(first), str(second), "--dataset_weights", "3", "1",
+        "--max_steps", "1", "--num_generations", "2", "--per_device_train_batch_size", "4",
+        "--max_completion_length", "128", "--max_tool_calling_iterations", "1", "--logging_steps", "1",
+        "--report_to", "none", "--output_dir", str(out), "--shuffle_dataset", "false",
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    history = json.loads((out / "log_history.json").read_text())
+    logged = {key for record in history for key in record}
+    assert {"harbor/suite/first/reward", "harbor/suite/second/reward"} & logged, sorted(logged)
+    assert cli_main([*argv[:6], "--dataset_weights", "1", "--output_dir", str(tmp_path / "x")]) == 2  # one weight, two suites
+    assert cli_main(["train", "--dataset", str(first), str(second), "--output_dir", str(tmp_path / "y")]) == 2  # demo: one suite

@@ -109,6 +109,20 @@ def _parse_weights(pairs: list[str]) -> dict[str, float] | None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    suites = list(args.suite)
+    if len(suites) == 1:
+        return _eval_one(args, suites[0], args.output_dir)
+    # Several suites: each is evaluated on its own (weights are a training notion), into its own folder.
+    base = Path(args.output_dir or "eval")
+    names = [Path(s.rstrip("/")).name or s for s in suites]
+    if len(set(names)) != len(names):
+        print(f"trl-harbor eval: error: the suites' names clash ({', '.join(names)}); give folders with distinct names")
+        return 2
+    statuses = [_eval_one(args, suite, str(base / name)) for suite, name in zip(suites, names, strict=True)]
+    return max(statuses)
+
+
+def _eval_one(args: argparse.Namespace, suite: str, output_dir: str | None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -120,7 +134,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     console = Console()
     try:
         config = EvalConfig(
-            dataset=args.suite,
+            dataset=suite,
             base_url=args.base_url,
             model=args.model,
             agent=args.agent,
@@ -137,7 +151,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             command_timeout_sec=args.command_timeout_sec,
             max_output_chars=args.max_output_chars,
             reward_key=args.reward_key,
-            output_dir=args.output_dir,
+            output_dir=output_dir,
         )
         with Progress(
             TextColumn("rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -152,7 +166,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     def fmt(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    table = Table(title=f"{args.model} on {args.suite} ({args.environment_type})")
+    table = Table(title=f"{args.model} on {suite} ({args.environment_type})")
     for column in ("task", "n", "passed", "mean reward", *[f"pass@{k}" for k in config.k], "tool calls", "errors"):
         table.add_column(column)
     for score in result.tasks:
@@ -214,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     check.set_defaults(func=_cmd_check)
     ev = commands.add_parser("eval", help="a model behind an OpenAI-compatible endpoint on a suite: pass@k")
-    ev.add_argument("suite", help="a folder of task folders, one holding tasks/, or a HF dataset id")
+    ev.add_argument(
+        "suite", nargs="+", help="a task suite: a folder or a HF dataset id (several: each evaluated on its own)"
+    )
     ev.add_argument("--base-url", default=None, help="the endpoint, e.g. http://127.0.0.1:8000/v1 (none: local)")
     ev.add_argument("--model", required=True, help="the model the endpoint serves; without --base-url a path or hub id")
     ev.add_argument("--agent", default="bash", help="harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls")

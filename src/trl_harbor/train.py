@@ -109,8 +109,10 @@ class HarborTrainArguments:
     Attributes:
         model: Model to train: a hub id or a local path. ``None``: the embedded default run
             with the demo policy (:mod:`trl_harbor.demo_policy`).
-        dataset: The task suite: a local folder or a Hugging Face dataset id (``None``: the
-            bundled suite).
+        dataset: The task suite(s): local folders or Hugging Face dataset ids (``None``: the
+            bundled suite). Several suites are mixed in one run (:meth:`HarborSpec.mix`).
+        dataset_weights: With several suites, how often each one's rows come (default: equal;
+            they need not sum to 1).
         agent: The harness: ``bash``, ``jupyter``, ``terminal_notes``, ``pkg.mod:Class`` or
             ``path/to/file.py:Class``.
         environment_type: Harbor sandbox backend: ``local``, ``docker``, ``e2b``, ...,
@@ -127,8 +129,12 @@ class HarborTrainArguments:
     """
 
     model: str | None = field(default=None, metadata={"help": "hub id or path; none: the embedded demo run"})
-    dataset: str | None = field(
-        default=None, metadata={"help": "task suite: folder or HF dataset id (default: bundled)"}
+    dataset: list[str] | None = field(
+        default=None,
+        metadata={"help": "task suite(s): folders or HF dataset ids (default: bundled); several are mixed"},
+    )
+    dataset_weights: list[float] | None = field(
+        default=None, metadata={"help": "with several --dataset: the weight of each (default: equal)"}
     )
     agent: str = field(
         default="bash", metadata={"help": "harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls"}
@@ -145,6 +151,15 @@ class HarborTrainArguments:
     trajectories: bool = field(default=True, metadata={"help": "write <output_dir>/trajectories.jsonl"})
 
     def __post_init__(self) -> None:
+        if isinstance(self.dataset, str):  # `dataset: path` in a --config file
+            self.dataset = [self.dataset]
+        if self.dataset_weights is not None and len(self.dataset_weights) != len(self.dataset or [None]):
+            raise ValueError(
+                f"--dataset_weights gives {len(self.dataset_weights)} weights for {len(self.dataset or [None])} "
+                "suite(s); give one weight per --dataset"
+            )
+        if self.dataset is not None and len(self.dataset) > 1 and (self.num_tasks is not None or self.indices):
+            raise ValueError("--num_tasks/--indices select from one suite; with several --dataset, mix whole suites")
         if self.on_infra_error not in ("skip", "zero", "raise"):
             raise ValueError(f"--on_infra_error must be skip, zero or raise; got {self.on_infra_error!r}")
         if self.num_tasks is not None and self.indices is not None:
@@ -314,25 +329,32 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
 
     demo = harbor.model is None
     try:
-        dataset = harbor.dataset if harbor.dataset is not None else str(bundled_suite())
+        suites = harbor.dataset if harbor.dataset else [str(bundled_suite())]
     except FileNotFoundError as exc:
         raise TrainSetupError(str(exc)) from exc
+    dataset = ", ".join(suites)
     try:
-        spec = HarborSpec(
-            dataset,
-            agent=harbor.agent,
-            environment_type=harbor.environment_type,
-            num_tasks=harbor.num_tasks,
-            indices=harbor.indices,
-            revision=harbor.revision,
-            env_kwargs={
-                "command_timeout_sec": harbor.command_timeout_sec,
-                "max_output_chars": harbor.max_output_chars,
-                "reward_key": harbor.reward_key,
-                "on_infra_error": harbor.on_infra_error,
-                "max_concurrent_starts": harbor.max_concurrent_starts,
-            },
-        )
+        specs = [
+            HarborSpec(
+                suite,
+                agent=harbor.agent,
+                environment_type=harbor.environment_type,
+                num_tasks=harbor.num_tasks,
+                indices=harbor.indices,
+                revision=harbor.revision,
+                env_kwargs={
+                    "command_timeout_sec": harbor.command_timeout_sec,
+                    "max_output_chars": harbor.max_output_chars,
+                    "reward_key": harbor.reward_key,
+                    "on_infra_error": harbor.on_infra_error,
+                    "max_concurrent_starts": harbor.max_concurrent_starts,
+                },
+            )
+            for suite in suites
+        ]
+        if len(specs) > 1 and demo:
+            raise TrainSetupError("the demo run plays one suite; pass --model to train on several --dataset")
+        spec = specs[0] if len(specs) == 1 else HarborSpec.mix(specs, harbor.dataset_weights, seed=config.seed)
         policy = _build_demo(spec, seed=config.seed) if demo else None
     except (ValueError, TypeError, FileNotFoundError) as exc:
         raise TrainSetupError(str(exc)) from exc
