@@ -2,7 +2,8 @@
 # Prepare a development environment for trl-harbor on a Debian/Ubuntu machine:
 #   - system packages the local sandbox needs (bubblewrap, slirp4netns, python3-venv; buildah
 #     builds task images), and those the image tests need (a loopback registry seeded with a
-#     Debian image: docker-registry, skopeo, umoci, mmdebstrap),
+#     Debian image: docker-registry, skopeo, umoci, mmdebstrap; the report test renders its
+#     page in headless chromium),
 #   - a Python >= 3.12 interpreter (harbor needs it), found wherever it is installed,
 #   - .venv with the project and its test/training extras.
 # Idempotent: a second run with nothing changed takes a second.
@@ -21,6 +22,8 @@ command -v slirp4netns >/dev/null || need+=(slirp4netns)
 for tool in buildah skopeo umoci mmdebstrap docker-registry; do
   command -v "$tool" >/dev/null || need+=("$tool")
 done
+# `trl-harbor report --png` and its test render the page in headless Chromium.
+command -v chromium >/dev/null || need+=(chromium)
 # Sandboxes on task images run a statically linked supervisor: a C compiler and libc.a.
 command -v cc >/dev/null || need+=(gcc)
 if command -v dpkg-query >/dev/null && ! dpkg-query -W -f='${Status}' libc6-dev 2>/dev/null | grep -q "ok installed"; then
