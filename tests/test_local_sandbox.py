@@ -372,3 +372,47 @@ def test_file_fingerprints_are_read_from_the_host_and_see_changes(task: Path, tm
             await env.stop(delete=True)
 
     run(scenario())
+
+
+def _slirp_processes() -> set[int]:
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if Path(f"/proc/{name}/comm").read_text().strip() == "slirp4netns":
+                    found.add(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def test_a_killed_owner_leaves_no_user_network_behind(tmp_path: Path) -> None:
+    """SIGKILL of the process holding network-enabled sandboxes: their slirp4netns exit with it."""
+    task = make_task(tmp_path / "tasks", name="net", network_mode="public")
+    before = _slirp_processes()
+    script = textwrap.dedent(
+        f"""
+        import asyncio, sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from sandbox_helpers import open_env
+
+        async def main():
+            envs = [open_env(Path({str(task)!r}), Path({str(tmp_path)!r})) for _ in range(3)]
+            for env in envs:
+                await env.start(force_build=False)
+            print("up", flush=True)
+            await asyncio.sleep(600)
+
+        asyncio.run(main())
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        started = _slirp_processes() - before
+        assert len(started) == 3
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert wait_until(lambda: not (_slirp_processes() & started), timeout=10), _slirp_processes() & started

@@ -342,3 +342,23 @@ def test_the_environment_healthcheck_runs_before_the_agent(tmp_path: Path, close
     assert up.reward == 1.0
     assert down.bash("true").startswith("Error: sandbox start failed") and "ealthcheck" in down.infra_error
     assert down.reward is None and down.verification.infra
+
+
+@requires_local
+def test_the_local_sandbox_switches_the_network_per_phase(tmp_path: Path, close_sandboxes: None) -> None:
+    """No network for the agent, the task's network for its verifier (a test.sh that downloads its tools)."""
+    task = _single_task(
+        tmp_path / "suite",
+        "phases",
+        '[agent]\nnetwork_mode = "no-network"\n',
+        "#!/bin/bash\nmkdir -p /logs/verifier\n"  # the verifier sees a network interface besides loopback
+        "grep -q tap0 /proc/net/dev && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n",
+    )
+    (task / "task.toml").write_text(
+        'version = "1.0"\n[agent]\nnetwork_mode = "no-network"\n[environment]\nnetwork_mode = "public"\n'
+    )
+    spec = HarborSpec(task.parent, environment_type="local")
+    env = spec.environment_factory()
+    env.reset(task_dir=str(task))
+    assert "tap0" not in env.bash("cat /proc/net/dev")  # the agent's phase: loopback only
+    assert env.reward == 1.0, env.verification  # the verifier's phase: the task's network

@@ -383,6 +383,9 @@ class BoxConfig:
             nothing of the host is mounted, the supervisor is linked statically, and
             the box's user namespace maps uids and gids 0-65535 (needs root), so the
             image's users, ``chown`` and ``useradd`` work.
+        network_switchable: The network may be switched between ``"none"`` and ``"user"``
+            while the box runs (:meth:`Box.set_network`), e.g. no network for the agent and
+            the task's network for its verifier.
     """
 
     rootfs: Path
@@ -395,6 +398,7 @@ class BoxConfig:
     hostname: str = "sandbox"
     extra_ro_binds: list[tuple[str, str]] = field(default_factory=list)
     image_root: bool = False
+    network_switchable: bool = False
 
 
 #: uids and gids an image-rooted box maps (identity: the image root's owners are kept).
@@ -416,6 +420,9 @@ class Box:
         self._proc: asyncio.subprocess.Process | None = None
         self._bwrap_pid: int | None = None
         self._slirp: asyncio.subprocess.Process | None = None
+        # slirp4netns exits when this pipe's write end closes: with this process, however it dies.
+        self._slirp_exit_w: int | None = None
+        self._child_pid: int | None = None
         self._cgroups = _Cgroups(name or state_dir.name, config.memory_mb, config.cpus, config.pids_max)
         self.closed = False
         #: Host mounts (the copy-on-write root) to detach when the box goes.
@@ -439,7 +446,7 @@ class Box:
             args += ["--ro-bind", "/usr", "/usr"]
         if c.network != "host":
             args.append("--unshare-net")
-        if c.network != "user" and block_fd is None:
+        if c.network != "user" and not c.network_switchable and block_fd is None:
             # (Image roots: bubblewrap cannot combine this with --userns-block-fd;
             # _write_id_maps sets the same limit from the host.)
             # No nested user namespaces (their root would regain every capability in
@@ -456,7 +463,7 @@ class Box:
                     args += ["--tmpfs", str(path), "--remount-ro", str(path)]
                 elif path.exists():
                     args += ["--ro-bind", "/dev/null", str(path)]
-        if c.network == "user":
+        if c.network == "user" or c.network_switchable:
             resolv = self.state_dir / "resolv.conf"
             resolv.write_text(f"nameserver {_SLIRP_GATEWAY_DNS}\n")
             args += ["--ro-bind", str(resolv), "/etc/resolv.conf"]
@@ -505,7 +512,7 @@ class Box:
         listener.bind(str(self.socket_path))
         listener.listen(128)
         info_r = info_w = block_r = block_w = None
-        if self.config.network == "user" or image_root:
+        if self.config.network == "user" or self.config.network_switchable or image_root:
             info_r, info_w = os.pipe()
         if image_root:
             block_r, block_w = os.pipe()
@@ -570,11 +577,12 @@ class Box:
                 # cgroups before any command runs; every later process is forked from
                 # them and so is counted too.
                 _join_cgroups(cgroup_procs, _process_tree(self._proc.pid))
-            if self.config.network == "user" and info_r is not None:
+            if info_r is not None and child_pid is None:
+                child_pid = await asyncio.to_thread(_read_child_pid, info_r)
+            self._child_pid = child_pid
+            if self.config.network == "user" and child_pid is not None:
                 # Only once bubblewrap has finished setting up the namespace's loopback:
                 # configuring it concurrently races on netlink.
-                if child_pid is None:
-                    child_pid = await asyncio.to_thread(_read_child_pid, info_r)
                 await self._start_user_network(child_pid)
         except BaseException:
             await self.kill()
@@ -594,18 +602,22 @@ class Box:
                 "slirp4netns`, or set the task's network policy to no-network"
             )
         ready_r, ready_w = os.pipe()
+        exit_r, exit_w = os.pipe()
+        os.set_inheritable(exit_w, False)
         try:
             self._slirp = await asyncio.create_subprocess_exec(
                 tool, "--configure", "--mtu=65520", "--disable-host-loopback",
-                "--ready-fd", str(ready_w), str(child_pid), "tap0",
+                "--ready-fd", str(ready_w), "--exit-fd", str(exit_r), str(child_pid), "tap0",
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
-                pass_fds=[ready_w],
+                pass_fds=[ready_w, exit_r],
                 start_new_session=True,
             )  # fmt: skip
             os.close(ready_w)
             ready_w = -1
+            os.close(exit_r)
+            self._slirp_exit_w, exit_w = exit_w, -1
             ok = await asyncio.to_thread(os.read, ready_r, 1)
             if ok != b"1":
                 err = await self._slirp.stderr.read() if self._slirp.stderr else b""  # type: ignore[union-attr]
@@ -614,6 +626,42 @@ class Box:
             os.close(ready_r)
             if ready_w >= 0:
                 os.close(ready_w)
+            if exit_w >= 0:
+                os.close(exit_w)
+
+    async def set_network(self, network: NetworkMode) -> None:
+        """Switch a running box's network between ``"none"`` and ``"user"``.
+
+        ``"user"`` attaches a user-mode stack (slirp4netns) to the box's own network namespace;
+        ``"none"`` detaches it, leaving only the loopback. Connections open at the switch break.
+
+        Args:
+            network: ``"none"`` or ``"user"``.
+
+        Raises:
+            SandboxError: If the box was not started with ``network_switchable`` (or is stopped).
+        """
+        if network == ("user" if self._slirp is not None else "none"):
+            return
+        switchable = self.config.network_switchable or self.config.network == "user"
+        if self.closed or self._child_pid is None or not switchable:
+            raise SandboxError("this sandbox's network cannot be switched (start it with network_switchable=True)")
+        if network == "user":
+            await self._start_user_network(self._child_pid)
+            return
+        await self._stop_user_network()
+
+    async def _stop_user_network(self) -> None:
+        slirp, self._slirp = self._slirp, None
+        if self._slirp_exit_w is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._slirp_exit_w)
+            self._slirp_exit_w = None
+        if slirp is not None and slirp.returncode is None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                slirp.kill()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(slirp.wait(), timeout=10)
 
     # -- commands --------------------------------------------------------------
 
@@ -777,6 +825,10 @@ class Box:
     def _cleanup_files(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
+        if self._slirp_exit_w is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._slirp_exit_w)
+            self._slirp_exit_w = None
 
     @property
     def pid(self) -> int | None:

@@ -178,8 +178,23 @@ class LocalEnvironment(BaseEnvironment):
 
     @property
     def capabilities(self) -> EnvironmentCapabilities:
-        """What this backend enforces: no network (own namespace) and no mounts from the host."""
-        return EnvironmentCapabilities(disable_internet=True)
+        """What this backend enforces: no network (own namespace), switched per phase while it runs."""
+        return EnvironmentCapabilities(disable_internet=True, dynamic_network_policy=True)
+
+    def _network(self, policy: Any = None) -> str:
+        policy = policy or self._network_policy
+        return "none" if policy.network_mode == NetworkMode.NO_NETWORK else "user"
+
+    @property
+    def _network_switchable(self) -> bool:
+        """Whether a phase (agent, verifier) wants a different network than the sandbox starts with."""
+        return any(self._network(policy) != self._network() for policy in self._phase_network_policies)
+
+    async def _apply_network_policy(self, network_policy: Any) -> None:
+        """Switch the running sandbox between no network and the user-mode network (Harbor's phases)."""
+        if self._box is None:
+            raise SandboxCommandError("the sandbox is not running (call start() first)")
+        await self._box.set_network(self._network(network_policy))
 
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities | None:
@@ -242,13 +257,13 @@ class LocalEnvironment(BaseEnvironment):
         self._image = await builder.get(self.environment_dir, self.environment_name)
         self._dir = state_root() / new_box_name(self.session_id or self.environment_name)
         await asyncio.to_thread(self._make_root)
-        network = "none" if self._network_policy.network_mode == NetworkMode.NO_NETWORK else "user"
         cpus = self._effective_cpus
         self._box = Box(
             BoxConfig(
                 rootfs=self._root,
                 layer_venv=self._image.venv,
-                network=network,
+                network=self._network(),
+                network_switchable=self._network_switchable,
                 memory_mb=self._effective_memory_mb or self.local_options.default_memory_mb,
                 cpus=float(cpus) if cpus else None,
                 pids_max=self.local_options.pids_max,
@@ -273,7 +288,6 @@ class LocalEnvironment(BaseEnvironment):
             context = await asyncio.to_thread(store.prebuilt_context, self.task_env_config.docker_image)
         self._oci = image = await store.get(context, self.environment_name, force=force_build)
         self._dir = state_root() / new_box_name(self.session_id or self.environment_name)
-        network = "none" if self._network_policy.network_mode == NetworkMode.NO_NETWORK else "user"
         cpus = self._effective_cpus
         binds = [(await asyncio.to_thread(static_binary, "runas"), RUNAS)]
         if self.local_options.host_trust:
@@ -283,7 +297,8 @@ class LocalEnvironment(BaseEnvironment):
         self._box = Box(
             BoxConfig(
                 rootfs=self._root,
-                network=network,
+                network=self._network(),
+                network_switchable=self._network_switchable,
                 memory_mb=self._effective_memory_mb or self.local_options.default_memory_mb,
                 cpus=float(cpus) if cpus else None,
                 pids_max=self.local_options.pids_max,
