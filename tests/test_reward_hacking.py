@@ -294,3 +294,26 @@ def test_the_generic_path_for_other_backends_also_scores_every_exploit_zero(
     outcome = _rollouts(suite, "bash", {**EXPLOITS, "honest": HONEST})
     assert outcome.pop("honest") == 1.0
     assert outcome == dict.fromkeys(outcome, 0.0), outcome
+
+
+@requires_local
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="memory limits are cgroups, which need root")
+def test_a_sandbox_the_rollout_filled_up_scores_zero_not_skipped(tmp_path: Path, close_sandboxes: None) -> None:
+    """Files filling the sandbox's memory until its supervisor is OOM-killed: the rollout's doing, scored 0."""
+    root = tmp_path / "tasks"
+    task = root / "small"
+    shutil.copytree(Path(__file__).parent.parent / "examples" / "tasks" / "orders_count", task)
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace("memory_mb = 1024", "memory_mb = 96"))
+    spec = HarborSpec(root, environment_type="local")
+    env = spec.environment_factory()
+    env.reset(task_dir=str(task))
+    env.bash("for i in $(seq 1 40); do head -c 8M /dev/zero > /root/fill$i || break; done; true")
+    for _ in range(5):  # keep forking until the sandbox gives out
+        env.bash("python3 -c 'x = bytearray(64 << 20)'")
+    reward = env.reward
+    verification = env.verification
+    if verification.reason and "exhausted" in verification.reason:
+        assert reward == 0.0 and not verification.infra
+    else:  # the kernel spared the supervisor this time: then the sandbox answered and grading ran
+        assert reward == 0.0 and not verification.infra, verification

@@ -339,6 +339,22 @@ class _Cgroups:
         self.paths.append(path)
         return path
 
+    def exhaustion(self) -> str | None:
+        """Which limit the box's processes ran into, from the cgroups' event counters (``None``: none)."""
+        found = []
+        for path in self.paths:
+            counters = {}
+            for name in ("memory.events", "memory.oom_control", "pids.events"):  # v2, v1, both
+                with contextlib.suppress(OSError, ValueError):
+                    for line in (path / name).read_text().splitlines():
+                        key, _, value = line.partition(" ")
+                        counters[f"{name.split('.')[0]}.{key}"] = int(value)
+            if counters.get("memory.oom_kill", 0) > 0:
+                found.append(f"its memory limit: {counters['memory.oom_kill']} process(es) killed for memory")
+            if counters.get("pids.max", 0) > 0:
+                found.append(f"its process limit: {counters['pids.max']} fork(s) refused")
+        return "; ".join(dict.fromkeys(found)) or None
+
     def kill_and_remove(self) -> None:
         for path in self.paths:
             with contextlib.suppress(OSError):
@@ -754,6 +770,16 @@ class Box:
             SandboxCommandError: If the box is gone or its supervisor does not answer.
         """
         return (await self._control("ps"))["stdout"].split()
+
+    def resource_exhaustion(self) -> str | None:
+        """Which of its limits (memory, processes) the box ran into, or ``None``.
+
+        Read from its cgroups' event counters (so only where cgroups are in use, i.e. as root).
+
+        Returns:
+            A short description, or ``None``.
+        """
+        return self._cgroups.exhaustion()
 
     async def kill_processes(self, keep: Sequence[str] = ()) -> int:
         """Kill every process in the box except its supervisor and ``keep``, until none is left.

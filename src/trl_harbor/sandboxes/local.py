@@ -485,6 +485,17 @@ class LocalEnvironment(BaseEnvironment):
 
     # -- what the verifier can trust -------------------------------------------
 
+    async def resource_exhaustion(self) -> str | None:
+        """Which of the sandbox's limits its processes ran into (memory, processes), or ``None``.
+
+        A sandbox that stopped answering after its agent exhausted its limits (e.g. its memory
+        cgroup killed the supervisor) is the agent's doing, not an infrastructure failure.
+
+        Returns:
+            A short description, or ``None`` (also where no cgroups are in use).
+        """
+        return None if self._box is None else self._box.resource_exhaustion()
+
     async def list_processes(self) -> list[str]:
         """The sandbox's processes (its supervisor aside), as ``"PID:START"`` entries.
 
