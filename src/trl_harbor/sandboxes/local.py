@@ -129,6 +129,8 @@ class LocalEnvironmentOptions(EnvironmentOptions):
 
 
 _BUILDERS: dict[str | None, ImageBuilder] = {}
+#: Fingerprints of read-only mounts, by (host path, sandbox path, entry only): see ``_walk``.
+_READ_ONLY_LISTINGS: dict[tuple[str, str, bool], dict[str, str]] = {}
 _STORES: dict[tuple[str | None, bool], ImageStore] = {}
 
 
@@ -586,9 +588,20 @@ class LocalEnvironment(BaseEnvironment):
             current = sorted(expanded)
         return current
 
-    def _walk(self, path: str, depth: int | None, found: dict[str, str]) -> None:
+    def _walk(self, path: str, depth: int | None, found: dict[str, str], cache: bool = True) -> None:
         host, read_only = self._host_path(path)
         if host is None:
+            return
+        if read_only and cache:
+            # A read-only mount (the host's /usr and /etc, the shared layer) cannot change while
+            # sandboxes run: listed once per process, not at every start and every grading.
+            key = (str(host), path, depth == 0)
+            listed = _READ_ONLY_LISTINGS.get(key)
+            if listed is None:
+                listed = {}
+                self._walk(path, depth, listed, cache=False)
+                _READ_ONLY_LISTINGS[key] = listed
+            found.update(listed)
             return
         try:
             info = os.lstat(host)
@@ -611,7 +624,7 @@ class LocalEnvironment(BaseEnvironment):
         except OSError:
             return
         for name in names:
-            self._walk(posixpath.join(path, name), below, found)
+            self._walk(posixpath.join(path, name), below, found, cache)
 
     # -- files -----------------------------------------------------------------
 
