@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -123,3 +124,23 @@ def tiny_grpo_trainer(tmp_path: Path, spec, tool_calls: list[str], prompt_suffix
         environment_factory=spec.environment_factory,
         reward_funcs=reward_funcs,
     )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the adversarial corpus's and the broken suites' tables when those tests ran.
+
+    (Here, not in conftest files of their own folders: every test module imports this one as
+    ``conftest``, and a second module of that name would shadow it.)
+    """
+    table = sys.modules.get("adv_table")
+    if table is not None and table.RESULTS:
+        terminalreporter.section("adversarial corpus")
+        terminalreporter.write_line(table.render(table.RESULTS))
+    module = sys.modules.get("test_bad_suites")
+    rows = getattr(module, "ROWS", None)
+    if rows:
+        width = max(len(name) for name, *_ in rows)
+        terminalreporter.section("broken suites")
+        terminalreporter.write_line(f"{'case':<{width}}  {'caught at':<10}  outcome")
+        for name, stage, outcome in rows:
+            terminalreporter.write_line(f"{name:<{width}}  {stage:<10}  {outcome}")
