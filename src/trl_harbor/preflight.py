@@ -111,6 +111,7 @@ def _unavailable(environment_type: str, exc: BaseException) -> str:
         cause = f"its Harbor backend cannot be loaded ({type(exc).__name__}: {exc}); install the backend's SDK"
     else:
         cause = str(exc) if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+    cause = cause.strip().rstrip(".")
     detail = _docker_info() if environment_type in ("docker", "podman") or "docker" in cause.lower() else ""
     return (
         f"environment_type={environment_type!r} cannot start sandboxes on this machine: {cause}"
