@@ -9,6 +9,7 @@ from pathlib import Path
 
 from conftest import REPO, requires_local
 
+from trl_harbor.env import _alive
 from trl_harbor.sandboxes._bwrap import state_root
 
 
@@ -31,12 +32,3 @@ def test_example_trains_under_accelerate_with_two_processes(tmp_path: Path) -> N
     left = [name for name in set(os.listdir(state_root())) - before if not _alive(int(name.split("-", 1)[0]))]
     assert left == []
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

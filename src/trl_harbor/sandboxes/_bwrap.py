@@ -698,10 +698,24 @@ class Box:
         Raises:
             SandboxCommandError: If the box is gone or its supervisor does not answer.
         """
-        if self.closed:
-            raise SandboxCommandError("the sandbox has been stopped")
         fields = [cwd.encode(), command.encode()] + [f"{k}={v}".encode() for k, v in (env or {}).items()]
         timeout_ms = 0 if not timeout else max(1, int(timeout * 1000))
+        try:
+            return await self._exchange(fields, timeout_ms, output_cap, None if timeout is None else timeout + 30)
+        except TimeoutError:
+            raise SandboxTimeoutError(f"Command timed out after {timeout} seconds") from None
+        except asyncio.IncompleteReadError as error:
+            raise SandboxCommandError(
+                "the sandbox's supervisor closed the connection without an answer "
+                "(the sandbox was stopped, or its processes were killed)"
+            ) from error
+        except OSError as error:
+            raise SandboxCommandError(f"the sandbox's supervisor went away ({error})") from error
+
+    async def _exchange(self, fields: list[bytes], timeout_ms: int, output_cap: int, wait: float | None) -> dict:
+        """Send one request to the supervisor and read its answer (see ``_supervisor.py`` for the protocol)."""
+        if self.closed:
+            raise SandboxCommandError("the sandbox has been stopped")
         body = struct.pack("<III", timeout_ms, output_cap, len(fields))
         body += b"".join(struct.pack("<I", len(f)) + f for f in fields)
         try:
@@ -711,18 +725,7 @@ class Box:
         try:
             writer.write(struct.pack("<I", len(body)) + body)
             await writer.drain()
-            wait = None if timeout is None else timeout + 30
-            try:
-                return await asyncio.wait_for(self._read_answer(reader, output_cap), timeout=wait)
-            except TimeoutError:
-                raise SandboxTimeoutError(f"Command timed out after {timeout} seconds") from None
-            except asyncio.IncompleteReadError as error:
-                raise SandboxCommandError(
-                    "the sandbox's supervisor closed the connection without an answer "
-                    "(the sandbox was stopped, or its processes were killed)"
-                ) from error
-            except OSError as error:
-                raise SandboxCommandError(f"the sandbox's supervisor went away ({error})") from error
+            return await asyncio.wait_for(self._read_answer(reader, output_cap), timeout=wait)
         finally:
             writer.close()
 
@@ -740,22 +743,10 @@ class Box:
 
     async def _control(self, *fields: str) -> dict:
         """Send a control request (an empty working directory) to the supervisor."""
-        if self.closed:
-            raise SandboxCommandError("the sandbox has been stopped")
-        encoded = [b"", *(f.encode() for f in fields)]
-        body = struct.pack("<III", 0, 1 << 20, len(encoded)) + b"".join(struct.pack("<I", len(f)) + f for f in encoded)
         try:
-            reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
-        except OSError as error:
-            raise SandboxCommandError(f"the sandbox is not running ({error})") from error
-        try:
-            writer.write(struct.pack("<I", len(body)) + body)
-            await writer.drain()
-            answer = await asyncio.wait_for(self._read_answer(reader, 1 << 20), timeout=60)
+            answer = await self._exchange([b"", *(f.encode() for f in fields)], 0, 1 << 20, 60)
         except (TimeoutError, asyncio.IncompleteReadError, OSError) as error:
             raise SandboxCommandError(f"the sandbox's supervisor did not answer {fields[0]!r} ({error!r})") from error
-        finally:
-            writer.close()
         if answer["rc"] < 0:
             raise SandboxCommandError(f"the sandbox's supervisor refused {fields[0]!r}")
         return answer

@@ -53,8 +53,8 @@ def _u32(data, offset):
     return int.from_bytes(data[offset : offset + 4], "little"), offset + 4
 
 
-def _descendants(root_pid):
-    children = {}
+def _proc_stats():
+    """``(pid, fields after the command name)`` of every process in /proc/PID/stat."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -64,8 +64,13 @@ def _descendants(root_pid):
         except OSError:
             continue
         # The command name is in parentheses and may itself hold spaces.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        children.setdefault(int(fields[1]), []).append(int(name))
+        yield int(name), stat[stat.rfind(b")") + 2 :].split()
+
+
+def _descendants(root_pid):
+    children = {}
+    for pid, fields in _proc_stats():
+        children.setdefault(int(fields[1]), []).append(pid)
     found, stack = [], [root_pid]
     while stack:
         for child in children.get(stack.pop(), ()):
@@ -103,17 +108,9 @@ def _kill_tree():
 def _processes():
     """``{"PID:START": pid}`` of the sandbox's live processes but PID 1 and this handler."""
     found, me = {}, os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in (1, me):
-            continue
-        try:
-            with open("/proc/%s/stat" % name, "rb") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if fields and fields[0] not in (b"Z", b"X"):
-            found["%s:%s" % (name, fields[19].decode())] = int(name)
+    for pid, fields in _proc_stats():
+        if pid not in (1, me) and fields and fields[0] not in (b"Z", b"X"):
+            found["%d:%s" % (pid, fields[19].decode())] = pid
     return found
 
 

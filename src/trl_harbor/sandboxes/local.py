@@ -510,9 +510,7 @@ class LocalEnvironment(BaseEnvironment):
         Raises:
             SandboxCommandError: If the sandbox is not running.
         """
-        if self._box is None:
-            raise SandboxCommandError("the sandbox is not running (call start() first)")
-        return await self._box.list_processes()
+        return await self._running_box().list_processes()
 
     async def kill_processes(self, keep: Sequence[str] = ()) -> int:
         """Kill every process in the sandbox but its supervisor and ``keep`` (before verification).
@@ -529,9 +527,12 @@ class LocalEnvironment(BaseEnvironment):
         Raises:
             SandboxCommandError: If the sandbox is not running.
         """
+        return await self._running_box().kill_processes(keep)
+
+    def _running_box(self) -> Box:
         if self._box is None:
             raise SandboxCommandError("the sandbox is not running (call start() first)")
-        return await self._box.kill_processes(keep)
+        return self._box
 
     async def file_fingerprints(self, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:
         """Fingerprint sandbox paths from the host, without running anything in the sandbox.
