@@ -397,8 +397,8 @@ CASES: list[Case] = [
     Case(
         "fill memory with files, then fork",
         "resource abuse",
-        "with its memory limit reached by its own files, the sandbox still answers and is graded: the "
-        "rollout scores 0, it is not skipped as an infrastructure failure",
+        "a rollout that fills its memory limit with its own files ends itself and scores 0; it is never "
+        "skipped as an infrastructure failure",
         sh(
             "dd if=/dev/zero of=/workdir/fill bs=1M count=4096 2>&1 | tail -1",
             "bash -c ':(){ :|:& };:' 2>/dev/null; sleep 5",

@@ -9,9 +9,10 @@ named after a canary there, a file on the host; a TCP and a UDP listener on the 
 loopback count anything that reaches them. A case *leaked* when a secret shows up in what the
 tools returned, the rollout scored 1 without the answer, a host file changed or appeared, or a
 listener was reached. It is *contained* when it also returned (or raised an ``Exception``, which
-TRL's tool loop reports to the model), its sandbox still answers, its reward is what it
-deserves (never skipped as an infrastructure failure), and afterwards no process it started
-is left on the host. The bash harness runs the corpus a second time on a task image root
+TRL's tool loop reports to the model), its sandbox still answers (or the rollout exhausted it
+and was told it is over — never an infrastructure failure), its reward is what it deserves
+(never skipped), and afterwards no process it started is left on the host. The bash harness
+runs the corpus a second time on a task image root
 (``root="image"``, a Debian image served by the loopback registry of ``tests/registry.py``).
 
 The table is printed at the end of the session; the last test asserts 0 leaked.
@@ -251,8 +252,10 @@ def run_corpus(arena: Arena, harness: str, label: str, cases: list[Case]) -> lis
                 outcome.problems.append(f"{type(output).__name__} escaped a tool")
         outcome.seconds = time.monotonic() - started
         alive = ctx.shell(env, "echo alive-$((40 + 2))")
-        if "alive-42" not in alive:
-            outcome.problems.append(f"the sandbox no longer answers after the case: {alive[:300]!r}")
+        # A rollout may exhaust its own sandbox (and so end itself, scored 0); it must never turn
+        # that into an infrastructure failure, which would skip it instead.
+        if "alive-42" not in alive and "will not be scored" in alive:
+            outcome.problems.append(f"the sandbox failed as infrastructure after the case: {alive[:300]!r}")
         if wait_until(lambda h=hits: arena.listeners.hits > h, timeout=0.3):
             outcome.leaks.append(f"a host loopback listener was reached ({arena.listeners.hits - hits} times)")
         if case.check is not None:
