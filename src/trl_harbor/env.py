@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trl_harbor import runtime
+from trl_harbor import progress, runtime
 from trl_harbor.episode import (
     INFRA_MODES,
     Episode,
@@ -390,7 +390,17 @@ def verify_all(environments: Sequence[HarborEnv]) -> list[float | None]:
         return value
 
     async def every() -> list[float | None]:
-        return list(await asyncio.gather(*(one(env) for env in environments)))
+        done = 0
+
+        async def counted(env: HarborEnv) -> float | None:
+            nonlocal done
+            try:
+                return await one(env)
+            finally:
+                done += 1
+                progress.report("verification", done, len(environments))
+
+        return list(await asyncio.gather(*(counted(env) for env in environments)))
 
     return runtime.run(every())
 

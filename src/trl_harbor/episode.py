@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trl_harbor import grading, runtime
+from trl_harbor import grading, progress, runtime
 from trl_harbor.grading import (
     INFRA_FAILURES,
     INFRA_MODES,
@@ -231,6 +231,7 @@ class Episode:
 
         from trl_harbor.backends import network_plan
 
+        progress.SANDBOX_STARTS.started()
         try:
             async with runtime.limit("harbor-sandbox-starts", max_concurrent_starts):
                 self.paths = TrialPaths(trial_dir=self.trial_dir)
@@ -260,6 +261,8 @@ class Episode:
             raise
         except Exception as exc:
             self.fail("start", exc)
+        finally:
+            progress.SANDBOX_STARTS.finished()
 
     async def _prepare_step(self) -> None:
         """Stage the current step as Harbor does: its ``workdir/`` files, ``setup.sh``, healthcheck."""

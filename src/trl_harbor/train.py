@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trl_harbor import progress
+
 if TYPE_CHECKING:
     from trl import GRPOConfig
 
@@ -398,9 +400,12 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
     print_fn(f"training: {total or 'one epoch of'} steps, {config.num_generations} rollouts per task, "
              f"logs in {output_dir}")  # fmt: skip
     start = time.monotonic()
+    # Inside a step: sandbox starts and verification, as a line that is redrawn on a terminal.
+    previous = progress.set_reporter(progress.LineReporter(sys.stderr.write, sys.stderr.isatty()))
     try:
         trainer.train()
     finally:
+        progress.set_reporter(previous)
         close_all()
     seconds = time.monotonic() - start
     trainer.save_model(str(output_dir))  # `trl-harbor eval --model OUTPUT_DIR` evaluates it
