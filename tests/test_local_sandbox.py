@@ -379,7 +379,8 @@ def _slirp_processes() -> set[int]:
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                if Path(f"/proc/{name}/comm").read_text().strip() == "slirp4netns":
+                dead = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+                if not dead and Path(f"/proc/{name}/comm").read_text().strip() == "slirp4netns":
                     found.add(int(name))
             except OSError:
                 pass
