@@ -417,3 +417,37 @@ def test_a_killed_owner_leaves_no_user_network_behind(tmp_path: Path) -> None:
         child.kill()
         child.wait(timeout=30)
     assert wait_until(lambda: not (_slirp_processes() & started), timeout=10), _slirp_processes() & started
+
+
+def test_the_sweep_kills_a_bubblewrap_left_holding_a_dead_owners_box(tmp_path: Path) -> None:
+    """A bubblewrap process whose owner died (e.g. killed mid-start) is killed by the next run's sweep."""
+    from trl_harbor.sandboxes._bwrap import bwrap_path, sweep_stale
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process that has exited: the box's owner
+    box = state_root() / f"{gone.pid}-stale-box"
+    (box / "rootfs").mkdir(parents=True)
+    stuck = subprocess.Popen(
+        [
+            bwrap_path(),
+            "--ro-bind",
+            "/",
+            "/",
+            "--bind",
+            str(box / "rootfs"),
+            "/mnt",
+            "--die-with-parent",
+            "sleep",
+            "600",
+        ]
+    )
+    try:
+        # Up: bubblewrap has set up its mounts and runs its command.
+        assert wait_until(lambda: Path(f"/proc/{stuck.pid}/task/{stuck.pid}/children").read_text().strip() != "")
+        sweep_stale()
+        assert stuck.wait(timeout=10) != 0
+        assert not box.exists()
+    finally:
+        if stuck.poll() is None:
+            stuck.kill()
+            stuck.wait()

@@ -106,6 +106,24 @@ def bwrap_path() -> str:
 
 
 @cache
+def _pdeathsig_prefix() -> tuple[str, ...]:
+    """``setpriv --pdeathsig KILL --`` (util-linux), where it exists, to start bubblewrap with.
+
+    bubblewrap's ``--die-with-parent`` arms itself only part-way through setting up the sandbox;
+    an owner that dies (``kill -9``) before that left the bubblewrap process waiting forever.
+    Armed before ``exec``, the signal covers bubblewrap's whole life.
+    """
+    tool = _which("setpriv")
+    if tool is None:
+        return ()
+    try:
+        usage = subprocess.run([tool, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return (tool, "--pdeathsig", "KILL", "--") if "--pdeathsig" in usage else ()
+
+
+@cache
 def sandbox_python() -> str:
     """The host Python that runs inside sandboxes (a system interpreter under ``/usr``)."""
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
@@ -539,7 +557,7 @@ class Box:
             supervisor = [f"/proc/self/fd/{exe_fd}"]
         else:
             supervisor = [sandbox_python(), "-I", "-S", "-"]
-        command = self._bwrap_args(info_w, block_r) + [
+        command = [*_pdeathsig_prefix(), *self._bwrap_args(info_w, block_r)] + [
             *supervisor, str(listener.fileno()), str(self._address_space_limit())
         ]  # fmt: skip
         pass_fds = [listener.fileno()] + [fd for fd in (info_w, exe_fd, block_r) if fd is not None]
@@ -1007,6 +1025,7 @@ def sweep_stale() -> int:
         The number of trees removed.
     """
     removed = 0
+    _kill_stale_bubblewraps()
     with contextlib.suppress(OSError):
         for entry in os.scandir(state_root()):
             if _owner_dead(entry.name):
@@ -1021,6 +1040,27 @@ def sweep_stale() -> int:
                     stale.paths = [Path(entry.path)]
                     stale.kill_and_remove()
     return removed
+
+
+def _kill_stale_bubblewraps() -> None:
+    """Kill bubblewrap processes that still hold a box of an owner that is dead."""
+    marker = f"{state_root()}/".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{name}/comm").read_text().strip() != "bwrap":
+                continue
+            args = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for arg in args:
+            if arg.startswith(marker):
+                box = arg[len(marker) :].split(b"/", 1)[0].decode(errors="replace")
+                if _owner_dead(box):
+                    with contextlib.suppress(OSError):
+                        os.kill(int(name), signal.SIGKILL)
+                break
 
 
 def _kill_all_at_exit() -> None:
