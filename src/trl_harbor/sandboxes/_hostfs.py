@@ -10,11 +10,13 @@ nothing outside the sandbox's own tree is ever read or written.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import shutil
 import stat
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -235,3 +237,19 @@ def copy_tree(source: Path, target: Path) -> None:
             shutil.copyfile(entry.path, destination, follow_symlinks=False)
             os.chmod(destination, stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode))
     os.chmod(target, stat.S_IMODE(os.lstat(source).st_mode))
+
+
+def hash_tree(digest: Any, directory: Path) -> None:
+    """Feed a folder's files (relative names, modes, contents; links as their targets) to ``digest``.
+
+    Args:
+        digest: A ``hashlib`` hash object.
+        directory: The folder (a build context).
+    """
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() or p.is_symlink()):
+        digest.update(path.relative_to(directory).as_posix().encode() + b"\0")
+        if path.is_symlink():
+            digest.update(b"link:" + os.readlink(path).encode())
+        else:
+            digest.update(oct(path.stat().st_mode & 0o777).encode())
+            digest.update(hashlib.sha256(path.read_bytes()).digest())

@@ -209,14 +209,7 @@ class ImageBuilder:
         digest = hashlib.sha256()
         digest.update(f"builder={BUILDER_VERSION};python={_python_version()};".encode())
         digest.update(json.dumps(sorted(self.build_args.items())).encode())
-        for path in sorted(p for p in environment_dir.rglob("*") if p.is_file() or p.is_symlink()):
-            rel = path.relative_to(environment_dir).as_posix()
-            digest.update(rel.encode() + b"\0")
-            if path.is_symlink():
-                digest.update(b"link:" + os.readlink(path).encode())
-            else:
-                digest.update(oct(path.stat().st_mode & 0o777).encode())
-                digest.update(hashlib.sha256(path.read_bytes()).digest())
+        _hostfs.hash_tree(digest, environment_dir)
         return digest.hexdigest()[:24]
 
     # -- public ----------------------------------------------------------------
@@ -309,9 +302,7 @@ class ImageBuilder:
                     name, _, default = ins.value.partition("=")
                     state.args.setdefault(name.strip(), default.strip().strip('"'))
                 elif ins.keyword == "ENV":
-                    state.env.update(
-                        {k: _substitute(v, variables) for k, v in _parse_env(ins.value).items()}
-                    )
+                    state.env.update({k: _substitute(v, variables) for k, v in _parse_env(ins.value).items()})
                 elif ins.keyword == "WORKDIR":
                     target = _substitute(ins.value.strip('"'), variables)
                     state.workdir = str(PurePosixPath(state.workdir) / target)
@@ -439,9 +430,7 @@ def _apt_satisfied(command: str, fail, ins: Instruction) -> bool:
 def _host_has_package(name: str) -> bool:
     if not shutil.which("dpkg-query"):
         return False
-    result = subprocess.run(
-        ["dpkg-query", "-W", "-f=${Status}", name], capture_output=True, text=True, check=False
-    )
+    result = subprocess.run(["dpkg-query", "-W", "-f=${Status}", name], capture_output=True, text=True, check=False)
     return "install ok installed" in result.stdout
 
 
@@ -489,8 +478,7 @@ def make_venv(path: Path, location: str, layer: str | None = None) -> None:
     bin_dir.mkdir(parents=True, exist_ok=True)
     site.mkdir(parents=True, exist_ok=True)
     (path / "pyvenv.cfg").write_text(
-        f"home = {os.path.dirname(sandbox_python())}\ninclude-system-site-packages = true\n"
-        f"version = {version}\n"
+        f"home = {os.path.dirname(sandbox_python())}\ninclude-system-site-packages = true\nversion = {version}\n"
     )
     for name in ("python", "python3", f"python{version}"):
         link = bin_dir / name

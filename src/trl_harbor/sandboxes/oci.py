@@ -47,6 +47,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from trl_harbor.sandboxes import _hostfs
 from trl_harbor.sandboxes._bwrap import SYSTEM_PATH, SandboxUnavailableError, _unmount_under, remove_tree
 
 logger = logging.getLogger(__name__)
@@ -308,14 +309,7 @@ class ImageStore:
         digest = hashlib.sha256()
         digest.update(f"{BUILDER_VERSION};trust={self.host_trust};".encode())
         digest.update(json.dumps(sorted(self.build_args.items())).encode())
-        for path in sorted(p for p in environment_dir.rglob("*") if p.is_file() or p.is_symlink()):
-            rel = path.relative_to(environment_dir).as_posix()
-            digest.update(rel.encode() + b"\0")
-            if path.is_symlink():
-                digest.update(b"link:" + os.readlink(path).encode())
-            else:
-                digest.update(oct(path.stat().st_mode & 0o777).encode())
-                digest.update(hashlib.sha256(path.read_bytes()).digest())
+        _hostfs.hash_tree(digest, environment_dir)
         return digest.hexdigest()[:24]
 
     def _signature(self, environment_dir: Path) -> tuple:
