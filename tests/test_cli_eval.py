@@ -207,7 +207,9 @@ def test_eval_a_local_checkpoint_without_an_endpoint(tmp_path: Path, copy_tasks,
 
 
 @requires_local
-def test_eval_several_suites_each_on_its_own(tmp_path: Path, copy_tasks, endpoint: ScriptedEndpoint, close_sandboxes) -> None:
+def test_eval_several_suites_each_on_its_own(
+    tmp_path: Path, copy_tasks, endpoint: ScriptedEndpoint, close_sandboxes
+) -> None:
     first = copy_tasks("http_500_count", dest="first")
     second = copy_tasks("priciest_product", dest="second")
     out = tmp_path / "eval"

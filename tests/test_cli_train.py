@@ -248,5 +248,9 @@ def test_several_datasets_are_mixed_with_weights(tmp_path: Path, copy_tasks, clo
     history = json.loads((out / "log_history.json").read_text())
     logged = {key for record in history for key in record}
     assert {"harbor/suite/first/reward", "harbor/suite/second/reward"} & logged, sorted(logged)
-    assert cli_main([*argv[:6], "--dataset_weights", "1", "--output_dir", str(tmp_path / "x")]) == 2  # one weight, two suites
-    assert cli_main(["train", "--dataset", str(first), str(second), "--output_dir", str(tmp_path / "y")]) == 2  # demo: one suite
+    assert (
+        cli_main([*argv[:6], "--dataset_weights", "1", "--output_dir", str(tmp_path / "x")]) == 2
+    )  # one weight, two suites
+    assert (
+        cli_main(["train", "--dataset", str(first), str(second), "--output_dir", str(tmp_path / "y")]) == 2
+    )  # demo: one suite

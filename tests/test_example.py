@@ -31,4 +31,3 @@ def test_example_trains_under_accelerate_with_two_processes(tmp_path: Path) -> N
     # running beside this one), never to one that has exited.
     left = [name for name in set(os.listdir(state_root())) - before if not _alive(int(name.split("-", 1)[0]))]
     assert left == []
-

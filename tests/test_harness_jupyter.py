@@ -22,7 +22,7 @@ from conftest import (
     trl_tools,
 )
 
-from sandbox_helpers import live_processes_with
+from sandbox_helpers import live_processes_with, wait_until
 from trl_harbor import close_all
 from trl_harbor.agents import resolve_agent
 
@@ -168,15 +168,15 @@ def test_scripted_episode_solves_the_task_and_leaves_no_process(env_cls: type, c
     assert env.execute_shell_command("cat /workdir/answer.txt") == GOLD_ANSWER
     spawn = f"import subprocess\np = subprocess.Popen(['sh', '-c', 'sleep 600 # {marker}'])"
     env.add_and_execute_code_cell(spawn)
-    assert live_processes_with(marker)
+    assert wait_until(lambda: live_processes_with(marker))
     assert live_processes_with("kernel_server.py")
     assert env.reward == 1.0
 
     env.reset(task_dir=GOLD_DIR)  # the old sandbox, its kernel and the kernel's children are gone
     assert no_process_left(marker) == []
     assert "NameError" in env.add_and_execute_code_cell("answer")  # a fresh kernel
-    env.add_and_execute_code_cell(spawn)
-    assert live_processes_with(marker)
+    spawned = env.add_and_execute_code_cell(spawn)
+    assert wait_until(lambda: live_processes_with(marker)), spawned
     close_all()
     assert no_process_left(marker) == []
 

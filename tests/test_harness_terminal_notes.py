@@ -20,7 +20,7 @@ from conftest import (
     trl_tools,
 )
 
-from sandbox_helpers import live_processes_with
+from sandbox_helpers import live_processes_with, wait_until
 from trl_harbor import close_all
 from trl_harbor.agents import resolve_agent
 
@@ -193,16 +193,20 @@ def test_scripted_episode_solves_the_task_and_leaves_no_process(env_cls: type, c
     assert answer == GOLD_ANSWER
     env.append_note("plan", f"answer {answer}")
     assert env.shell_write_content_to_file("/workdir/answer.txt", answer) == "Wrote 5 bytes to /workdir/answer.txt."
-    env.shell_exec(f"sleep 600 # {marker}", blocking=False)
-    assert live_processes_with(marker), "the background process must run on the host, in the sandbox"
+    started = env.shell_exec(f"sleep 600 # {marker}", blocking=False)
+    assert started.startswith("Started background process"), started
+    assert wait_until(lambda: live_processes_with(marker)), (
+        "the background process must run on the host, in the sandbox"
+    )
     assert env.reward == 1.0
 
     env.reset(task_dir=GOLD_DIR)  # a new episode: the old sandbox and its processes are gone
     assert no_process_left(marker) == []
     assert env.list_note() == "(no notes yet)"
     assert env.shell_view(pid).startswith("Error: no background process")
-    env.shell_exec(f"sleep 600 # {marker}", blocking=False)
-    assert live_processes_with(marker)
+    started = env.shell_exec(f"sleep 600 # {marker}", blocking=False)
+    assert started.startswith("Started background process"), started
+    assert wait_until(lambda: live_processes_with(marker)), env.shell_view(started.split("PID=")[1].split(".")[0])
     close_all()
     assert no_process_left(marker) == []
 

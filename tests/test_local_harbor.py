@@ -38,7 +38,9 @@ def test_every_bundled_task_scores_one_with_oracle_and_zero_with_nothing() -> No
 def test_check_reports_a_task_whose_grader_accepts_doing_nothing(tmp_path: Path, capsys) -> None:
     good = make_task(tmp_path / "suite", name="good")
     lenient = make_task(tmp_path / "suite", name="lenient")
-    (lenient / "tests" / "test.sh").write_text("#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n")
+    (lenient / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n"
+    )
     broken = make_task(tmp_path / "suite", name="broken_oracle")
     (broken / "solution" / "solve.sh").write_text("#!/bin/bash\necho wrong > /workdir/answer.txt\n")
     status = cli_main(["check", str(tmp_path / "suite"), "-e", "local"])

@@ -19,7 +19,8 @@ def _wheel(path: Path, name: str = "layerpkg", value: str = "7") -> Path:
         archive.writestr(f"{name}.py", f"VALUE = {value}\n")
         archive.writestr(f"{name}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
         archive.writestr(
-            f"{name}-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+            f"{name}-1.0.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
         )
         archive.writestr(f"{name}-1.0.dist-info/RECORD", "")
     return wheel
@@ -136,7 +137,9 @@ def test_apt_install_of_packages_the_host_has_is_a_no_op(tmp_path: Path) -> None
 def test_failing_run_names_the_line_and_output(tmp_path: Path) -> None:
     dockerfile = "FROM python:3.12\nWORKDIR /app\nRUN echo preparing && false\n"
     task = make_task(tmp_path / "tasks", dockerfile=dockerfile)
-    with pytest.raises(ImageBuildError, match=r"(?s)Dockerfile:3: .*exit code 1.*docker.*Output of the step:\npreparing"):
+    with pytest.raises(
+        ImageBuildError, match=r"(?s)Dockerfile:3: .*exit code 1.*docker.*Output of the step:\npreparing"
+    ):
         run(ImageBuilder(tmp_path / "cache").get(task / "environment", "demo"))
 
 

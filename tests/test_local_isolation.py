@@ -89,7 +89,7 @@ def test_no_network_cannot_reach_host_loopback(task: Path, tmp_path: Path, loopb
         await env.start(force_build=False)
         try:
             probe = await env.exec(
-                "python3 -c \"import socket,sys\n"
+                'python3 -c "import socket,sys\n'
                 f"for host in ('127.0.0.1', '10.0.2.2'):\n"
                 "  s = socket.socket(); s.settimeout(2)\n"
                 f"  try: s.connect((host, {port})); print('reached', host)\n"
@@ -117,7 +117,7 @@ def test_network_allowed_task_still_cannot_reach_host_loopback(tmp_path: Path, l
             links = await env.exec("cat /proc/net/dev")
             assert "tap0" in links.stdout  # its own user-mode network stack
             probe = await env.exec(
-                "python3 -c \"import socket\n"
+                'python3 -c "import socket\n'
                 "for host in ('127.0.0.1', '10.0.2.2'):\n"
                 "  s = socket.socket(); s.settimeout(2)\n"
                 f"  try: s.connect((host, {port})); print('reached', host)\n"
