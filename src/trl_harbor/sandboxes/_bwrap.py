@@ -43,6 +43,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
+from trl_harbor.sandboxes import _storage
+
 logger = logging.getLogger(__name__)
 
 LAYER_VENV = "/opt/venv-layer"
@@ -420,6 +422,10 @@ class BoxConfig:
         network_switchable: The network may be switched between ``"none"`` and ``"user"``
             while the box runs (:meth:`Box.set_network`), e.g. no network for the agent and
             the task's network for its verifier.
+        storage_mb: Bound on what the box writes to its tree, or ``None``: each of its files
+            (``RLIMIT_FSIZE``) and, polled by the host's storage guard (``_storage.py``), their
+            total; a box past it is killed. Boxes with a bound are also killed when the host's
+            free space falls under its reserve and they wrote the most.
     """
 
     rootfs: Path
@@ -433,6 +439,7 @@ class BoxConfig:
     extra_ro_binds: list[tuple[str, str]] = field(default_factory=list)
     image_root: bool = False
     network_switchable: bool = False
+    storage_mb: int | None = None
 
 
 #: uids and gids an image-rooted box maps (identity: the image root's owners are kept).
@@ -461,6 +468,8 @@ class Box:
         self.closed = False
         #: Host mounts (the copy-on-write root) to detach when the box goes.
         self.mounts: list[Path] = []
+        #: Why the storage guard killed the box (see ``_storage.py``), or ``None``.
+        self.storage_reason: str | None = None
 
     # -- start -----------------------------------------------------------------
 
@@ -522,6 +531,9 @@ class Box:
         # No writable cgroups (not root): bound each process's address space instead.
         return self.config.memory_mb * 1024 * 1024 * 2
 
+    def _file_size_limit(self) -> int:
+        return (self.config.storage_mb or 0) * 1024 * 1024
+
     async def start(self) -> None:
         """Start bubblewrap and the supervisor, and wait until it accepts commands.
 
@@ -558,7 +570,7 @@ class Box:
         else:
             supervisor = [sandbox_python(), "-I", "-S", "-"]
         command = [*_pdeathsig_prefix(), *self._bwrap_args(info_w, block_r)] + [
-            *supervisor, str(listener.fileno()), str(self._address_space_limit())
+            *supervisor, str(listener.fileno()), str(self._address_space_limit()), str(self._file_size_limit())
         ]  # fmt: skip
         pass_fds = [listener.fileno()] + [fd for fd in (info_w, exe_fd, block_r) if fd is not None]
         try:
@@ -618,6 +630,10 @@ class Box:
                 # Only once bubblewrap has finished setting up the namespace's loopback:
                 # configuring it concurrently races on netlink.
                 await self._start_user_network(child_pid)
+            if self.config.storage_mb:
+                # What the box holds now (the task's files) is its baseline: its bound counts what it writes.
+                tree = self.owned_dir or self.config.rootfs
+                await asyncio.to_thread(_storage.GUARD.watch, self, tree, self._file_size_limit())
         except BaseException:
             await self.kill()
             raise
@@ -781,14 +797,39 @@ class Box:
         return (await self._control("ps"))["stdout"].split()
 
     def resource_exhaustion(self) -> str | None:
-        """Which of its limits (memory, processes) the box ran into, or ``None``.
+        """Which of its limits (memory, processes, storage) the box ran into, or ``None``.
 
-        Read from its cgroups' event counters (so only where cgroups are in use, i.e. as root).
+        Memory and processes are read from its cgroups' event counters (so only where cgroups are
+        in use, i.e. as root); storage is what the storage guard killed it for (with or without root).
 
         Returns:
             A short description, or ``None``.
         """
-        return self._cgroups.exhaustion()
+        found = [reason for reason in (self.storage_reason, self._cgroups.exhaustion()) if reason]
+        return "; ".join(found) or None
+
+    def storage_exhausted(self, reason: str) -> None:
+        """Kill the box because it wrote past its storage bound or into the host's reserve (the guard's call).
+
+        Its tree is removed at once, giving the space back to the host.
+
+        Args:
+            reason: What it ran into, reported by :meth:`resource_exhaustion`.
+        """
+        self.storage_reason = reason
+        pids = self.host_pids()
+        self._signal_all()
+        # Its tree cannot be removed while the dying box still has it mounted (EBUSY).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.005)
+        self.kill_now()
+
+    def host_pids(self) -> list[int]:
+        """Host PIDs of the box's processes (bubblewrap and its descendants); empty once stopped."""
+        if self.closed or self._bwrap_pid is None:
+            return []
+        return _process_tree(self._bwrap_pid)
 
     async def kill_processes(self, keep: Sequence[str] = ()) -> int:
         """Kill every process in the box except its supervisor and ``keep``, until none is left.
@@ -826,6 +867,7 @@ class Box:
         if self.closed:
             return
         self.closed = True
+        _storage.GUARD.forget(self)
         self._signal_all()
         self._cgroups.kill_and_remove()
         self._cleanup_files()
@@ -840,6 +882,7 @@ class Box:
         if self.closed:
             return
         self.closed = True
+        _storage.GUARD.forget(self)
         self._signal_all()
         for proc in (self._slirp, self._proc):
             if proc is not None:
@@ -882,6 +925,14 @@ def _process_tree(pid: int) -> list[int]:
                 with contextlib.suppress(OSError):
                     stack += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
     return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _join_cgroups(procs_files: list[Path], pids: list[int]) -> None:

@@ -7,7 +7,7 @@
  * cached by source hash; it is passed to bubblewrap as an open file descriptor, so
  * it appears nowhere in the sandbox's file system.
  *
- *   usage: supervisor LISTEN_FD AS_LIMIT_BYTES
+ *   usage: supervisor LISTEN_FD AS_LIMIT_BYTES [FSIZE_LIMIT_BYTES]
  *
  * It runs as PID 1 of the sandbox's PID namespace (bubblewrap --as-pid-1): the
  * kernel never delivers SIGKILL or SIGSTOP to a namespace's init from inside it,
@@ -441,6 +441,19 @@ int main(int argc, char **argv) {
             setrlimit(RLIMIT_AS, &rl);
         }
     }
+    if (argc > 3) {
+        /* The sandbox's storage bound: no single file grows past it, however fast it is
+         * written (the host's storage guard bounds the total by polling). Commands cannot
+         * raise it: they run without CAP_SYS_RESOURCE. */
+        unsigned long long limit = strtoull(argv[3], NULL, 10);
+        if (limit) {
+            struct rlimit rl = {limit, limit};
+            setrlimit(RLIMIT_FSIZE, &rl);
+        }
+    }
+    /* Inherited through execve: a write past the file-size limit fails with EFBIG ("File too
+     * large") instead of killing the writer with SIGXFSZ, as under Python. */
+    signal(SIGXFSZ, SIG_IGN);
     fcntl(listener, F_SETFD, FD_CLOEXEC);
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* inherited by handlers, reset by a command's execve */
     signal(SIGCHLD, SIG_IGN); /* handlers and orphans are reaped by the kernel */

@@ -11,7 +11,7 @@ kernel protects from SIGKILL and SIGSTOP sent from inside the namespace, so the
 agent cannot kill it; it makes itself non-dumpable, and commands run without
 CAP_SYS_PTRACE, so the agent cannot trace it either. The host hands it an already
 listening Unix socket (descriptor number in ``argv[1]``; ``argv[2]`` is an
-address-space limit in bytes, 0 for none). Each
+address-space limit in bytes, ``argv[3]`` a file-size limit in bytes, 0 for none). Each
 connection carries one command, little-endian:
 
     request:  u32 size | u32 timeout_ms (0: none) | u32 cap | u32 n | n x (u32 len | bytes)
@@ -311,6 +311,16 @@ def main():
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    file_limit = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    if file_limit:
+        import resource
+
+        # The sandbox's storage bound: no single file grows past it (the host's storage guard
+        # bounds the total); commands cannot raise it without CAP_SYS_RESOURCE.
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
+    # Inherited through execve: a write past the limit fails with EFBIG instead of killing the
+    # writer (Python ignores SIGXFSZ already; said here so both supervisors visibly agree).
+    _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)
     _signal.signal(_signal.SIGCHLD, _signal.SIG_IGN)  # handlers are reaped by the kernel
     _signal.signal(_signal.SIGPIPE, _signal.SIG_IGN)
     os.write(1, b"ready\n")

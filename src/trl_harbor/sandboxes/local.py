@@ -109,6 +109,9 @@ class LocalEnvironmentOptions(EnvironmentOptions):
         output_cap_bytes: Output kept per stream and command (head and tail); the rest
             is read and dropped, so a command printing gigabytes cannot exhaust memory.
         default_memory_mb: Memory limit when the task sets none.
+        default_storage_mb: Bound on what a sandbox writes (its root, ``/tmp``) when the task's
+            ``[environment] storage_mb`` sets none: one file past it fails (``EFBIG``), a sandbox
+            whose files add up past it is killed and its rollout scores 0. Holds without root.
         pids_max: Maximum number of processes in one sandbox (fork-bomb containment).
         cache_dir: Where built layers and images are cached (default ``~/.cache/trl-harbor``).
         root: What the sandbox's ``/`` is. ``"image"``: the task's image, built from its
@@ -122,6 +125,7 @@ class LocalEnvironmentOptions(EnvironmentOptions):
 
     output_cap_bytes: int = Field(default=1 << 20, ge=1024)
     default_memory_mb: int | None = Field(default=4096, ge=16)
+    default_storage_mb: int | None = Field(default=10240, ge=16)
     pids_max: int | None = Field(default=2048, ge=16)
     cache_dir: str | None = None
     root: Literal["host", "image"] = "host"
@@ -270,6 +274,7 @@ class LocalEnvironment(BaseEnvironment):
                 cpus=float(cpus) if cpus else None,
                 pids_max=self.local_options.pids_max,
                 hostname=_hostname(self.environment_name),
+                storage_mb=self._storage_mb,
             ),
             self._dir / "run",
             name=self._dir.name,
@@ -281,6 +286,10 @@ class LocalEnvironment(BaseEnvironment):
             await self._teardown()
             raise
         await self._upload_environment_dir_after_start()
+
+    @property
+    def _storage_mb(self) -> int | None:
+        return self._effective_storage_mb or self.local_options.default_storage_mb
 
     async def _start_on_image(self, force_build: bool) -> None:
         store = _store(self.local_options.cache_dir, self.local_options.host_trust)
@@ -305,6 +314,7 @@ class LocalEnvironment(BaseEnvironment):
                 cpus=float(cpus) if cpus else None,
                 pids_max=self.local_options.pids_max,
                 hostname=_hostname(self.environment_name),
+                storage_mb=self._storage_mb,
                 extra_ro_binds=binds,
                 image_root=True,
             ),
@@ -488,13 +498,14 @@ class LocalEnvironment(BaseEnvironment):
     # -- what the verifier can trust -------------------------------------------
 
     async def resource_exhaustion(self) -> str | None:
-        """Which of the sandbox's limits its processes ran into (memory, processes), or ``None``.
+        """Which of the sandbox's limits its processes ran into (memory, processes, storage), or ``None``.
 
         A sandbox that stopped answering after its agent exhausted its limits (e.g. its memory
-        cgroup killed the supervisor) is the agent's doing, not an infrastructure failure.
+        cgroup killed the supervisor, or the storage guard killed it for writing past its
+        ``storage_mb``) is the agent's doing, not an infrastructure failure.
 
         Returns:
-            A short description, or ``None`` (also where no cgroups are in use).
+            A short description, or ``None`` (memory and processes: only where cgroups are in use).
         """
         return None if self._box is None else self._box.resource_exhaustion()
 

@@ -1,0 +1,238 @@
+"""Storage bounds of the local sandbox, with and without root (issue #13), on real sandboxes.
+
+A sandbox's writable tree lives on the host's ``/dev/shm``: each file is bounded by ``RLIMIT_FSIZE``
+and the total by the host-side storage guard (``trl_harbor.sandboxes._storage``), which also keeps
+a reserve of free space for the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sandbox_helpers import REPO, make_task, open_env, run, wait_until
+from trl_harbor.sandboxes import _storage
+from trl_harbor.sandboxes.local import SandboxCommandError
+
+BOUND_MB = 64
+
+
+@pytest.fixture
+def task(tmp_path: Path) -> Path:
+    return make_task(tmp_path / "tasks")
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes on task images need root")
+
+
+@pytest.fixture(
+    params=[("host", "c"), ("host", "python"), pytest.param(("image", "c"), marks=needs_root)],
+    ids=["host-c", "host-python", "image"],
+)
+def root(request, monkeypatch) -> str:
+    """The sandbox's root, with the compiled supervisor and (host root) its Python fallback."""
+    from trl_harbor.sandboxes import _bwrap
+
+    kind, supervisor = request.param
+    if supervisor == "python":
+        monkeypatch.setenv("TRL_HARBOR_SUPERVISOR", "python")
+    _bwrap.supervisor_binary.cache_clear()
+    yield kind
+    _bwrap.supervisor_binary.cache_clear()
+
+
+def test_one_file_stops_at_the_bound_and_the_sandbox_lives(task: Path, tmp_path: Path, root: str) -> None:
+    async def scenario():
+        env = open_env(task, tmp_path, default_storage_mb=BOUND_MB, root=root)
+        await env.start(force_build=False)
+        try:
+            big = await env.exec("dd if=/dev/zero of=/workdir/big bs=1M count=100")
+            assert big.return_code != 0, big
+            assert "File too large" in big.stderr, big.stderr
+            size = await env.exec("stat -c %s /workdir/big")
+            assert int(size.stdout) == BOUND_MB << 20
+            # At its bound, not past it: the guard leaves the sandbox alone.
+            await asyncio.sleep(3 * _storage.POLL_SEC)
+            alive = await env.exec("rm /workdir/big && echo alive")
+            assert alive.stdout.strip() == "alive"
+            assert await env.resource_exhaustion() is None
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("root", ["host", pytest.param("image", marks=needs_root)])
+def test_many_files_past_the_bound_kill_that_sandbox_alone(task: Path, tmp_path: Path, root: str) -> None:
+    async def scenario():
+        hog = open_env(task, tmp_path, default_storage_mb=BOUND_MB, root=root)
+        neighbour = open_env(task, tmp_path, default_storage_mb=BOUND_MB, root=root)
+        await asyncio.gather(hog.start(force_build=False), neighbour.start(force_build=False))
+        hog_tree = hog._dir
+        filling = True
+
+        async def fill() -> None:
+            nonlocal filling
+            try:
+                with pytest.raises(SandboxCommandError):
+                    # 1 MB files, 5 x the bound: none of them runs into RLIMIT_FSIZE.
+                    await hog.exec(
+                        f"mkdir /workdir/fill; for i in $(seq {5 * BOUND_MB}); do "
+                        "head -c 1M /dev/zero > /workdir/fill/$i || exit 1; done; echo filled"
+                    )
+            finally:
+                filling = False
+
+        async def work() -> int:
+            answers = 0
+            while filling:
+                result = await neighbour.exec("head -c 100K /dev/zero > /tmp/scratch && echo ok")
+                assert result.stdout.strip() == "ok"
+                answers += 1
+            return answers
+
+        try:
+            _, answers = await asyncio.gather(fill(), work())
+            assert answers > 0
+            reason = await hog.resource_exhaustion()
+            assert reason is not None and reason.startswith("its storage limit: wrote "), reason
+            assert reason.endswith(f"(limit {BOUND_MB} MB)"), reason
+            # Its tree is removed by the guard as the sandbox dies: the space goes back to the host.
+            assert wait_until(lambda: not hog_tree.exists()), "the killed sandbox's tree was not removed"
+            after = await neighbour.exec("echo still-here")
+            assert after.stdout.strip() == "still-here"
+            assert await neighbour.resource_exhaustion() is None
+        finally:
+            await asyncio.gather(hog.stop(delete=True), neighbour.stop(delete=True))
+
+    run(scenario())
+
+
+# Run as an unprivileged user (no cgroups, no root) on a small tmpfs standing in for /dev/shm.
+_UNPRIVILEGED_SCRIPT = textwrap.dedent(
+    """\
+    import asyncio, json, os, sys, threading, time
+    from pathlib import Path
+
+    sys.path.insert(0, sys.argv[2])
+    from sandbox_helpers import make_task, open_env
+    from trl_harbor.sandboxes import _storage
+    from trl_harbor.sandboxes.local import SandboxCommandError
+
+    work, state = Path(sys.argv[1]), os.environ["TRL_HARBOR_STATE_DIR"]
+    lowest = [float("inf")]
+    sampling = True
+
+    def sample():
+        while sampling:
+            info = os.statvfs(state)
+            lowest[0] = min(lowest[0], info.f_bavail * info.f_frsize)
+            time.sleep(0.001)
+
+    async def fill(storage_mb, files, name):
+        # The host root: what runs without root (task images need it for now).
+        env = open_env(make_task(work / name), work, default_storage_mb=storage_mb, root="host")
+        await env.start(force_build=False)
+        killed = False
+        try:
+            # Goes on past errors (ENOSPC), then waits: only the guard can end it early.
+            await env.exec(
+                f"mkdir /workdir/fill; for i in $(seq {files}); do head -c 1M /dev/zero > /workdir/fill/$i; done;"
+                " sleep 5", timeout_sec=60
+            )
+        except SandboxCommandError:
+            killed = True
+        reason = await env.resource_exhaustion()
+        await env.stop(delete=True)
+        return killed, reason
+
+    async def main():
+        global sampling
+        total = os.statvfs(state).f_blocks * os.statvfs(state).f_frsize
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        per_box = await fill(64, int(total * 0.95) >> 20, "per-box")
+        sampling = False
+        thread.join()
+        floor_per_box = lowest[0]
+        reserve_kill = await fill(4096, int(total * 0.95) >> 20, "reserve")
+        info = os.statvfs(state)
+        print(json.dumps({
+            "uid": os.geteuid(), "reserve": _storage.host_reserve(total), "lowest_free": floor_per_box,
+            "per_box": per_box, "reserve_kill": reserve_kill, "free_after": info.f_bavail * info.f_frsize,
+            "total": total,
+        }))
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user needs root (as non-root, every test here is)")
+@pytest.mark.skipif(shutil.which("setpriv") is None or shutil.which("unshare") is None, reason="needs util-linux")
+def test_without_root_a_filled_sandbox_is_killed_and_the_host_keeps_its_reserve() -> None:
+    nobody = 65534
+    work = Path(tempfile.mkdtemp(prefix="trl-harbor-unprivileged-"))
+    try:
+        for name in ("home", "tmp", "cache", "state"):
+            (work / name).mkdir()
+        (work / "script.py").write_text(_UNPRIVILEGED_SCRIPT)
+        subprocess.run(["chown", "-R", f"{nobody}:{nobody}", str(work)], check=True)
+        os.chmod(work, 0o755)
+        base = Path(sys.base_prefix).resolve()
+        # In a private mount namespace: a 256 MB tmpfs as the state root (never the host's /dev/shm), and,
+        # when this interpreter lives in root's home (pyenv), that home hidden behind an empty tmpfs
+        # with only the interpreter bound back, so that the unprivileged user can run it.
+        setup = f"mount -t tmpfs -o size=256m,mode=0755 trl-harbor-test {work}/state && chown {nobody} {work}/state"
+        home = Path("/root")
+        if base.is_relative_to(home):
+            (work / "base").mkdir()
+            setup += (
+                f" && mount --bind {base} {work}/base && mount -t tmpfs -o mode=0755 tmpfs {home}"
+                f" && mkdir -p {base} && mount --bind {work}/base {base}"
+            )
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": f"{work}/home",
+            "TMPDIR": f"{work}/tmp",
+            "TRL_HARBOR_CACHE_DIR": f"{work}/cache",
+            "TRL_HARBOR_STATE_DIR": f"{work}/state",
+            "HARBOR_TELEMETRY": "0",
+        }
+        for name in ("TRL_HARBOR_STORAGE_GUARD", "TRL_HARBOR_SUPERVISOR"):
+            if name in os.environ:
+                env[name] = os.environ[name]
+        command = (
+            f"{setup} && exec setpriv --reuid={nobody} --regid={nobody} --clear-groups "
+            f"{sys.executable} {work}/script.py {work} {REPO / 'tests'}"
+        )
+        done = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "bash", "-c", command],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(REPO),
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        assert found["uid"] == nobody
+        killed, reason = found["per_box"]
+        assert killed, f"the sandbox filled the file system unchecked ({found})"
+        assert reason.startswith("its storage limit: wrote ") and reason.endswith("(limit 64 MB)"), reason
+        assert found["lowest_free"] >= found["reserve"], found
+        killed, reason = found["reserve_kill"]
+        assert killed, f"a sandbox under its own bound filled the host's reserve unchecked ({found})"
+        assert reason.startswith("the host's storage reserve: wrote "), reason
+        assert found["free_after"] >= found["total"] * 0.9, found
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
