@@ -71,6 +71,47 @@ def test_one_file_stops_at_the_bound_and_the_sandbox_lives(task: Path, tmp_path:
     run(scenario())
 
 
+def test_deleted_files_still_held_open_count(task: Path, tmp_path: Path) -> None:
+    # A file deleted while a process keeps it open still fills the file system; the tree no longer shows it.
+    async def scenario():
+        env = open_env(task, tmp_path, default_storage_mb=BOUND_MB, root="host")
+        await env.start(force_build=False)
+        try:
+            held = await env.exec(
+                "for i in 1 2; do (exec 3>/workdir/held$i; head -c 25M /dev/zero >&3; rm /workdir/held$i;"
+                " exec sleep 60) >/dev/null 2>&1 & done; sleep 0.5; ls /workdir"
+            )
+            assert "held" not in held.stdout
+            await asyncio.sleep(10 * _storage.POLL_SEC)
+            assert (await env.exec("echo alive")).stdout.strip() == "alive"  # 50 MB: under the bound
+            with pytest.raises(SandboxCommandError):
+                await env.exec("head -c 20M /dev/zero > /workdir/more; sleep 10")
+            reason = await env.resource_exhaustion()
+            assert reason is not None and reason.startswith("its storage limit: wrote "), reason
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_dev_is_read_only_and_dev_shm_is_bounded(task: Path, tmp_path: Path) -> None:
+    # bubblewrap's /dev is a tmpfs of its own: writable, it would hold files outside every bound.
+    async def scenario():
+        env = open_env(task, tmp_path, default_storage_mb=1024, root="host")
+        await env.start(force_build=False)
+        try:
+            dev = await env.exec("touch /dev/planted")
+            assert dev.return_code != 0 and "Read-only file system" in dev.stderr, dev
+            shm = await env.exec("head -c 100M /dev/zero > /dev/shm/big; echo rc=$?; stat -c %s /dev/shm/big")
+            assert "No space left on device" in shm.stderr, shm
+            assert int(shm.stdout.split()[-1]) == 64 << 20
+            assert (await env.exec("rm /dev/shm/big && echo ok")).stdout.strip() == "ok"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("root", ["host", pytest.param("image", marks=needs_root)])
 def test_many_files_past_the_bound_kill_that_sandbox_alone(task: Path, tmp_path: Path, root: str) -> None:
     async def scenario():

@@ -64,6 +64,8 @@ SANDBOX_CAPS = (
     "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
 )  # fmt: skip
 NetworkMode = Literal["none", "user", "host"]
+#: Size of ``/dev/shm`` in a box with a storage bound (Docker's default ``--shm-size``).
+DEV_SHM_BYTES = 64 << 20
 
 
 class SandboxError(RuntimeError):
@@ -385,16 +387,18 @@ class _Cgroups:
 
     def remove(self) -> None:
         for path in self.paths:
-            for _ in range(50):
+            # Killed processes leave the cgroup a moment after SIGKILL: on a loaded machine, more
+            # than a few tries' worth (a cgroup left behind stays until the next run's sweep).
+            deadline = time.monotonic() + 1
+            while True:
                 try:
                     path.rmdir()
                     break
                 except FileNotFoundError:
                     break
                 except OSError as error:
-                    if error.errno != errno.EBUSY:
+                    if error.errno != errno.EBUSY or time.monotonic() > deadline:
                         break
-                    # Killed processes leave the cgroup a moment after SIGKILL.
                     time.sleep(0.002)
         self.paths = []
 
@@ -425,7 +429,8 @@ class BoxConfig:
         storage_mb: Bound on what the box writes to its tree, or ``None``: each of its files
             (``RLIMIT_FSIZE``) and, polled by the host's storage guard (``_storage.py``), their
             total; a box past it is killed. Boxes with a bound are also killed when the host's
-            free space falls under its reserve and they wrote the most.
+            free space falls under its reserve and they wrote the most. Their ``/dev`` is
+            read-only but for ``/dev/shm``, a tmpfs of :data:`DEV_SHM_BYTES`.
     """
 
     rootfs: Path
@@ -511,6 +516,11 @@ class Box:
             resolv.write_text(f"nameserver {_SLIRP_GATEWAY_DNS}\n")
             args += ["--ro-bind", str(resolv), "/etc/resolv.conf"]
         args += ["--proc", "/proc", "--dev", "/dev"]
+        if c.storage_mb:
+            # bubblewrap's /dev is a tmpfs of its own, outside the box's tree and any bound but the
+            # memory cgroup's (as root): writable, its files would bypass the storage bound. So
+            # /dev is read-only, and /dev/shm a bounded tmpfs of Docker's default --shm-size.
+            args += ["--perms", "1777", "--size", str(DEV_SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         # As Docker does: the kernel's global knobs read-only, its leaky files masked. The box's
         # root is the host's uid 0 (in its own user namespace), which the kernel lets write
         # /proc/sys and /proc/sysrq-trigger unless they are read-only. /proc/sys, bound from
