@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, REPO, requires_local
 
-from sandbox_helpers import live_processes_with
+from sandbox_helpers import live_processes_with, wait_until
 from trl_harbor import HarborSpec, close_all
 from trl_harbor.env import infra_failures
 from trl_harbor.sandboxes._bwrap import state_root
@@ -176,6 +176,16 @@ print("mid-batch", flush=True)
 """
 
 
+def _as_a_foreground_job() -> None:
+    """In the child before it runs Python: Ctrl-C at its default, as for a script started from a terminal.
+
+    A process started in the background by a non-interactive shell (``pytest ... &``, ``nohup``)
+    ignores SIGINT, and its children inherit that: a Python that starts with SIGINT ignored never
+    raises ``KeyboardInterrupt``, so a SIGINT test would wait for its whole tool call.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run_script(tmp_path: Path, tail: str, marker: str) -> subprocess.Popen:
     script = tmp_path / "train.py"  # a file, so that the marker is not in this process's command line
     script.write_text(TRAINING_SCRIPT.format(suite=str(BUNDLED_SUITE), marker=marker, tail=tail))
@@ -186,7 +196,16 @@ def _run_script(tmp_path: Path, tail: str, marker: str) -> subprocess.Popen:
         text=True,
         cwd=REPO,
         env={**os.environ, "HARBOR_TELEMETRY": "0"},
+        preexec_fn=_as_a_foreground_job,  # one async-signal-safe call between fork and exec
     )
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process ``pid`` has a handler for ``signum`` (its ``SigCgt`` mask in ``/proc``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
 
 
 @requires_local
@@ -201,26 +220,63 @@ def test_script_ending_without_cleanup_exits_promptly_and_leaves_nothing(tmp_pat
 
 
 @requires_local
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_killing_training_mid_batch_leaves_nothing(tmp_path: Path, signum: int) -> None:
+@pytest.mark.parametrize(
+    ("signum", "run_in_background"),
+    [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGINT, True)],
+    ids=["SIGTERM", "SIGINT", "SIGINT-suite-run-in-background"],
+)
+def test_killing_training_mid_batch_leaves_nothing(tmp_path: Path, signum: int, run_in_background: bool) -> None:
     marker = f"{4000 + signum}.{os.getpid()}"
+    tool_call = f"sleep 6{marker}"  # a long sleep no other process of this test runs
     # Blocked in a tool call when the signal comes, as a trainer would be.
-    child = _run_script(tmp_path, 'envs[0].bash("sleep 600")', marker)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if run_in_background else None
+    try:  # ignoring SIGINT here, as a shell does for `pytest ... &`, and as the children then inherit
+        child = _run_script(tmp_path, f'envs[0].bash("{tool_call}")', marker)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     try:
         assert child.stdout.readline().strip() == "mid-batch"
         assert len(live_processes_with(f"sleep {marker}")) == 8
+        # The signal comes once the tool call's command runs, however slow the machine: the
+        # training script is then blocked in the call.
+        assert wait_until(lambda: live_processes_with(tool_call), timeout=60), "the tool call never started"
+        assert _catches(child.pid, signum), "the training script would ignore the signal (see _as_a_foreground_job)"
     except BaseException:
         child.kill()
+        child.communicate()
         raise
-    time.sleep(0.5)
     child.send_signal(signum)
-    child.communicate(timeout=120)
+    try:
+        child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
     assert child.returncode != 0
     deadline = time.monotonic() + 10
-    while live_processes_with(f"sleep {marker}") and time.monotonic() < deadline:
+    while (live_processes_with(f"sleep {marker}") or live_processes_with(tool_call)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not live_processes_with(f"sleep {marker}")
+    assert not live_processes_with(tool_call)
     assert _leftovers(child.pid) == []
+
+
+def test_a_process_started_with_sigterm_ignored_goes_on_ignoring_it() -> None:
+    # As a launcher may start it: trl-harbor's SIGTERM teardown must not turn an ignored SIGTERM
+    # into every sandbox stopped under a run that goes on.
+    probe = "import signal\nfrom trl_harbor import runtime\nruntime.get_loop()\nprint(repr(signal.getsignal(signal.SIGTERM)))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "HARBOR_TELEMETRY": "0"},
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == repr(signal.SIG_IGN)
 
 
 @requires_local

@@ -10,7 +10,9 @@ loop, so backend state created by one environment is valid for all the others.
 It also keeps a registry of teardown coroutines (:func:`register_cleanup`) that
 :func:`close_all` runs: on demand, at interpreter exit, and on SIGTERM (after which the
 signal's previous handler runs, or the process exits). Ctrl-C (SIGINT) raises
-``KeyboardInterrupt`` as usual, and the exit runs the teardowns.
+``KeyboardInterrupt`` as usual, and the exit runs the teardowns. A process started with a
+signal ignored keeps ignoring it (``pytest ... &`` from a script ignores SIGINT, and Python then
+never raises ``KeyboardInterrupt``).
 
 This module knows nothing about TRL, Harbor or the rest of the project.
 """
@@ -230,7 +232,9 @@ def _install_signal_handlers() -> None:
     for signum in (signal.SIGTERM,):
         with contextlib.suppress(ValueError, OSError):
             current = signal.getsignal(signum)
-            if current is _on_termination or current is None:
+            # Started with the signal ignored (as by its launcher), the process goes on ignoring it, as
+            # Python does with SIGINT: stopping every sandbox, then going on training, would break each rollout.
+            if current is _on_termination or current is None or current == signal.SIG_IGN:
                 continue
             _previous_handlers[signum] = current
             signal.signal(signum, _on_termination)
