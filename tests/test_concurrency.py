@@ -77,6 +77,11 @@ def test_concurrent_starts_are_bounded(tmp_path: Path) -> None:
 
 @requires_local
 def test_batch_verification_runs_concurrently_and_is_reused(tmp_path: Path) -> None:
+    # Each verifier run lasts longer than a loaded machine takes to start the six of them.
+    shutil.copytree(BUNDLED_SUITE / GOLD_TASK, tmp_path / "suite" / GOLD_TASK)
+    test_sh = tmp_path / "suite" / GOLD_TASK / "tests" / "test.sh"
+    shebang, _, rest = test_sh.read_text().partition("\n")
+    test_sh.write_text(f"{shebang}\nsleep 2\n{rest}")
     spec = _spec(tmp_path, [GOLD_TASK])
     envs = [spec.environment_factory() for _ in range(6)]
     for i, env in enumerate(envs):
