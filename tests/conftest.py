@@ -27,6 +27,28 @@ GOLD_ANSWER = "51.46"
 requires_local = pytest.mark.local
 
 
+@pytest.fixture(scope="session", autouse=True)
+def bundled_images() -> None:
+    """Build the bundled suite's images once, up front (the local sandbox's default root is the task's image).
+
+    A cold build (Debian bootstrapped with mmdebstrap where no registry is reachable, then one
+    shared ``apt-get install python3`` layer) takes about a minute; tests should not pay it inside
+    their own time limits. Cached builds take under a second. Where task images cannot be built
+    (not root, no buildah), nothing is built and the tests that need them fail with the reason.
+    """
+    if os.geteuid() != 0 or shutil.which("buildah") is None:
+        return
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_harbor.cli", "images", "build", str(BUNDLED_SUITE)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 @pytest.fixture(scope="session")
 def bundled_suite() -> Path:
     """Path of the bundled 15-task suite (examples/tasks)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import textwrap
 import time
 from pathlib import Path
@@ -18,16 +19,38 @@ REPO = Path(__file__).resolve().parents[1]
 BUNDLED_SUITE = REPO / "examples" / "tasks"
 
 
+def _base_dockerfile() -> str:
+    text = (BUNDLED_SUITE / "orders_count" / "environment" / "Dockerfile").read_text()
+    return text[: text.index("\nENV ")] + "\n"
+
+
+#: The bundled suite's first Dockerfile lines (Debian and python3): test tasks start with them,
+#: so that they share its cached layers (built once per machine) on the default image root.
+BASE_DOCKERFILE = _base_dockerfile()
+
+
 def run(coro):
     """Run a coroutine to completion on a fresh event loop."""
     return asyncio.run(coro)
+
+
+def count_processes_cmd(text: str) -> str:
+    """A shell command printing how many sandbox processes have ``text`` in their command line.
+
+    Reads ``/proc`` in the shell itself (task images have no procps, and a ``grep TEXT`` would
+    count itself); always prints a number, so a test that checks it cannot pass on a missing tool.
+    """
+    return (
+        "n=0; for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
+        f'case "$c" in *"for p in /proc"*) ;; *{shlex.quote(text)}*) n=$((n+1));; esac; done; echo $n'
+    )
 
 
 def make_task(
     root: Path,
     name: str = "demo",
     *,
-    dockerfile: str = "FROM python:3.12-slim\nWORKDIR /workdir\n",
+    dockerfile: str = BASE_DOCKERFILE + "WORKDIR /workdir\n",
     network_mode: str = "no-network",
     memory_mb: int | None = 512,
     files: dict[str, str] | None = None,

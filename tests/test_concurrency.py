@@ -7,6 +7,7 @@ happened, so these tests check what overlapped, never how fast anything was.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, REPO, requires_local
 
-from sandbox_helpers import live_processes_with, wait_until
+from sandbox_helpers import BASE_DOCKERFILE, live_processes_with, wait_until
 from trl_harbor import HarborSpec, close_all
 from trl_harbor.env import infra_failures
 from trl_harbor.sandboxes._bwrap import state_root
@@ -102,7 +103,7 @@ def _broken_tasks(tmp_path: Path) -> Path:
     shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "a_good")
     shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "b_cannot_start")
     (suite / "b_cannot_start" / "environment" / "Dockerfile").write_text(
-        "FROM python:3.12\nRUN apt-get install -y no-such-package-anywhere\n"
+        BASE_DOCKERFILE + "RUN apt-get install -y no-such-package-anywhere\n"
     )
     shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "c_verifier_crashes")
     (suite / "c_verifier_crashes" / "tests" / "test.sh").write_text("#!/bin/bash\necho crashing >&2\nexit 3\n")
@@ -265,6 +266,56 @@ def test_killing_training_mid_batch_leaves_nothing(tmp_path: Path, signum: int, 
     assert not live_processes_with(f"sleep {marker}")
     assert not live_processes_with(tool_call)
     assert _leftovers(child.pid) == []
+
+
+BLOCKED_SCRIPT = """
+import asyncio, fcntl, os
+from trl_harbor import runtime
+
+async def start():  # as a sandbox start waits for an image build another process holds
+    fd = os.open({lock!r}, os.O_RDWR)
+    print("waiting", flush=True)
+    await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+
+runtime.run(start())
+"""
+
+
+def _waiting_for_a_lock(pid: int) -> bool:
+    """Whether a thread of ``pid`` is blocked waiting for a ``flock`` (``/proc/locks`` lists it with ``->``)."""
+    return any(
+        "->" in line and line.split("->", 1)[1].split()[3] == str(pid)
+        for line in Path("/proc/locks").read_text().splitlines()
+    )
+
+
+def test_ctrl_c_exits_while_a_blocking_job_waits(tmp_path: Path) -> None:
+    # concurrent.futures joins its worker threads at exit, before atexit handlers run: a job of
+    # asyncio.to_thread blocked until teardown would hold Ctrl-C's exit, with nothing torn down.
+    lock = tmp_path / "build.lock"
+    lock.touch()
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED_SCRIPT.format(lock=str(lock)))
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # held until the child exits, or the test gives up
+        child = subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            preexec_fn=_as_a_foreground_job,  # one async-signal-safe call between fork and exec
+        )
+        try:
+            assert child.stdout.readline().strip() == "waiting", child.communicate()[1][-2000:]
+            assert wait_until(lambda: _waiting_for_a_lock(child.pid), timeout=60)
+            child.send_signal(signal.SIGINT)
+            _, err = child.communicate(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    assert child.returncode != 0 and "KeyboardInterrupt" in err, err[-2000:]
 
 
 def test_a_process_started_with_sigterm_ignored_goes_on_ignoring_it() -> None:

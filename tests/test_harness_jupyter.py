@@ -149,7 +149,11 @@ def test_a_kernel_that_cannot_start_is_reported_as_text(env_cls: type, close_san
 
 @requires_local
 def test_ipykernel_backend(env_cls: type, ipykernel_task: Path, close_sandboxes: None) -> None:
-    env = env_cls(environment_type="local", cell_timeout_sec=2, max_output_chars=2000)
+    # The host root: its sandbox venv takes the Dockerfile's `pip install` (from PyPI); the kernel
+    # back end is chosen the same way on a task image that has the two packages.
+    env = env_cls(
+        environment_type="local", environment_kwargs={"root": "host"}, cell_timeout_sec=2, max_output_chars=2000
+    )
     env.reset(task_dir=str(ipykernel_task))
     check_kernel(env, "ipykernel")
     for code in SOLVE_CELLS:

@@ -20,7 +20,7 @@ from conftest import (
     trl_tools,
 )
 
-from sandbox_helpers import live_processes_with, wait_until
+from sandbox_helpers import count_processes_cmd, live_processes_with, wait_until
 from trl_harbor import close_all
 from trl_harbor.agents import resolve_agent
 
@@ -143,7 +143,7 @@ def test_background_process_write_view_wait_kill(env) -> None:
     assert env.shell_kill_process(pid) == f"Killed PID {pid} and its child processes."
     view = env.shell_view(pid)
     assert "exited with code killed" in view and "never" not in view, view
-    assert "sleep 30" not in env.shell_exec("ps -eo args")
+    assert env.shell_exec(count_processes_cmd("sleep 30")).strip() == "0"
     assert env.shell_view("99999").startswith("Error: no background process with PID '99999'")
 
 

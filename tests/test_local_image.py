@@ -1,4 +1,4 @@
-"""How the local sandbox honours a task's Dockerfile: WORKDIR, ENV, COPY, RUN, caching, errors."""
+"""How the host root (`root="host"`) honours a task's Dockerfile: WORKDIR, ENV, COPY, RUN, caching, errors."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_parse_dockerfile_joins_continuations_and_skips_comments() -> None:
 
 def test_dockerfile_workdir_env_copy_and_run_are_honoured(task: Path, tmp_path: Path) -> None:
     async def scenario():
-        env = open_env(task, tmp_path)
+        env = open_env(task, tmp_path, root="host")
         await env.start(force_build=False)
         try:
             out = await env.exec(
@@ -80,7 +80,7 @@ def test_layers_are_built_once_and_shared(task: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
 
     async def scenario():
-        envs = [open_env(task, tmp_path, cache_dir=str(cache)) for _ in range(4)]
+        envs = [open_env(task, tmp_path, root="host", cache_dir=str(cache)) for _ in range(4)]
         await asyncio.gather(*(e.start(force_build=False) for e in envs))
         try:
             stamps = {(await e.exec("cat built-at")).stdout for e in envs}
@@ -106,7 +106,7 @@ def test_apt_install_of_missing_package_fails_with_a_clear_error(tmp_path: Path)
     task = make_task(tmp_path / "tasks", dockerfile=dockerfile)
 
     async def scenario():
-        env = open_env(task, tmp_path)
+        env = open_env(task, tmp_path, root="host")
         try:
             await env.start(force_build=False)
         finally:
@@ -124,7 +124,7 @@ def test_apt_install_of_packages_the_host_has_is_a_no_op(tmp_path: Path) -> None
     task = make_task(tmp_path / "tasks", dockerfile=dockerfile)
 
     async def scenario():
-        env = open_env(task, tmp_path)
+        env = open_env(task, tmp_path, root="host")
         await env.start(force_build=False)
         try:
             return (await env.exec("echo ok")).stdout

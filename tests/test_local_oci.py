@@ -104,6 +104,28 @@ def test_concurrent_requests_share_one_build(store, loopback_registry, tmp_path)
     assert len({image.record.built_at for image in images}) == 1
 
 
+def test_a_store_serves_one_event_loop_after_another_even_one_closed_mid_build(store, loopback_registry, tmp_path):  # noqa: F811
+    """The store is process-wide; callers come with their own loops (``asyncio.run`` per call).
+
+    A loop closed while one of its builds waited on the store must not leave it unusable for the next loop.
+    """
+    context = _context(tmp_path / "env", f"FROM {loopback_registry.base}\nRUN sleep 2 && date +%s%N > /stamp\n")
+
+    async def abandoned() -> None:
+        builds = [asyncio.ensure_future(store.get(context, "abandoned")) for _ in range(2)]
+        await asyncio.sleep(0.5)  # one build holds the store's lock for this content, one waits on it
+        for build in builds:
+            build.cancel()
+
+    async def two() -> list:
+        return await asyncio.wait_for(asyncio.gather(*(store.get(context, "next loop") for _ in range(2))), 300)
+
+    asyncio.run(abandoned())
+    images = asyncio.run(two())
+    assert (images[0].rootfs / "stamp").is_file()
+    assert [image.path for image in asyncio.run(two())] == [images[0].path] * 2
+
+
 def test_failing_run_names_the_dockerfile_and_output(store, loopback_registry, tmp_path):  # noqa: F811
     context = _context(tmp_path / "env", f"FROM {loopback_registry.base}\nRUN echo boom-marker >&2 && false\n")
     with pytest.raises(ImageBuildError) as error:

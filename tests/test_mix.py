@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local, trl_tools
 
+from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborBashEnv, HarborMix, HarborMixError, HarborSpec
 from trl_harbor.mix import harbor_mix_reward
 
@@ -193,7 +194,7 @@ def test_mix_reward_counts_infra_failures_per_suite(tmp_path: Path, close_sandbo
     good = make_suite(tmp_path / "good", GOLD_TASK)
     broken = make_suite(tmp_path / "broken", GOLD_TASK)
     (broken / GOLD_TASK / "environment" / "Dockerfile").write_text(
-        "FROM python:3.12\nRUN apt-get install -y no-such-package-anywhere\n"
+        BASE_DOCKERFILE + "RUN apt-get install -y no-such-package-anywhere\n"
     )
     mix = HarborSpec.mix([HarborSpec(good, environment_type="local"), HarborSpec(broken, environment_type="local")])
     rows = list(mix.train_dataset)

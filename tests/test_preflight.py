@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_TASK, requires_local, tiny_grpo_trainer
 
+from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborSpec, close_all
 from trl_harbor.env import HarborBashEnv
 from trl_harbor.preflight import BackendUnavailableError, InfrastructureFailureError, check_batch
@@ -97,7 +98,7 @@ def test_a_batch_lost_to_the_backend_stops_the_reward_function(tmp_path: Path, c
     suite = tmp_path / "suite"
     shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "a_good")
     shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "b_unstartable")
-    (suite / "b_unstartable" / "environment" / "Dockerfile").write_text("FROM python:3.12\nRUN exit 7\n")
+    (suite / "b_unstartable" / "environment" / "Dockerfile").write_text(BASE_DOCKERFILE + "RUN exit 7\n")
 
     def batch(spec: HarborSpec, names: list[str]) -> list:
         by_name = {p.name: str(p) for p in spec.task_dirs}

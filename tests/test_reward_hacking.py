@@ -80,6 +80,10 @@ SABOTAGE = {
 }
 HONEST = f"nohup sleep 600 >/dev/null 2>&1 & echo {GOLD} > /workdir/answer.txt"
 
+#: The exploits name the host root's paths (its /opt/venv is first on PATH); the image root's
+#: counterparts run in tests/adversarial/ (reward hacking on an image root).
+HOST_ROOT = {"environment_kwargs": {"root": "host"}}
+
 #: harness -> how a rollout runs one shell command through it.
 HARNESSES = {
     "bash": lambda env, command: env.bash(command),
@@ -122,7 +126,9 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _rollouts(suite: Path, harness: str, commands: dict[str, str]) -> dict[str, float | None]:
     """Run one batch: each command as a one-call rollout, plus an unstartable task; verify them together."""
-    spec = HarborSpec(suite, agent=harness, environment_type="local", env_kwargs={"command_timeout_sec": 30})
+    spec = HarborSpec(
+        suite, agent=harness, environment_type="local", env_kwargs={"command_timeout_sec": 30, **HOST_ROOT}
+    )
     by_name = {path.name: str(path) for path in spec.task_dirs}
     names = [*commands, "backend fault"]
     envs = [spec.environment_factory() for _ in names]
@@ -156,7 +162,7 @@ def test_every_exploit_scores_zero_and_the_honest_solution_one(
 
 @requires_local
 def test_jupyter_kernel_left_writing_the_reward_scores_zero(suite: Path, close_sandboxes: None) -> None:
-    spec = HarborSpec(suite, agent="jupyter", environment_type="local")
+    spec = HarborSpec(suite, agent="jupyter", environment_type="local", env_kwargs=HOST_ROOT)
     env = spec.environment_factory()
     env.reset(task_dir=str(spec.task_dirs[0]))
     code = (
@@ -195,7 +201,7 @@ def test_tampering_is_reported_with_its_changes_and_allowed_changes_are_honoured
     suite: Path, close_sandboxes: None
 ) -> None:
     task = str(next(p for p in HarborSpec(suite, environment_type="local").task_dirs if p.name == "guard"))
-    spec = HarborSpec(suite, environment_type="local")
+    spec = HarborSpec(suite, environment_type="local", env_kwargs=HOST_ROOT)
     env = spec.environment_factory()
     env.reset(task_dir=task)
     env.bash(f"{EXPLOITS['.pth plant']}; echo {GOLD} > /workdir/answer.txt")
@@ -214,7 +220,9 @@ def test_tampering_is_reported_with_its_changes_and_allowed_changes_are_honoured
     assert any("newpkg" in change for change in env.verification.changes) and not env.verification.tampered
 
     # What a task (or the user) declares may change is allowed.
-    allowing = HarborSpec(suite, environment_type="local", env_kwargs={"allowed_changes": ["*/site-packages/zz.pth"]})
+    allowing = HarborSpec(
+        suite, environment_type="local", env_kwargs={"allowed_changes": ["*/site-packages/zz.pth"], **HOST_ROOT}
+    )
     env = allowing.environment_factory()
     env.reset(task_dir=task)
     env.bash(f"echo 'import sys' > {SITE}/zz.pth; echo {GOLD} > /workdir/answer.txt")
@@ -305,7 +313,7 @@ def test_a_sandbox_the_rollout_filled_up_scores_zero_not_skipped(tmp_path: Path,
     shutil.copytree(Path(__file__).parent.parent / "examples" / "tasks" / "orders_count", task)
     toml = task / "task.toml"
     toml.write_text(toml.read_text().replace("memory_mb = 1024", "memory_mb = 96"))
-    spec = HarborSpec(root, environment_type="local")
+    spec = HarborSpec(root, environment_type="local")  # the default root: the task's image
     env = spec.environment_factory()
     env.reset(task_dir=str(task))
     env.bash("for i in $(seq 1 40); do head -c 8M /dev/zero > /root/fill$i || break; done; true")

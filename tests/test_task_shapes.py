@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import requires_local, tiny_grpo_trainer
 
+from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborSpec
 from trl_harbor.env import HarborBashStepsEnv
 from trl_harbor.suite import TaskSuiteError
@@ -27,7 +28,7 @@ def make_steps_task(root: Path, name: str = "two_steps", *, strategy: str | None
     """A two-step task: step `one` wants 1 in a.txt; step `two` (staged by its setup.sh) wants its token in b.txt."""
     task = root / name
     (task / "environment").mkdir(parents=True)
-    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /workdir\n")
+    (task / "environment" / "Dockerfile").write_text(BASE_DOCKERFILE + "WORKDIR /workdir\n")
     head = f'multi_step_reward_strategy = "{strategy}"\n' if strategy else ""
     gate_line = "min_reward = 1.0\n" if gate else ""
     (task / "task.toml").write_text(
@@ -276,7 +277,7 @@ def _single_task(root: Path, name: str, toml_extra: str = "", test_sh: str | Non
     task = root / name
     (task / "environment").mkdir(parents=True)
     (task / "tests").mkdir()
-    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /workdir\n")
+    (task / "environment" / "Dockerfile").write_text(BASE_DOCKERFILE + "WORKDIR /workdir\n")
     (task / "instruction.md").write_text("Write 7 to /workdir/answer.txt\n")
     (task / "task.toml").write_text(f'version = "1.0"\n{toml_extra}\n[environment]\nnetwork_mode = "no-network"\n')
     script = task / "tests" / "test.sh"
@@ -303,7 +304,7 @@ def test_a_separate_verifier_is_built_from_tests_dockerfile_and_gets_the_artifac
     )
     # Harbor's convention: a verifier image built from tests/ carries its tests itself.
     (task / "tests" / "Dockerfile").write_text(
-        "FROM python:3.12-slim\nRUN mkdir -p /verifier-only && touch /verifier-only/marker\nCOPY test.sh /tests/test.sh\n"
+        BASE_DOCKERFILE + "RUN mkdir -p /verifier-only && touch /verifier-only/marker\nCOPY test.sh /tests/test.sh\n"
     )
     spec = HarborSpec(task.parent, environment_type="local")
     env = spec.environment_factory()

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
 
+from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborBashEnv, HarborSpec, close_all
 from trl_harbor.env import infra_failures
 from trl_harbor.sandboxes._bwrap import state_root
@@ -289,7 +290,7 @@ def test_a_sandbox_that_cannot_start_costs_its_rollouts_alike(tmp_path: Path) ->
     shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "a_good")
     shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / "b_cannot_start")
     (suite / "b_cannot_start" / "environment" / "Dockerfile").write_text(
-        "FROM python:3.12\nRUN apt-get install -y no-such-package-anywhere\n"
+        BASE_DOCKERFILE + "RUN apt-get install -y no-such-package-anywhere\n"
     )
     scripted = [tool_call_text("bash", {"command": GOOD}), tool_call_text("bash", {"command": WRONG})]
     outcomes = {}

@@ -637,8 +637,8 @@ with open("data/invoices.csv", newline="") as fh:
             total += float(r["amount"])
 open("answer.txt", "w").write(f"{total:.2f}\\n")
 """,
-        difficulty=5, category="data-analysis", tags=["csv", "dates", "parsing", "pip"],
-        pip=["python-dateutil==2.9.0.post0"],
+        difficulty=5, category="data-analysis", tags=["csv", "dates", "parsing", "apt"],
+        apt=["python3-dateutil"],
     )
 
 
@@ -879,15 +879,25 @@ def render_instruction(spec: dict) -> str:
     )
 
 
+def _apt_install(packages) -> list[str]:
+    return [
+        "RUN apt-get update \\",
+        f" && apt-get install -y --no-install-recommends {' '.join(packages)} \\",
+        " && rm -rf /var/lib/apt/lists/*",
+    ]
+
+
 def render_dockerfile(spec: dict) -> str:
-    lines = [
-        "FROM python:3.12-slim",
+    # debian:bookworm-slim rather than python:3.x-slim: an offline machine that reaches a Debian
+    # mirror but no registry can still build it (the local backend bootstraps the base with
+    # mmdebstrap), and Docker pulls it as usual. The first RUN is the same in every task, so a
+    # builder's layer cache builds it once for the whole suite.
+    lines = ["FROM debian:bookworm-slim", "", *_apt_install(["python3"])]
+    if spec.get("apt"):
+        lines += _apt_install(spec["apt"])
+    lines += [
         "",
         "ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1",
-    ]
-    for req in spec.get("pip", []):
-        lines.append(f"RUN pip install --no-cache-dir {req}")
-    lines += [
         "",
         "WORKDIR /workdir",
         "COPY data/ /workdir/data/",

@@ -37,7 +37,7 @@ from adv_corpus import CASES, Case, Ctx, text
 from adv_table import RESULTS, Outcome, render
 from registry import loopback_registry  # noqa: F401 - the session fixture
 
-from sandbox_helpers import live_processes_with, wait_until
+from sandbox_helpers import BASE_DOCKERFILE, live_processes_with, wait_until
 from trl_harbor import HarborSpec, close_all
 
 #: Real sandboxes on the local backend (never skipped: where bubblewrap is missing they fail).
@@ -113,7 +113,8 @@ def _write_task(root: Path, name: str, gold: str, *, network: str, base: str | N
     (task / "environment").mkdir(parents=True)
     (task / "tests").mkdir()
     (task / "solution").mkdir()
-    (task / "environment" / "Dockerfile").write_text(f"FROM {base or 'python:3.12-slim'}\nWORKDIR /workdir\n")
+    dockerfile = f"FROM {base}\n" if base else BASE_DOCKERFILE
+    (task / "environment" / "Dockerfile").write_text(dockerfile + "WORKDIR /workdir\n")
     (task / "instruction.md").write_text("Write the answer to /workdir/answer.txt\n")
     (task / "task.toml").write_text(
         textwrap.dedent(
@@ -305,7 +306,7 @@ def run_corpus(arena: Arena, harness: str, label: str, cases: list[Case]) -> lis
 def arena(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Arena]:
     os.environ["TRL_HARBOR_ADVERSARIAL_CANARY"] = ENV_CANARY
     memory = [MEMORY_CANARY * 3]  # noqa: F841 - held in this process's memory while the corpus runs
-    arena = Arena(tmp_path_factory.mktemp("adversarial"))
+    arena = Arena(tmp_path_factory.mktemp("adversarial"), env_kwargs={"environment_kwargs": {"root": "host"}})
     yield arena
     arena.close()
     close_all()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborSpec, close_all
 from trl_harbor.suite import TaskSuiteError
 
@@ -51,7 +52,7 @@ def write_task(root: Path, name: str) -> Path:
     (task / "environment").mkdir(parents=True)
     (task / "tests").mkdir()
     (task / "solution").mkdir()
-    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /workdir\n")
+    (task / "environment" / "Dockerfile").write_text(BASE_DOCKERFILE + "WORKDIR /workdir\n")
     (task / "instruction.md").write_text("Write the answer to /workdir/answer.txt\n")
     (task / "task.toml").write_text(TASK_TOML)
     (task / "tests" / "test.sh").write_text(GOOD_TEST)
@@ -161,7 +162,7 @@ ROLLOUTS: dict[str, tuple[Callable[[Path], None], float | None, bool, str]] = {
         r"healthy sandbox .*ran past its timeout \(3 s\)",
     ),
     "a Dockerfile step that fails": (
-        lambda t: (t / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nRUN exit 3\n"),
+        lambda t: (t / "environment" / "Dockerfile").write_text(BASE_DOCKERFILE + "RUN exit 3\n"),
         None,
         True,
         r"sandbox start failed for task 'a Dockerfile step that fails'.*(?i:build)",

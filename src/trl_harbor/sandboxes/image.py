@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from trl_harbor.sandboxes import _hostfs
+from trl_harbor.sandboxes._aio import KeyedLocks
 from trl_harbor.sandboxes._bwrap import (
     LAYER_VENV,
     SANDBOX_VENV,
@@ -192,7 +193,7 @@ class ImageBuilder:
         )
         self.build_args = dict(build_args or {})
         self._memo: dict[tuple, Image] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = KeyedLocks()
 
     # -- keys ------------------------------------------------------------------
 
@@ -234,7 +235,7 @@ class ImageBuilder:
         if signature in self._memo:
             return self._memo[signature]
         key = await asyncio.to_thread(self.content_key, environment_dir)
-        lock = self._locks.setdefault(key, asyncio.Lock())
+        lock = self._locks(key)
         async with lock:
             if signature in self._memo:
                 return self._memo[signature]
@@ -282,15 +283,16 @@ class ImageBuilder:
         if len(stages) > 1:
             raise ImageBuildError(
                 f"{dockerfile}:{stages[1].line}: multi-stage builds (a second FROM) cannot be "
-                f"built by the local sandbox (task {task_name!r}). Use environment_type='docker'."
+                f"built on the host root (task {task_name!r}). Use the task's image (the local "
+                "sandbox's default, root='image') or environment_type='docker'."
             )
 
         def fail(instruction: Instruction, why: str, output: str = "") -> ImageBuildError:
             return ImageBuildError(
                 f"{dockerfile}:{instruction.line}: `{instruction.keyword} {instruction.value}` {why} "
-                f"(task {task_name!r}). The local sandbox uses the host as its base image; run this "
-                f"task with environment_type='docker' (or another container backend) instead."
-                + (f"\nOutput of the step:\n{output}" if output else "")
+                f"(task {task_name!r}). The host root (root='host') uses the host as the base image; "
+                "run this task on its own image (the local sandbox's default, root='image') or "
+                "with environment_type='docker' instead." + (f"\nOutput of the step:\n{output}" if output else "")
             )
 
         try:

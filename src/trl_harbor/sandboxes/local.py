@@ -3,7 +3,7 @@
 Each sandbox is one long-lived set of Linux namespaces made by bubblewrap, from
 ``start()`` to ``stop()``: what one ``exec`` leaves running in the background is
 still there for the next, as with ``docker exec`` into a running container. It
-starts in milliseconds and works unprivileged, so it runs Harbor tasks on laptops,
+starts in milliseconds and needs no daemon, so it runs Harbor tasks on laptops,
 CI runners, HPC nodes and Kubernetes pods without Docker.
 
 Use it from Harbor itself::
@@ -12,10 +12,12 @@ Use it from Harbor itself::
 
 or from trl-harbor with ``environment_type="local"``.
 
-What the agent sees: the host's system directories read-only (the host *is* the
-base image: ``FROM`` is not honoured), a private writable root holding the task's
-files from its Dockerfile, ``/tmp``, ``/logs``, ``/root`` and ``/home/user`` — and
-nothing else of the host. ``/tests`` and ``/solution`` exist only once Harbor's
+What the agent sees (``root="image"``, the default): the task's image, built from its
+Dockerfile by buildah, as a private copy-on-write root — and nothing of the host. On the
+host root (``root="host"``, chosen explicitly; unprivileged): the host's system
+directories read-only (the host *is* the base image: ``FROM`` is not honoured), a
+private writable root holding the task's files from its Dockerfile, ``/tmp``, ``/logs``,
+``/root`` and ``/home/user`` — and nothing else of the host. ``/tests`` and ``/solution`` exist only once Harbor's
 verifier or oracle uploads them. No network unless the task's policy allows it, and
 then through a user-mode network stack that cannot reach the host's loopback.
 See ``docs/local-sandbox.md`` for the details and the limits.
@@ -114,7 +116,7 @@ class LocalEnvironmentOptions(EnvironmentOptions):
             whose files add up past it is killed and its rollout scores 0. Holds without root.
         pids_max: Maximum number of processes in one sandbox (fork-bomb containment).
         cache_dir: Where built layers and images are cached (default ``~/.cache/trl-harbor``).
-        root: What the sandbox's ``/`` is. ``"image"``: the task's image, built from its
+        root: What the sandbox's ``/`` is. ``"image"`` (the default): the task's image, built from its
             Dockerfile by buildah (``FROM`` honoured), under a private copy-on-write layer;
             ``ENV``, ``WORKDIR``, ``USER`` and ``ENTRYPOINT`` apply as with ``docker run``.
             ``"host"``: the host's ``/usr`` and ``/etc`` read-only, ``FROM`` not honoured
@@ -128,7 +130,7 @@ class LocalEnvironmentOptions(EnvironmentOptions):
     default_storage_mb: int | None = Field(default=10240, ge=16)
     pids_max: int | None = Field(default=2048, ge=16)
     cache_dir: str | None = None
-    root: Literal["host", "image"] = "host"
+    root: Literal["host", "image"] = "image"
     host_trust: bool = True
 
 
@@ -222,8 +224,10 @@ class LocalEnvironment(BaseEnvironment):
             buildah_path()
             if os.geteuid() != 0:
                 raise SandboxUnavailableError(
-                    "root='image' (sandboxes on the task's image) needs root for now; run as root, "
-                    "or use root='host' (the host's /usr; the Dockerfile's FROM is not honoured)"
+                    "the local sandbox runs each task on its own image (root='image', the default), "
+                    "which needs root for now; run as root, or choose the host root explicitly: "
+                    "env_kwargs={'root': 'host'} (HarborSpec), --ek root=host (trl-harbor, harbor run); "
+                    "the host's /usr is then every task's base image and the Dockerfile's FROM is not honoured"
                 )
 
     def _validate_definition(self) -> None:

@@ -48,6 +48,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from trl_harbor.sandboxes import _hostfs
+from trl_harbor.sandboxes._aio import KeyedLocks
 from trl_harbor.sandboxes._bwrap import SYSTEM_PATH, SandboxUnavailableError, _unmount_under, remove_tree
 
 logger = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ class ImageStore:
         self.build_args = dict(build_args or {})
         self.host_trust = host_trust
         self._memo: dict[tuple, BuiltImage] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = KeyedLocks()
 
     # -- keys --------------------------------------------------------------------
 
@@ -381,7 +382,7 @@ class ImageStore:
         Raises:
             BaseImageUnavailableError: If no registry could provide it.
         """
-        lock = self._locks.setdefault(f"pull:{ref}", asyncio.Lock())
+        lock = self._locks(f"pull:{ref}")
         async with lock:
             self._private_dirs()
             lock_dir = self.storage_dir / "locks"
@@ -459,7 +460,7 @@ class ImageStore:
         if not force and signature in self._memo:
             return self._memo[signature]
         key = await asyncio.to_thread(self.content_key, environment_dir)
-        lock = self._locks.setdefault(key, asyncio.Lock())
+        lock = self._locks(key)
         async with lock:
             if not force and signature in self._memo:
                 return self._memo[signature]
