@@ -5,7 +5,8 @@ and clients that are bound to the loop they were first used on. TRL, on the othe
 drives environments synchronously from one thread. This module bridges the two: it owns a
 single event loop running forever in a daemon thread, and :func:`run` submits a coroutine
 to it and blocks until the result is ready. Every environment in the process shares that
-loop, so backend state created by one environment is valid for all the others.
+loop, so backend state created by one environment is valid for all the others. Its blocking
+jobs (``asyncio.to_thread``) run in daemon threads, which the exit does not wait for.
 
 It also keeps a registry of teardown coroutines (:func:`register_cleanup`) that
 :func:`close_all` runs: on demand, at interpreter exit, and on SIGTERM (after which the
@@ -23,8 +24,11 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
+import os
+import queue
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -53,6 +57,90 @@ _cleanups: dict[int, Callable[[], Awaitable[Any]]] = {}
 _cleanup_ids = itertools.count()
 
 
+class _BlockingJobs(concurrent.futures.ThreadPoolExecutor):
+    """The shared loop's executor (``asyncio.to_thread``): daemon threads that the exit does not wait for.
+
+    ``concurrent.futures`` joins its own workers when the interpreter exits, before ``atexit``
+    handlers run: one job blocked until a teardown (a lock another process's image build holds, a
+    pipe a sandbox closes when stopped) would keep a Ctrl-C'd process from ever exiting, and its
+    sandboxes from being stopped. Jobs still running at exit are abandoned, like the loop's thread.
+    Only ``submit`` and ``shutdown`` of the base class are used (``set_default_executor`` wants one).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(thread_name_prefix="trl-harbor-blocking")
+        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple] | None]
+        self._jobs = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._started = 0
+        self._limit = min(32, (os.cpu_count() or 1) + 4)  # as ThreadPoolExecutor's default
+        self._start_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        """Run ``fn(*args, **kwargs)`` in a worker thread.
+
+        Args:
+            fn: The blocking callable.
+            *args: Its positional arguments.
+            **kwargs: Its keyword arguments.
+
+        Returns:
+            A future for its result.
+        """
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((future, functools.partial(fn, **kwargs) if kwargs else fn, args))
+        if not self._idle.acquire(blocking=False):  # no idle worker will take it: start one
+            with self._start_lock:
+                if self._started < self._limit:
+                    name = f"trl-harbor-blocking-{self._started}"
+                    try:
+                        threading.Thread(target=self._work, name=name, daemon=True).start()
+                    except RuntimeError:  # at interpreter exit: the caller runs it another way
+                        if future.cancel():  # (unless a worker took it meanwhile)
+                            raise
+                    else:
+                        self._started += 1
+        return future
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                self._idle.release()
+                job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            del job
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            del future, fn, args
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop the workers once the queued jobs are done (``wait`` is ignored: nothing waits for them).
+
+        Args:
+            wait: Accepted for the base class's interface.
+            cancel_futures: Cancel the jobs that have not started.
+        """
+        if cancel_futures:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+        for _ in range(self._started):
+            self._jobs.put(None)
+
+
 def get_loop() -> asyncio.AbstractEventLoop:
     """Return the process-wide event loop, starting its daemon thread on first use.
 
@@ -63,6 +151,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None or _loop.is_closed() or _thread is None or not _thread.is_alive():
             loop = asyncio.new_event_loop()
+            loop.set_default_executor(_BlockingJobs())
             thread = threading.Thread(target=loop.run_forever, name="trl-harbor-event-loop", daemon=True)
             thread.start()
             _loop, _thread = loop, thread
