@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
+import signal
 import textwrap
 import time
 from pathlib import Path
@@ -32,6 +33,17 @@ BASE_DOCKERFILE = _base_dockerfile()
 def run(coro):
     """Run a coroutine to completion on a fresh event loop."""
     return asyncio.run(coro)
+
+
+def as_a_foreground_job() -> None:
+    """A ``preexec_fn``: Ctrl-C at its default in the child, as for a script started from a terminal.
+
+    A process started in the background by a non-interactive shell (``pytest ... &``, ``nohup``,
+    some CI runners) ignores SIGINT, and its children inherit that: a Python that starts with
+    SIGINT ignored never raises ``KeyboardInterrupt``, so a SIGINT test would wait for its whole
+    tool call. One async-signal-safe call between fork and exec.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def count_processes_cmd(text: str) -> str:

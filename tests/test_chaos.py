@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, requires_local
 
+from sandbox_helpers import as_a_foreground_job
 from trl_harbor.sandboxes._bwrap import state_root, sweep_stale
 
 BATCH = 8  # rollouts per step (4 tasks x 2 generations)
@@ -88,7 +89,7 @@ def test_a_training_run_survives_chaos_and_leaves_nothing(tmp_path: Path, signum
     argv = [sys.executable, "-m", "trl_harbor.cli", "train", "--dataset", str(suite), "--output_dir", str(out),
             "--max_steps", "50", "--num_generations", "2", "--per_device_train_batch_size", str(BATCH)]  # fmt: skip
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "HARBOR_TELEMETRY": "0"})  # fmt: skip
+                             env={**os.environ, "HARBOR_TELEMETRY": "0"}, preexec_fn=as_a_foreground_job)  # fmt: skip
     killed_from_outside = 0
     try:
         deadline = time.monotonic() + 600

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, REPO, requires_local
 
-from sandbox_helpers import BASE_DOCKERFILE, live_processes_with, wait_until
+from sandbox_helpers import BASE_DOCKERFILE, as_a_foreground_job, live_processes_with, wait_until
 from trl_harbor import HarborSpec, close_all
 from trl_harbor.env import infra_failures
 from trl_harbor.sandboxes._bwrap import state_root
@@ -182,16 +182,6 @@ print("mid-batch", flush=True)
 """
 
 
-def _as_a_foreground_job() -> None:
-    """In the child before it runs Python: Ctrl-C at its default, as for a script started from a terminal.
-
-    A process started in the background by a non-interactive shell (``pytest ... &``, ``nohup``)
-    ignores SIGINT, and its children inherit that: a Python that starts with SIGINT ignored never
-    raises ``KeyboardInterrupt``, so a SIGINT test would wait for its whole tool call.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _run_script(tmp_path: Path, tail: str, marker: str) -> subprocess.Popen:
     script = tmp_path / "train.py"  # a file, so that the marker is not in this process's command line
     script.write_text(TRAINING_SCRIPT.format(suite=str(BUNDLED_SUITE), marker=marker, tail=tail))
@@ -202,7 +192,7 @@ def _run_script(tmp_path: Path, tail: str, marker: str) -> subprocess.Popen:
         text=True,
         cwd=REPO,
         env={**os.environ, "HARBOR_TELEMETRY": "0"},
-        preexec_fn=_as_a_foreground_job,  # one async-signal-safe call between fork and exec
+        preexec_fn=as_a_foreground_job,  # one async-signal-safe call between fork and exec
     )
 
 
@@ -247,7 +237,7 @@ def test_killing_training_mid_batch_leaves_nothing(tmp_path: Path, signum: int, 
         # The signal comes once the tool call's command runs, however slow the machine: the
         # training script is then blocked in the call.
         assert wait_until(lambda: live_processes_with(tool_call), timeout=60), "the tool call never started"
-        assert _catches(child.pid, signum), "the training script would ignore the signal (see _as_a_foreground_job)"
+        assert _catches(child.pid, signum), "the training script would ignore the signal (see as_a_foreground_job)"
     except BaseException:
         child.kill()
         child.communicate()
@@ -304,7 +294,7 @@ def test_ctrl_c_exits_while_a_blocking_job_waits(tmp_path: Path) -> None:
             stderr=subprocess.PIPE,
             text=True,
             cwd=REPO,
-            preexec_fn=_as_a_foreground_job,  # one async-signal-safe call between fork and exec
+            preexec_fn=as_a_foreground_job,  # one async-signal-safe call between fork and exec
         )
         try:
             assert child.stdout.readline().strip() == "waiting", child.communicate()[1][-2000:]

@@ -214,8 +214,8 @@ class LocalEnvironment(BaseEnvironment):
         """Check options and that bubblewrap is installed, before any trial is queued.
 
         Raises:
-            SandboxUnavailableError: If bubblewrap is missing, or (``root="image"``) buildah,
-                or this process is not root.
+            SandboxUnavailableError: If bubblewrap is missing, or (``root="image"``, the default)
+                buildah or a C compiler that links statically, or this process is not root.
         """
         super().preflight(kwargs)
         bwrap_path()
@@ -229,6 +229,7 @@ class LocalEnvironment(BaseEnvironment):
                     "env_kwargs={'root': 'host'} (HarborSpec), --ek root=host (trl-harbor, harbor run); "
                     "the host's /usr is then every task's base image and the Dockerfile's FROM is not honoured"
                 )
+            static_binary("supervisor")  # compiled once and cached; its error names the packages
 
     def _validate_definition(self) -> None:
         if not self.environment_dir.is_dir():
@@ -677,8 +678,8 @@ class LocalEnvironment(BaseEnvironment):
 async def _off_loop(func, *args) -> None:
     """Run blocking file work in a thread, or inline once the interpreter is shutting down.
 
-    At exit, ``concurrent.futures`` stops accepting work before ``atexit`` handlers run,
-    and teardown must still happen then.
+    At exit, a new thread cannot be started (``can't create new thread at interpreter
+    shutdown``; the default executor also refuses work), and teardown must still happen then.
     """
     try:
         await asyncio.to_thread(func, *args)
