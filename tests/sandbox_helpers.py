@@ -5,11 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from harbor.models.task.task import Task
 from harbor.models.trial.paths import TrialPaths
 
@@ -150,3 +155,75 @@ def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+#: The unprivileged user :func:`run_unprivileged` runs as.
+NOBODY = 65534
+
+#: Marks tests that run a script as an unprivileged user (they need root to become one).
+unprivileged_test = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("unshare") is None,
+    reason="becoming another user needs root and util-linux (as non-root, every other test is unprivileged)",
+)
+
+
+def run_unprivileged(script: str, *, state_mb: int = 256, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a Python ``script`` as an unprivileged user (no cgroups, no root), as a laptop user would.
+
+    It runs in a private mount namespace: a ``state_mb`` tmpfs is the sandboxes' state root (never
+    the host's ``/dev/shm``), and when this interpreter lives in root's home (pyenv), that home is
+    hidden behind an empty tmpfs with only the interpreter bound back, so that the user can run it.
+    The script gets ``argv[1]`` = a work folder it owns and ``argv[2]`` = this tests folder (for
+    ``sandbox_helpers``); ``TRL_HARBOR_STATE_DIR`` names the state root.
+
+    Args:
+        script: The Python source to run.
+        state_mb: Size of the state root's tmpfs.
+        timeout: Seconds before the run is stopped.
+
+    Returns:
+        The finished process (stdout and stderr as text).
+    """
+    work = Path(tempfile.mkdtemp(prefix="trl-harbor-unprivileged-"))
+    try:
+        for name in ("home", "tmp", "cache", "state"):
+            (work / name).mkdir()
+        (work / "script.py").write_text(script)
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(work)], check=True)
+        os.chmod(work, 0o755)
+        base = Path(sys.base_prefix).resolve()
+        setup = (
+            f"mount -t tmpfs -o size={state_mb}m,mode=0755 trl-harbor-test {work}/state && chown {NOBODY} {work}/state"
+        )
+        home = Path("/root")
+        if base.is_relative_to(home):
+            (work / "base").mkdir()
+            setup += (
+                f" && mount --bind {base} {work}/base && mount -t tmpfs -o mode=0755 tmpfs {home}"
+                f" && mkdir -p {base} && mount --bind {work}/base {base}"
+            )
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": f"{work}/home",
+            "TMPDIR": f"{work}/tmp",
+            "TRL_HARBOR_CACHE_DIR": f"{work}/cache",
+            "TRL_HARBOR_STATE_DIR": f"{work}/state",
+            "HARBOR_TELEMETRY": "0",
+        }
+        for name in ("TRL_HARBOR_STORAGE_GUARD", "TRL_HARBOR_SUPERVISOR"):
+            if name in os.environ:
+                env[name] = os.environ[name]
+        command = (
+            f"{setup} && exec setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups "
+            f"{sys.executable} {work}/script.py {work} {REPO / 'tests'}"
+        )
+        return subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "bash", "-c", command],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=str(REPO),
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_helpers import count_processes_cmd, live_processes_with, make_task, open_env, run, wait_until
+from sandbox_helpers import (
+    count_processes_cmd,
+    live_processes_with,
+    make_task,
+    open_env,
+    run,
+    run_unprivileged,
+    unprivileged_test,
+    wait_until,
+)
 from trl_harbor.sandboxes._bwrap import state_root
 from trl_harbor.sandboxes.local import SandboxCommandError, SandboxTimeoutError, SandboxUserError
 
@@ -154,6 +164,54 @@ def test_fork_bomb_is_contained(task: Path, tmp_path: Path) -> None:
 
     run(scenario())
     assert subprocess.run(["true"]).returncode == 0  # the host can still fork
+
+
+_UNPRIVILEGED_PROCESSES = """
+import asyncio, json, sys
+from pathlib import Path
+
+sys.path.insert(0, sys.argv[2])
+from sandbox_helpers import make_task, open_env
+
+SPAWN = (
+    "python3 -c \\"import subprocess\\nps = []\\nfor i in range(200):\\n"
+    "    try: ps.append(subprocess.Popen(['sleep', '30']))\\n    except OSError: break\\nprint(len(ps))\\""
+)
+
+
+async def main():
+    work = Path(sys.argv[1])
+    task = make_task(work / "tasks")
+    bounded = open_env(task, work, pids_max=64, root="host")
+    bystander = open_env(task, work, root="host")
+    await asyncio.gather(bounded.start(force_build=False), bystander.start(force_build=False))
+    try:
+        started = int((await bounded.exec(SPAWN, timeout_sec=60)).stdout)
+        others = int((await bystander.exec(SPAWN, timeout_sec=60)).stdout)
+        full = await bounded.exec("echo alive", timeout_sec=30)  # its 61 sleeps still hold the limit
+        await bounded.kill_processes()
+        again = (await bounded.exec("echo alive", timeout_sec=30)).stdout.strip()
+    finally:
+        await asyncio.gather(bounded.stop(delete=True), bystander.stop(delete=True))
+    full = {"rc": full.return_code, "out": (full.stdout or "") + (full.stderr or "")}
+    print(json.dumps({"started": started, "others": others, "full": full, "again": again}))
+
+
+asyncio.run(main())
+"""
+
+
+@unprivileged_test
+def test_without_root_a_sandbox_has_its_own_process_limit(supervisor: str) -> None:
+    """No cgroups without root: the limit is RLIMIT_NPROC, counted per sandbox (its own user namespace)."""
+    done = run_unprivileged(_UNPRIVILEGED_PROCESSES)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 0 < found["started"] < 64, found  # the bounded sandbox stops at its limit
+    assert found["others"] == 200, found  # another sandbox of the same user is not charged for it
+    # No room for one more process: the command fails, and says why.
+    assert found["full"]["rc"] == 126 and "process limit" in found["full"]["out"], found
+    assert found["again"] == "alive", found  # room again once its processes are gone
 
 
 def test_memory_hog_is_contained(task: Path, tmp_path: Path) -> None:

@@ -10,16 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from sandbox_helpers import REPO, make_task, open_env, run, wait_until
+from sandbox_helpers import NOBODY, make_task, open_env, run, run_unprivileged, unprivileged_test, wait_until
 from trl_harbor.sandboxes import _storage
 from trl_harbor.sandboxes.local import SandboxCommandError
 
@@ -218,62 +214,17 @@ _UNPRIVILEGED_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user needs root (as non-root, every test here is)")
-@pytest.mark.skipif(shutil.which("setpriv") is None or shutil.which("unshare") is None, reason="needs util-linux")
+@unprivileged_test
 def test_without_root_a_filled_sandbox_is_killed_and_the_host_keeps_its_reserve() -> None:
-    nobody = 65534
-    work = Path(tempfile.mkdtemp(prefix="trl-harbor-unprivileged-"))
-    try:
-        for name in ("home", "tmp", "cache", "state"):
-            (work / name).mkdir()
-        (work / "script.py").write_text(_UNPRIVILEGED_SCRIPT)
-        subprocess.run(["chown", "-R", f"{nobody}:{nobody}", str(work)], check=True)
-        os.chmod(work, 0o755)
-        base = Path(sys.base_prefix).resolve()
-        # In a private mount namespace: a 256 MB tmpfs as the state root (never the host's /dev/shm), and,
-        # when this interpreter lives in root's home (pyenv), that home hidden behind an empty tmpfs
-        # with only the interpreter bound back, so that the unprivileged user can run it.
-        setup = f"mount -t tmpfs -o size=256m,mode=0755 trl-harbor-test {work}/state && chown {nobody} {work}/state"
-        home = Path("/root")
-        if base.is_relative_to(home):
-            (work / "base").mkdir()
-            setup += (
-                f" && mount --bind {base} {work}/base && mount -t tmpfs -o mode=0755 tmpfs {home}"
-                f" && mkdir -p {base} && mount --bind {work}/base {base}"
-            )
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": f"{work}/home",
-            "TMPDIR": f"{work}/tmp",
-            "TRL_HARBOR_CACHE_DIR": f"{work}/cache",
-            "TRL_HARBOR_STATE_DIR": f"{work}/state",
-            "HARBOR_TELEMETRY": "0",
-        }
-        for name in ("TRL_HARBOR_STORAGE_GUARD", "TRL_HARBOR_SUPERVISOR"):
-            if name in os.environ:
-                env[name] = os.environ[name]
-        command = (
-            f"{setup} && exec setpriv --reuid={nobody} --regid={nobody} --clear-groups "
-            f"{sys.executable} {work}/script.py {work} {REPO / 'tests'}"
-        )
-        done = subprocess.run(
-            ["unshare", "--mount", "--propagation", "private", "bash", "-c", command],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=str(REPO),
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        found = json.loads(done.stdout.strip().splitlines()[-1])
-        assert found["uid"] == nobody
-        killed, reason = found["per_box"]
-        assert killed, f"the sandbox filled the file system unchecked ({found})"
-        assert reason.startswith("its storage limit: wrote ") and reason.endswith("(limit 64 MB)"), reason
-        assert found["lowest_free"] >= found["reserve"], found
-        killed, reason = found["reserve_kill"]
-        assert killed, f"a sandbox under its own bound filled the host's reserve unchecked ({found})"
-        assert reason.startswith("the host's storage reserve: wrote "), reason
-        assert found["free_after"] >= found["total"] * 0.9, found
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    done = run_unprivileged(_UNPRIVILEGED_SCRIPT, state_mb=256)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["uid"] == NOBODY
+    killed, reason = found["per_box"]
+    assert killed, f"the sandbox filled the file system unchecked ({found})"
+    assert reason.startswith("its storage limit: wrote ") and reason.endswith("(limit 64 MB)"), reason
+    assert found["lowest_free"] >= found["reserve"], found
+    killed, reason = found["reserve_kill"]
+    assert killed, f"a sandbox under its own bound filled the host's reserve unchecked ({found})"
+    assert reason.startswith("the host's storage reserve: wrote "), reason
+    assert found["free_after"] >= found["total"] * 0.9, found

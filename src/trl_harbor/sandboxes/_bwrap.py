@@ -544,6 +544,14 @@ class Box:
     def _file_size_limit(self) -> int:
         return (self.config.storage_mb or 0) * 1024 * 1024
 
+    def _process_limit(self) -> int:
+        if self._cgroups.paths or not self.config.pids_max:
+            return 0
+        # No writable cgroups (not root): RLIMIT_NPROC, which counts the processes of a uid in
+        # its own user namespace (Linux >= 5.14), i.e. this box's. Host root is exempt from it,
+        # but as root the pids cgroup bounds the box.
+        return self.config.pids_max
+
     async def start(self) -> None:
         """Start bubblewrap and the supervisor, and wait until it accepts commands.
 
@@ -580,7 +588,8 @@ class Box:
         else:
             supervisor = [sandbox_python(), "-I", "-S", "-"]
         command = [*_pdeathsig_prefix(), *self._bwrap_args(info_w, block_r)] + [
-            *supervisor, str(listener.fileno()), str(self._address_space_limit()), str(self._file_size_limit())
+            *supervisor, str(listener.fileno()), str(self._address_space_limit()), str(self._file_size_limit()),
+            str(self._process_limit()),
         ]  # fmt: skip
         pass_fds = [listener.fileno()] + [fd for fd in (info_w, exe_fd, block_r) if fd is not None]
         try:

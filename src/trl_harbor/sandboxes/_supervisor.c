@@ -279,6 +279,19 @@ static void answer_control(int conn, int32_t rc, const char *text, size_t len) {
     close(conn);
 }
 
+/* Answers a command that could not be started: an exit code and a message on stderr. */
+static void answer_failure(int conn, int32_t rc, const char *what, int error) {
+    char text[256];
+    int len = snprintf(text, sizeof text, "cannot start the command: %s: %s%s\n", what, strerror(error),
+                       error == EAGAIN ? " (the sandbox is at its process limit)" : "");
+    uint32_t flags = 0, size = (uint32_t)len, zero = 0;
+    uint64_t none = 0;
+    if (!write_full(conn, &rc, 4) && !write_full(conn, &flags, 4) && !write_full(conn, &none, 8) &&
+        !write_full(conn, &zero, 4) && !write_full(conn, &none, 8) && !write_full(conn, &size, 4))
+        write_full(conn, text, (size_t)len);
+    close(conn);
+}
+
 static void handle(int conn) {
     signal(SIGCHLD, SIG_DFL);
     prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
@@ -317,8 +330,15 @@ static void handle(int conn) {
     char **envp = fields + 2; /* NULL-terminated by calloc */
 
     int out[2], err[2];
-    if (pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC)) return;
+    if (pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC)) {
+        answer_failure(conn, 126, "pipe", errno);
+        return;
+    }
     pid_t pid = fork();
+    if (pid < 0) {
+        answer_failure(conn, 126, "fork", errno);
+        return;
+    }
     if (pid == 0) {
         setsid();
         signal(SIGPIPE, SIG_DFL); /* ignored dispositions survive execve */
@@ -451,6 +471,16 @@ int main(int argc, char **argv) {
             setrlimit(RLIMIT_FSIZE, &rl);
         }
     }
+    if (argc > 4) {
+        /* Without cgroups (not root), the sandbox's process limit: RLIMIT_NPROC counts the
+         * processes of a uid in its own user namespace, i.e. this sandbox's (a fork bomb gets
+         * EAGAIN); commands cannot raise it. */
+        unsigned long long limit = strtoull(argv[4], NULL, 10);
+        if (limit) {
+            struct rlimit rl = {limit, limit};
+            setrlimit(RLIMIT_NPROC, &rl);
+        }
+    }
     /* Inherited through execve: a write past the file-size limit fails with EFBIG ("File too
      * large") instead of killing the writer with SIGXFSZ, as under Python. */
     signal(SIGXFSZ, SIG_IGN);
@@ -473,6 +503,10 @@ int main(int argc, char **argv) {
             close(listener);
             handle(conn);
             _exit(0);
+        }
+        if (pid < 0) { /* no handler: answer from here (it is short) and go on serving */
+            answer_failure(conn, 126, "fork", errno);
+            continue;
         }
         close(conn);
     }

@@ -36,6 +36,7 @@ blocks on a full pipe.
 
 import _signal
 import _socket
+import errno
 import os
 import select
 import sys
@@ -189,6 +190,20 @@ def _read_exact(fd, size):
     return data
 
 
+def _failure(conn, what, error):
+    """Answer a command that could not be started: exit code 126, the reason on stderr."""
+    note = " (the sandbox is at its process limit)" if error.errno == errno.EAGAIN else ""
+    text = ("cannot start the command: %s: %s%s\n" % (what, os.strerror(error.errno or 0), note)).encode()
+    answer = (126).to_bytes(4, "little", signed=True) + (0).to_bytes(4, "little")
+    answer += (0).to_bytes(8, "little") + (0).to_bytes(4, "little")
+    answer += (0).to_bytes(8, "little") + len(text).to_bytes(4, "little") + text
+    try:
+        os.write(conn, answer)
+    except OSError:
+        pass
+    os.close(conn)
+
+
 def _spawn(cwd, command, env, out_w, err_w):
     pid = os.fork()
     if pid:
@@ -235,9 +250,17 @@ def _handle(conn):
     env = dict(entry.decode().split("=", 1) for entry in fields[2:])
     deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms else None
 
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    pid = _spawn(cwd, command, env, out_w, err_w)
+    try:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+    except OSError as error:
+        _failure(conn, "pipe", error)
+        return
+    try:
+        pid = _spawn(cwd, command, env, out_w, err_w)
+    except OSError as error:
+        _failure(conn, "fork", error)
+        return
     os.close(out_w)
     os.close(err_w)
     pidfd = os.pidfd_open(pid)
@@ -318,6 +341,13 @@ def main():
         # The sandbox's storage bound: no single file grows past it (the host's storage guard
         # bounds the total); commands cannot raise it without CAP_SYS_RESOURCE.
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
+    process_limit = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    if process_limit:
+        import resource
+
+        # Without cgroups (not root): RLIMIT_NPROC counts a uid's processes in its own user
+        # namespace, i.e. this sandbox's (a fork bomb gets EAGAIN).
+        resource.setrlimit(resource.RLIMIT_NPROC, (process_limit, process_limit))
     # Inherited through execve: a write past the limit fails with EFBIG instead of killing the
     # writer (Python ignores SIGXFSZ already; said here so both supervisors visibly agree).
     _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)
@@ -337,7 +367,12 @@ def main():
             conn, _ = listener._accept()
         except InterruptedError:
             continue
-        if os.fork() == 0:
+        try:
+            pid = os.fork()
+        except OSError as error:  # no handler: answer from here (it is short) and go on serving
+            _failure(conn, "fork", error)
+            continue
+        if pid == 0:
             listener.close()
             code = 0
             try:
