@@ -236,7 +236,8 @@ def test_check_grades_like_training_and_reports_every_task_even_broken_ones(tmp_
     for step in ("one", "two"):
         (cheat / "steps" / step / "solution").mkdir()
         (cheat / "steps" / step / "solution" / "solve.sh").write_text(
-            "#!/bin/bash\nrm -f /opt/venv/bin/python3; printf '#!/bin/sh\\n' > /opt/venv/bin/python3\n"
+            # /usr/local/bin comes before /usr/bin on the image's (Docker's default) PATH.
+            "#!/bin/bash\nprintf '#!/bin/sh\\n' > /usr/local/bin/python3 && chmod +x /usr/local/bin/python3\n"
         )
 
     dirs = sorted(p for p in suite.iterdir() if p.is_dir())
