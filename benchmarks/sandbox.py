@@ -57,7 +57,7 @@ async def measure(runs: int, concurrent: int, base: str | None = None) -> list[t
     """Measure one sandbox root: the host's (``base`` is ``None``) or the task's image ``FROM base``."""
     scratch = Path(tempfile.mkdtemp(prefix="trl-harbor-bench-"))
     task_dir = _task(scratch)
-    kwargs: dict = {}
+    kwargs: dict = {"root": "host"}
     extra: list[tuple[str, float, str]] = []
     if base is not None:
         (task_dir / "environment" / "Dockerfile").write_text(f"FROM {base}\nWORKDIR /workdir\n")
