@@ -8,13 +8,14 @@ daemon on any machine (and the real CLI and Harbor's real Docker backend say so)
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_TASK, requires_local, tiny_grpo_trainer
 
-from sandbox_helpers import BASE_DOCKERFILE
+from sandbox_helpers import BASE_DOCKERFILE, run_unprivileged, unprivileged_test
 from trl_harbor import HarborSpec, close_all
 from trl_harbor.env import HarborBashEnv
 from trl_harbor.preflight import BackendUnavailableError, InfrastructureFailureError, check_batch
@@ -58,6 +59,36 @@ def test_local_backend_passes_and_bad_backends_are_named() -> None:
         )
     with pytest.raises(ValueError, match="unknown environment_type 'dockr'"):
         HarborSpec(BUNDLED_SUITE, environment_type="dockr", preflight=True)
+
+
+_NOT_ROOT = """
+import json, sys
+from trl_harbor import HarborSpec
+from trl_harbor.preflight import BackendUnavailableError
+
+suite = sys.argv[2].rsplit("/", 1)[0] + "/examples/tasks"
+found = {}
+try:
+    HarborSpec(suite, environment_type="local", preflight=True)
+    found["default"] = "built"
+except BackendUnavailableError as error:
+    found["default"] = str(error)
+HarborSpec(suite, environment_type="local", env_kwargs={"environment_kwargs": {"root": "host"}}, preflight=True)
+found["host"] = "built"
+print(json.dumps(found))
+"""
+
+
+@unprivileged_test
+def test_without_root_the_default_image_root_is_refused_at_spec_build_with_both_fixes() -> None:
+    """Task images need root for now: a laptop user learns it when the spec is built, with the fixes."""
+    done = run_unprivileged(_NOT_ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    message = found["default"]
+    assert "root='image', the default" in message and "needs root" in message, message
+    assert "env_kwargs={'root': 'host'}" in message and "--ek root=host" in message, message
+    assert found["host"] == "built"  # the host root is there, when asked for
 
 
 def test_task_toml_typos_are_refused_and_other_unknown_keys_only_logged(
