@@ -13,7 +13,7 @@ class Outcome:
     Attributes:
         case: The case's name.
         category: Its category.
-        harness: The harness (``bash@image``: bash on a task image root).
+        harness: The harness and root (``bash@image``: bash on a task image root; ``@host``: the host root).
         reward: What the rollout scored.
         leaks: What got out (a secret, a reward it did not earn, a host change, a connection).
         problems: What was not contained otherwise (a broken sandbox, a crash, an unbounded result).
@@ -42,19 +42,20 @@ def render(results: list[Outcome]) -> str:
     rows: dict[tuple[str, str], list[Outcome]] = defaultdict(list)
     for outcome in results:
         rows[(outcome.category, outcome.harness)].append(outcome)
+    width = max([len("harness"), *(len(o.harness) for o in results)])
     lines = [
         "adversarial corpus (local backend)",
-        f"{'category':<16} {'harness':<16} {'tried':>5} {'contained':>9} {'leaked':>6} {'other':>5}",
+        f"{'category':<16} {'harness':<{width}} {'tried':>5} {'contained':>9} {'leaked':>6} {'other':>5}",
     ]
     for (category, harness), outcomes in rows.items():
         leaked = sum(bool(o.leaks) for o in outcomes)
         other = sum(bool(o.problems and not o.leaks) for o in outcomes)
         contained = sum(o.contained for o in outcomes)
-        lines.append(f"{category:<16} {harness:<16} {len(outcomes):>5} {contained:>9} {leaked:>6} {other:>5}")
+        lines.append(f"{category:<16} {harness:<{width}} {len(outcomes):>5} {contained:>9} {leaked:>6} {other:>5}")
     total_leaked = sum(bool(o.leaks) for o in results)
     total_other = sum(bool(o.problems and not o.leaks) for o in results)
     lines.append(
-        f"{'total':<16} {'':<16} {len(results):>5} {sum(o.contained for o in results):>9} "
+        f"{'total':<16} {'':<{width}} {len(results):>5} {sum(o.contained for o in results):>9} "
         f"{total_leaked:>6} {total_other:>5}"
     )
     slowest = sorted(results, key=lambda o: o.seconds, reverse=True)[:5]
