@@ -258,6 +258,97 @@ def test_fingerprints_see_the_agents_changes_on_an_image_root(loopback_registry,
     assert before["/etc/passwd"] == after["/etc/passwd"]
 
 
+def test_layered_fingerprints_see_what_a_walk_of_the_merged_root_sees(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """The seal reads an image root as the image's (cached) listing under the sandbox's own layer.
+
+    After each change an agent can make, the paths whose fingerprints changed are the same as a
+    full walk of the merged root finds: edits, chmod, new files, deletions (whiteouts), folders
+    replaced whole (opaque), by a link or a file, renames and hard links.
+    """
+    task = _task(
+        tmp_path,
+        f"""\
+        FROM {loopback_registry.base}
+        RUN mkdir -p /opt/tool/lib /opt/gone/sub /usr/local/lib/site /srv/app/pkg && echo v1 > /usr/local/bin/checker \\
+            && touch /opt/tool/lib/a.py /opt/gone/sub/b /usr/local/lib/site/m.py /srv/app/pkg/x.py \\
+            && chmod +x /usr/local/bin/checker
+        WORKDIR /workdir
+        """,
+    )
+    watched = [
+        ("/usr/bin", None),
+        ("/usr/local", None),
+        ("/opt", None),
+        ("/usr/lib/python3", 1),
+        ("/etc/passwd", 0),
+        ("/srv/app/pkg", None),  # its parent gets replaced whole
+    ]
+    steps = [
+        "echo v2 >> /usr/local/bin/checker",
+        "chmod 700 /usr/bin/env",
+        "rm /usr/bin/yes",
+        "touch /usr/local/bin/newtool",
+        "rm -rf /opt/tool/lib && mkdir /opt/tool/lib && touch /opt/tool/lib/c.py",
+        "rm -rf /opt/gone",
+        "rm -rf /usr/local/lib/site && ln -s /etc /usr/local/lib/site",
+        "mv /usr/bin/tac /usr/bin/tac2",
+        "ln /usr/bin/head /usr/local/bin/head2",
+        "touch /usr/bin/yes",
+        "chmod 700 /usr/local/share",
+        "rm -rf /srv/app && mkdir -p /srv/app/pkg && touch /srv/app/pkg/y.py",
+        "rm -rf /opt/tool && echo file > /opt/tool",
+    ]
+
+    def merged(env) -> dict[str, str]:  # the reference: every entry of the merged root, read each time
+        found: dict[str, str] = {}
+        for path, depth in watched:
+            env._walk(path, depth, found)
+        return found
+
+    def changed(before: dict[str, str], after: dict[str, str]) -> set[str]:
+        return {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
+
+    async def scenario():
+        env = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        await env.start(force_build=False)
+        try:
+            fast, slow = await env.file_fingerprints(watched), merged(env)
+            assert fast.keys() == slow.keys() and len(fast) > 100
+            for step in steps:
+                result = await env.exec(step)
+                assert result.return_code == 0, (step, result)
+                fast_now, slow_now = await env.file_fingerprints(watched), merged(env)
+                assert fast_now.keys() == slow_now.keys(), step
+                seen = changed(fast, fast_now)
+                assert seen and seen == changed(slow, slow_now), step
+                fast, slow = fast_now, slow_now
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """The image's listing is shared by its sandboxes (and threads): none may see it half made."""
+    from trl_harbor.sandboxes import local
+
+    task = _task(tmp_path, f"FROM {loopback_registry.base}\nWORKDIR /workdir\n")
+    watched = [("/usr/lib/python3*", None), ("/usr/bin", 1), ("/etc/profile", 0)]
+
+    async def scenario():
+        envs = [open_env(task, tmp_path, root="image", cache_dir=cache_dir) for _ in range(4)]
+        await asyncio.gather(*(env.start(force_build=False) for env in envs))
+        try:
+            for _ in range(3):
+                local._IMAGE_LISTINGS.clear()  # as in a new process: every sandbox lists the image at once
+                seen = await asyncio.gather(*(env.file_fingerprints(watched) for env in envs))
+                assert len(seen[0]) > 500 and all(other == seen[0] for other in seen[1:])
+        finally:
+            await asyncio.gather(*(env.stop(delete=True) for env in envs))
+
+    run(scenario())
+
+
 def test_harbor_oracle_and_verifier_with_task_users(loopback_registry, cache_dir, tmp_path):  # noqa: F811
     """Harbor's own OracleAgent and Verifier on an image root, with [agent]/[verifier] user= set."""
     from trl_harbor.check import check_suite

@@ -1043,7 +1043,10 @@ def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
     for path in (lower, upper, work, target):
         if any(ch in str(path) for ch in ",:\\"):
             raise SandboxStartError(f"{path}: paths with ',', ':' or '\\' cannot be overlay layers")
-    options = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+    # redirect_dir and metacopy off (the defaults of most kernels, said here for all): every change
+    # the sandbox makes is then a plain entry, a whiteout or an opaque folder in ``upper``, which is
+    # what the seal's fingerprints read (LocalEnvironment._walk_layers).
+    options = f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,metacopy=off".encode()
     if _libc().mount(b"overlay", str(target).encode(), b"overlay", 0, options) != 0:
         code = ctypes.get_errno()
         raise SandboxStartError(f"mounting the sandbox's copy-on-write root failed: {os.strerror(code)}")

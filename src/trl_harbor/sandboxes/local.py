@@ -137,6 +137,8 @@ class LocalEnvironmentOptions(EnvironmentOptions):
 _BUILDERS: dict[str | None, ImageBuilder] = {}
 #: Fingerprints of read-only mounts, by (host path, sandbox path, entry only): see ``_walk``.
 _READ_ONLY_LISTINGS: dict[tuple[str, str, bool], dict[str, str]] = {}
+#: Fingerprints of image roots, by (image root, sandbox path, depth): see ``_walk_layers``.
+_IMAGE_LISTINGS: dict[tuple[str, str, int | None], dict[str, str]] = {}
 _STORES: dict[tuple[str | None, bool], ImageStore] = {}
 
 
@@ -586,8 +588,47 @@ class LocalEnvironment(BaseEnvironment):
         found: dict[str, str] = {}
         for pattern, depth in patterns:
             for path in self._glob(posixpath.normpath(pattern)):
-                self._walk(path, depth, found)
+                if self._oci is not None and self._dir is not None:
+                    self._walk_layers(path, depth, found)
+                else:
+                    self._walk(path, depth, found)
         return found
+
+    def _walk_layers(self, path: str, depth: int | None, found: dict[str, str]) -> None:
+        """Fingerprint a path of an image root: the image's entries under the sandbox's own changes.
+
+        The image root never changes, and everything the sandbox changed is in its overlay's upper
+        folder (mounted with ``redirect_dir`` and ``metacopy`` off): new and changed entries,
+        whiteouts for deleted ones, opaque folders for ones replaced whole. So the image is listed
+        once per process, and each fingerprint walks only what the sandbox wrote; a walk of the
+        merged root would read thousands of unchanged entries (``/usr/lib/python3.*``) each time.
+        Links are never followed (a path under a link is not listed).
+        """
+        if path in ("/proc", "/dev", "/sys") or path.startswith(("/proc/", "/dev/", "/sys/")):
+            return
+        assert self._oci is not None and self._dir is not None
+        lower, upper = self._oci.rootfs, self._dir / "upper"
+        parts = [part for part in path.strip("/").split("/") if part]
+        image_visible = True
+        for depth_of_ancestor in range(1, len(parts)):  # what the sandbox did to the path's ancestors
+            kind = _layer_entry(upper / "/".join(parts[:depth_of_ancestor]))
+            if kind is None:
+                break  # nothing of the sandbox's own at or below it
+            if kind in ("whiteout", "other"):
+                return  # deleted, or no longer a folder: the path is gone
+            if kind == "opaque":
+                image_visible = False  # a folder the sandbox replaced whole hides the image's below it
+        entries: dict[str, str] = {}
+        if image_visible and all(_layer_entry(lower / "/".join(parts[:i])) == "dir" for i in range(1, len(parts))):
+            key = (str(lower), path, depth)
+            listed = _IMAGE_LISTINGS.get(key)
+            if listed is None:  # published once complete: sandboxes fingerprint in several threads at once
+                listed = {}
+                _walk_tree(lower, path, depth, listed)
+                _IMAGE_LISTINGS[key] = listed
+            entries.update(listed)
+        _lay_upper(upper, path, depth, entries)
+        found.update(entries)
 
     def _glob(self, pattern: str) -> list[str]:
         current = ["/"]
@@ -673,6 +714,78 @@ class LocalEnvironment(BaseEnvironment):
         """Copy a sandbox directory's regular files and folders to the host, skipping links."""
         self._check_writable_path(source_dir)
         await asyncio.to_thread(_hostfs.download_dir, self._root, source_dir, Path(target_dir))
+
+
+def _signature(info: os.stat_result) -> str:
+    """What changes when an entry's content, inode, mode or type does (folders: type and mode only)."""
+    mode = stat.S_IMODE(info.st_mode)
+    if stat.S_ISDIR(info.st_mode):
+        return f"d|{mode:o}"
+    kind = "f" if stat.S_ISREG(info.st_mode) else "l" if stat.S_ISLNK(info.st_mode) else "o"
+    return f"{kind}|{mode:o}|{info.st_size}|{info.st_ino}|{info.st_ctime_ns}"
+
+
+def _walk_tree(root: Path, path: str, depth: int | None, found: dict[str, str]) -> None:
+    """Fingerprint ``path`` (a sandbox path) of the tree at ``root``, ``depth`` levels down, never following links."""
+    try:
+        info = os.lstat(root / path.lstrip("/"))
+    except OSError:
+        return
+    found[path] = _signature(info)
+    if not stat.S_ISDIR(info.st_mode) or depth == 0:
+        return
+    try:
+        names = os.listdir(root / path.lstrip("/"))
+    except OSError:
+        return
+    for name in names:
+        _walk_tree(root, posixpath.join(path, name), None if depth is None else depth - 1, found)
+
+
+def _layer_entry(host: Path) -> str | None:
+    """What an overlay layer holds at ``host``: ``None`` (nothing), ``"dir"``, ``"opaque"`` (a folder
+    hiding the layers below), ``"whiteout"`` (a deletion) or ``"other"`` (a file or a link)."""
+    try:
+        info = os.lstat(host)
+    except OSError:
+        return None
+    if stat.S_ISCHR(info.st_mode) and info.st_rdev == 0:
+        return "whiteout"
+    if not stat.S_ISDIR(info.st_mode):
+        return "other"
+    try:
+        opaque = os.getxattr(host, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
+    except OSError:
+        opaque = False
+    return "opaque" if opaque else "dir"
+
+
+def _drop_below(entries: dict[str, str], path: str) -> None:
+    prefix = path.rstrip("/") + "/"
+    for key in [key for key in entries if key.startswith(prefix)]:
+        del entries[key]
+
+
+def _lay_upper(upper: Path, path: str, depth: int | None, entries: dict[str, str]) -> None:
+    """Apply what the sandbox's own layer holds at ``path`` to the image's ``entries``."""
+    host = upper / path.lstrip("/")
+    kind = _layer_entry(host)
+    if kind is None:
+        return
+    if kind != "dir":  # deleted, replaced by a file or a link, or a folder replaced whole
+        entries.pop(path, None)
+        _drop_below(entries, path)
+        if kind == "whiteout":
+            return
+    entries[path] = _signature(os.lstat(host))
+    if kind == "other" or depth == 0:
+        return
+    try:
+        names = os.listdir(host)
+    except OSError:
+        return
+    for name in names:
+        _lay_upper(upper, posixpath.join(path, name), None if depth is None else depth - 1, entries)
 
 
 async def _off_loop(func, *args) -> None:
