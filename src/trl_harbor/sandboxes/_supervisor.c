@@ -292,40 +292,85 @@ static void answer_failure(int conn, int32_t rc, const char *what, int error) {
     close(conn);
 }
 
-static void handle(int conn) {
-    signal(SIGCHLD, SIG_DFL);
-    prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
-
+/* Reads one request: its timeout, output cap and fields (NULL-terminated). 0 on success. */
+static int read_request(int conn, uint32_t *timeout_ms, uint32_t *cap, char ***out, uint32_t *count) {
     uint32_t size;
-    if (read_full(conn, &size, 4) || size < 12 || size > MAX_REQUEST) return;
+    if (read_full(conn, &size, 4) || size < 12 || size > MAX_REQUEST) return -1;
     char *req = malloc(size + 1);
-    if (read_full(conn, req, size)) return;
+    if (read_full(conn, req, size)) {
+        free(req);
+        return -1;
+    }
     const char *p = req, *end = req + size;
-    uint32_t timeout_ms = get_u32(&p), cap = get_u32(&p), nfields = get_u32(&p);
-    if (cap < 64) cap = 64;
+    *timeout_ms = get_u32(&p);
+    *cap = get_u32(&p);
+    uint32_t nfields = get_u32(&p);
+    if (*cap < 64) *cap = 64;
     char **fields = calloc(nfields + 1, sizeof *fields);
-    for (uint32_t i = 0; i < nfields; i++) {
-        if (end - p < 4) return;
+    int bad = nfields < 2;
+    for (uint32_t i = 0; i < nfields && !bad; i++) {
+        if (end - p < 4) {
+            bad = 1;
+            break;
+        }
         uint32_t len = get_u32(&p);
-        if ((uint32_t)(end - p) < len) return;
+        if ((uint32_t)(end - p) < len) {
+            bad = 1;
+            break;
+        }
         fields[i] = malloc(len + 1);
         memcpy(fields[i], p, len);
         fields[i][len] = 0;
         p += len;
     }
-    if (nfields < 2) return;
-    if (fields[0][0] == 0) { /* an empty cwd marks a control request, not a command */
-        if (strcmp(fields[1], "ps") == 0) {
-            char *text;
-            size_t len = list_processes(&text);
-            answer_control(conn, 0, text, len);
-        } else if (strcmp(fields[1], "kill") == 0) {
-            answer_control(conn, kill_all(fields + 2, nfields - 2), "", 0);
-        } else {
-            answer_control(conn, -1, "", 0);
-        }
+    free(req);
+    if (bad) {
+        for (uint32_t i = 0; i < nfields; i++) free(fields[i]);
+        free(fields);
+        return -1;
+    }
+    *out = fields;
+    *count = nfields;
+    return 0;
+}
+
+/* Answers a control request (an empty cwd marks one); returns 0 if the request is a command. */
+static int serve_control(int conn, char **fields, uint32_t nfields) {
+    if (fields[0][0] != 0) return 0;
+    if (strcmp(fields[1], "ps") == 0) {
+        char *text;
+        size_t len = list_processes(&text);
+        answer_control(conn, 0, text, len);
+    } else if (strcmp(fields[1], "kill") == 0) {
+        answer_control(conn, kill_all(fields + 2, nfields - 2), "", 0);
+    } else {
+        answer_control(conn, -1, "", 0);
+    }
+    return 1;
+}
+
+/* No handler could be forked (the sandbox is at its process limit): control requests are still
+ * served, here (a "kill" is how the host frees the sandbox); commands get the reason. */
+static void serve_unforked(int conn, int error) {
+    uint32_t timeout_ms, cap, nfields;
+    char **fields;
+    if (read_request(conn, &timeout_ms, &cap, &fields, &nfields)) {
+        close(conn);
         return;
     }
+    if (!serve_control(conn, fields, nfields)) answer_failure(conn, 126, "fork", error);
+    for (uint32_t i = 0; i < nfields; i++) free(fields[i]);
+    free(fields);
+}
+
+static void handle(int conn) {
+    signal(SIGCHLD, SIG_DFL);
+    prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+
+    uint32_t timeout_ms, cap, nfields;
+    char **fields;
+    if (read_request(conn, &timeout_ms, &cap, &fields, &nfields)) return;
+    if (serve_control(conn, fields, nfields)) return;
     const char *cwd = fields[0], *cmd = fields[1];
     char **envp = fields + 2; /* NULL-terminated by calloc */
 
@@ -504,8 +549,8 @@ int main(int argc, char **argv) {
             handle(conn);
             _exit(0);
         }
-        if (pid < 0) { /* no handler: answer from here (it is short) and go on serving */
-            answer_failure(conn, 126, "fork", errno);
+        if (pid < 0) { /* no handler: serve it from here (it is short) and go on */
+            serve_unforked(conn, errno);
             continue;
         }
         close(conn);

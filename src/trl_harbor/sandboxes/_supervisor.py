@@ -229,10 +229,8 @@ def _spawn(cwd, command, env, out_w, err_w):
             os._exit(127)
 
 
-def _handle(conn):
-    _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
-    if _LIBC is not None:
-        _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+def _read_request(conn):
+    """One request: its timeout (ms), output cap and fields."""
     size = int.from_bytes(_read_exact(conn, 4), "little")
     request = _read_exact(conn, size)
     timeout_ms, offset = _u32(request, 0)
@@ -243,6 +241,28 @@ def _handle(conn):
         length, offset = _u32(request, offset)
         fields.append(request[offset : offset + length])
         offset += length
+    return timeout_ms, cap, fields
+
+
+def _serve_unforked(conn, error):
+    """No handler could be forked (the sandbox is at its process limit): control requests are
+    still served, here (a ``kill`` is how the host frees the sandbox); commands get the reason."""
+    try:
+        _, _, fields = _read_request(conn)
+    except (OSError, EOFError, IndexError, ValueError):
+        os.close(conn)
+        return
+    if len(fields) >= 2 and not fields[0]:
+        _control(conn, fields)
+    else:
+        _failure(conn, "fork", error)
+
+
+def _handle(conn):
+    _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    timeout_ms, cap, fields = _read_request(conn)
     if not fields[0]:  # an empty cwd marks a control request, not a command
         _control(conn, fields)
         return
@@ -369,8 +389,8 @@ def main():
             continue
         try:
             pid = os.fork()
-        except OSError as error:  # no handler: answer from here (it is short) and go on serving
-            _failure(conn, "fork", error)
+        except OSError as error:  # no handler: serve it from here (it is short) and go on
+            _serve_unforked(conn, error)
             continue
         if pid == 0:
             listener.close()
