@@ -47,6 +47,16 @@ def _suite(root: Path) -> Path:
     return suite
 
 
+def _describe(pid: int) -> str:
+    """A process's state, parent and command line (what a leftover is, in a failure's message)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "gone"
+    return f"state {state[0]}, parent {state[1]}: {cmdline[:300]}"
+
+
 def _processes_of(pid: int) -> list[int]:
     """Live host processes that belong to the sandboxes of the run ``pid`` (bwrap, supervisors, commands)."""
     marker = f"{state_root()}/{pid}-".encode()
@@ -124,7 +134,8 @@ def test_a_training_run_survives_chaos_and_leaves_nothing(tmp_path: Path, signum
     deadline = time.monotonic() + 15
     while (_processes_of(child.pid) or _leftovers(child.pid) or slirps()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _processes_of(child.pid) == [], output[-2000:]
+    left = {pid: _describe(pid) for pid in _processes_of(child.pid)}
+    assert left == {}, output[-2000:]
     assert _leftovers(child.pid) == []
     assert networks, "the run had network-enabled sandboxes"
     assert slirps() == []  # each exits with its owner (it holds a pipe only the owner keeps open)

@@ -215,6 +215,38 @@ def test_script_ending_without_cleanup_exits_promptly_and_leaves_nothing(tmp_pat
     assert _leftovers(child.pid) == []
 
 
+EXIT_WHILE_STARTING = """
+import sys
+from trl_harbor import HarborSpec
+spec = HarborSpec({suite!r}, environment_type="local")
+envs = [spec.environment_factory() for _ in range(24)]
+for i, env in enumerate(envs):
+    env.reset(task_dir=str(spec.task_dirs[i % len(spec.task_dirs)]))  # the starts go on in the background
+print("exiting", flush=True)
+sys.exit(3)  # while the batch's sandboxes are still starting
+"""
+
+
+@requires_local
+def test_exiting_while_sandboxes_start_leaves_no_bubblewrap(tmp_path: Path) -> None:
+    """A run that ends (an error, Ctrl-C) while its batch's sandboxes start leaves none of them behind."""
+    from trl_harbor.sandboxes._bwrap import _bubblewraps
+
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_WHILE_STARTING.format(suite=str(BUNDLED_SUITE)))
+    for _ in range(3):  # the exit lands at a different point of the starts each time
+        child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, cwd=REPO)  # fmt: skip
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 3 and "exiting" in out, err[-2000:]
+
+        def left(owner: str = f"{child.pid}-") -> list[int]:
+            return [pid for pid, box in _bubblewraps() if box.startswith(owner)]
+
+        assert wait_until(lambda: not left(), timeout=5), left()
+        assert _leftovers(child.pid) == []
+
+
 @requires_local
 @pytest.mark.parametrize(
     ("signum", "run_in_background"),

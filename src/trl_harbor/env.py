@@ -131,8 +131,15 @@ def _trial_root() -> Path:
             if owner.isdigit() and not _alive(int(owner)):
                 shutil.rmtree(entry, ignore_errors=True)
         _TRIAL_ROOT = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base))
-        atexit.register(shutil.rmtree, _TRIAL_ROOT, True)
+        atexit.register(_remove_trial_root, _TRIAL_ROOT)
     return _TRIAL_ROOT
+
+
+def _remove_trial_root(root: Path) -> None:
+    # Registered after runtime's own exit hook, so it runs first: stop the sandboxes (episodes
+    # still starting write into the folder) before removing it.
+    runtime.close_all()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 _TRIAL_ROOT: Path | None = None

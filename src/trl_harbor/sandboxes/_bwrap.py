@@ -36,7 +36,7 @@ import tempfile
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -558,6 +558,8 @@ class Box:
         Raises:
             SandboxStartError: If bubblewrap fails to set up the sandbox.
         """
+        if _EXITING:
+            raise SandboxStartError("this process is exiting: no new sandbox starts")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         image_root = self.config.image_root
         if image_root:
@@ -616,6 +618,9 @@ class Box:
                     os.close(fd)
         self._bwrap_pid = self._proc.pid
         _LIVE.add(self)
+        if _EXITING:  # the exit's sweep may have run while bubblewrap was being started
+            self.kill_now()
+            raise SandboxStartError("this process is exiting: no new sandbox starts")
         listener.close()
         child_pid = None
         try:
@@ -902,11 +907,16 @@ class Box:
             return
         self.closed = True
         _storage.GUARD.forget(self)
+        died_before = self._proc is not None and self._proc.returncode is not None
         self._signal_all()
         for proc in (self._slirp, self._proc):
             if proc is not None:
                 with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
                     await asyncio.wait_for(proc.wait(), timeout=10)
+        if died_before:
+            # bubblewrap was killed from outside (or crashed), perhaps before its sandbox-side
+            # half armed --die-with-parent: that half, in its own session, would wait forever.
+            await asyncio.to_thread(_kill_bubblewraps_of, self._cgroups.name)
         # Usually empty by now; anything that escaped the namespace's death is killed here.
         self._cgroups.kill_and_remove()
         self._cleanup_files()
@@ -1115,30 +1125,60 @@ def sweep_stale() -> int:
     return removed
 
 
-def _kill_stale_bubblewraps() -> None:
-    """Kill bubblewrap processes that still hold a box of an owner that is dead."""
+def _bubblewraps() -> Iterator[tuple[int, str]]:
+    """``(pid, box name)`` of the bubblewrap processes on this machine that hold a box folder.
+
+    Also ``setpriv`` about to become one, and bubblewrap's own sandbox-side half before it runs
+    the supervisor (both have bubblewrap's command line).
+    """
     marker = f"{state_root()}/".encode()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            if Path(f"/proc/{name}/comm").read_text().strip() != "bwrap":
+            if Path(f"/proc/{name}/comm").read_text().strip() not in ("bwrap", "setpriv"):
                 continue
             args = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         for arg in args:
             if arg.startswith(marker):
-                box = arg[len(marker) :].split(b"/", 1)[0].decode(errors="replace")
-                if _owner_dead(box):
-                    with contextlib.suppress(OSError):
-                        os.kill(int(name), signal.SIGKILL)
+                yield int(name), arg[len(marker) :].split(b"/", 1)[0].decode(errors="replace")
                 break
 
 
+def _kill_bubblewraps_of(box_name: str) -> None:
+    """Kill what is left of the bubblewrap of one box (see :func:`_bubblewraps`)."""
+    for pid, box in _bubblewraps():
+        if box == box_name:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _kill_stale_bubblewraps() -> None:
+    """Kill bubblewrap processes that still hold a box of an owner that is dead."""
+    for pid, box in _bubblewraps():
+        if _owner_dead(box):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+#: Set when this process exits: no box starts after that (the loop thread may still be starting some).
+_EXITING = False
+
+
 def _kill_all_at_exit() -> None:
+    global _EXITING
+    _EXITING = True
     for box in list(_LIVE):
         box.kill_now()
+    # Boxes started but not yet registered, and bubblewraps whose sandbox-side half has not yet
+    # armed --die-with-parent (it runs in its own session, out of reach of the box's killpg).
+    owner = f"{os.getpid()}-"
+    for pid, box in _bubblewraps():
+        if box.startswith(owner):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 atexit.register(_kill_all_at_exit)
