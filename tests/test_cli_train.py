@@ -69,6 +69,25 @@ def test_bad_configuration_is_named(tmp_path: Path, capsys, text: str, argv: lis
     assert expected in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("ek", "expected"),
+    [
+        ("oops", "--ek expects key=value"),
+        # The options reach the backend's check at spec build: the local sandbox names its bad option.
+        ("root=vm", "root"),
+    ],
+)
+def test_backend_options_reach_the_backend(tmp_path: Path, capsys, monkeypatch, ek: str, expected: str) -> None:
+    monkeypatch.setenv("TRL_HARBOR_PREFLIGHT", "1")
+    out = tmp_path / "run"
+    assert cli_main(["train", "--ek", ek, "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err
+    assert cli_main(["eval", str(BUNDLED_SUITE), "--model", "m", "--ek", ek, "--output-dir", str(out)]) == 2
+    printed = capsys.readouterr()
+    assert expected in printed.out + printed.err
+
+
 def test_missing_config_file_is_named(tmp_path: Path, capsys) -> None:
     assert cli_main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml is not a file" in capsys.readouterr().err

@@ -26,10 +26,39 @@ from harbor.trial.network_policy import TrialNetworkPlan, resolve_trial_network_
 
 from trl_harbor.sandboxes import LOCAL_ENVIRONMENT_IMPORT_PATH
 
-__all__ = ["BUILTIN_ALIASES", "create_environment", "environment_config", "network_plan"]
+__all__ = ["BUILTIN_ALIASES", "create_environment", "environment_config", "network_plan", "parse_backend_options"]
 
 #: Short names trl-harbor adds to Harbor's own environment types.
 BUILTIN_ALIASES = {"local": LOCAL_ENVIRONMENT_IMPORT_PATH}
+
+
+def parse_backend_options(pairs: list[str] | None) -> dict[str, Any]:
+    """Backend options from ``key=value`` strings (the command line's ``--ek``, as in ``harbor run``).
+
+    Values are read as JSON where they are JSON (``pids_max=64``, ``host_trust=false``), else kept
+    as text (``root=host``).
+
+    Args:
+        pairs: The ``key=value`` strings.
+
+    Returns:
+        The options, for Harbor's environment ``kwargs``.
+
+    Raises:
+        ValueError: For a string without ``=``.
+    """
+    import json
+
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--ek expects key=value (e.g. --ek root=host), got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def environment_config(environment_type: str, kwargs: dict[str, Any] | None = None) -> TrialEnvironmentConfig:

@@ -22,17 +22,13 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _parse_kwargs(pairs: list[str]) -> dict:
-    kwargs = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--ek expects key=value, got {pair!r}")
-        try:
-            kwargs[key] = json.loads(value)
-        except json.JSONDecodeError:
-            kwargs[key] = value
-    return kwargs
+def _backend_options(pairs: list[str]) -> dict:
+    from trl_harbor.backends import parse_backend_options
+
+    try:
+        return parse_backend_options(pairs)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -68,7 +64,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 task_dirs,
                 args.environment_type,
                 concurrency=args.concurrency,
-                env_kwargs=_parse_kwargs(args.ek),
+                env_kwargs=_backend_options(args.ek),
                 reward_key=args.reward_key,
                 reward_weights=weights,
                 on_done=lambda _: progress.advance(bar),
@@ -127,7 +123,9 @@ def _eval_one(args: argparse.Namespace, suite: str, output_dir: str | None) -> i
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from trl_harbor.backends import parse_backend_options
     from trl_harbor.evaluate import EvalConfig, evaluate
+    from trl_harbor.preflight import BackendUnavailableError
     from trl_harbor.train import quiet_libraries
 
     quiet_libraries(args.verbose)  # library deprecations and load bars are not the user's business
@@ -151,6 +149,7 @@ def _eval_one(args: argparse.Namespace, suite: str, output_dir: str | None) -> i
             command_timeout_sec=args.command_timeout_sec,
             max_output_chars=args.max_output_chars,
             reward_key=args.reward_key,
+            environment_kwargs=parse_backend_options(args.ek),
             output_dir=output_dir,
         )
         with Progress(
@@ -159,7 +158,7 @@ def _eval_one(args: argparse.Namespace, suite: str, output_dir: str | None) -> i
         ) as progress:  # fmt: skip
             bar = progress.add_task("eval", total=None)
             result = evaluate(config, on_done=lambda total: progress.update(bar, total=total, advance=1))
-    except ValueError as exc:
+    except (ValueError, BackendUnavailableError) as exc:
         console.print(f"[red]trl-harbor eval: error: {exc}")
         return 2
 
@@ -235,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", required=True, help="the model the endpoint serves; without --base-url a path or hub id")
     ev.add_argument("--agent", default="bash", help="harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls")
     ev.add_argument("--environment-type", "-e", default="local", help="local (default), docker, ... or module:Class")
+    ev.add_argument("--ek", action="append", default=[], help="backend option key=value, e.g. root=host (repeatable)")
     ev.add_argument("--num-tasks", type=int, default=None, help="the first N tasks of the sorted suite")
     ev.add_argument("--indices", type=int, nargs="+", default=None, help="these positions of the sorted suite")
     ev.add_argument("--num-rollouts", "-n", type=int, default=4, help="rollouts per task (default 4)")

@@ -83,6 +83,7 @@ class EvalConfig:
         command_timeout_sec: Seconds one tool command may run.
         max_output_chars: Characters of a command's output handed to the model.
         reward_key: Which key of a multi-key ``reward.json`` is the reward.
+        environment_kwargs: Backend options (``--ek``), e.g. ``{"root": "host"}`` for the local sandbox.
         output_dir: Where ``eval.json`` and ``trajectories.jsonl`` go.
     """
 
@@ -105,6 +106,7 @@ class EvalConfig:
     command_timeout_sec: int = 180
     max_output_chars: int = 8000
     reward_key: str | None = None
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)
     output_dir: str = "outputs/trl-harbor-eval"
 
     def __post_init__(self) -> None:
@@ -317,6 +319,7 @@ def evaluate(config: EvalConfig, on_done: Callable[[int], None] | None = None) -
             "command_timeout_sec": config.command_timeout_sec,
             "max_output_chars": config.max_output_chars,
             "reward_key": config.reward_key,
+            "environment_kwargs": config.environment_kwargs or None,
         },
     )
     if config.base_url is None and config.model not in _LOCAL:

@@ -119,6 +119,7 @@ class HarborTrainArguments:
             ``path/to/file.py:Class``.
         environment_type: Harbor sandbox backend: ``local``, ``docker``, ``e2b``, ...,
             or ``module:Class``.
+        ek: Backend options as ``key=value`` (``--ek root=host``: the local sandbox on the host root).
         num_tasks: Use the first N tasks of the sorted suite.
         indices: Use exactly these positions of the sorted suite (exclusive with ``num_tasks``).
         revision: Hub revision of ``dataset``.
@@ -142,6 +143,9 @@ class HarborTrainArguments:
         default="bash", metadata={"help": "harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls"}
     )
     environment_type: str = field(default="local", metadata={"help": "sandbox backend: local, docker, e2b, mod:Cls"})
+    ek: list[str] = field(
+        default_factory=list, metadata={"help": "backend options key=value, e.g. --ek root=host (several: a=1 b=2)"}
+    )
     num_tasks: int | None = field(default=None, metadata={"help": "use the first N tasks of the sorted suite"})
     indices: list[int] | None = field(default=None, metadata={"help": "use these positions of the sorted suite"})
     revision: str | None = field(default=None, metadata={"help": "hub revision of --dataset"})
@@ -327,6 +331,8 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
     from trl import GRPOTrainer
 
     from trl_harbor import HarborSpec, close_all
+    from trl_harbor.backends import parse_backend_options
+    from trl_harbor.preflight import BackendUnavailableError
     from trl_harbor.trajectories import TrajectoryLog
 
     demo = harbor.model is None
@@ -350,6 +356,7 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
                     "reward_key": harbor.reward_key,
                     "on_infra_error": harbor.on_infra_error,
                     "max_concurrent_starts": harbor.max_concurrent_starts,
+                    "environment_kwargs": parse_backend_options(harbor.ek) or None,
                 },
             )
             for suite in suites
@@ -358,7 +365,7 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
             raise TrainSetupError("the demo run plays one suite; pass --model to train on several --dataset")
         spec = specs[0] if len(specs) == 1 else HarborSpec.mix(specs, harbor.dataset_weights, seed=config.seed)
         policy = _build_demo(spec, seed=config.seed) if demo else None
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, BackendUnavailableError) as exc:
         raise TrainSetupError(str(exc)) from exc
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
