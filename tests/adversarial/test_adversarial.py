@@ -26,7 +26,6 @@ import resource
 import secrets
 import shutil
 import socket
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from adv_corpus import CASES, Case, Ctx, text
 from adv_table import RESULTS, Outcome, render
 from registry import loopback_registry  # noqa: F401 - the session fixture
 
-from sandbox_helpers import BASE_DOCKERFILE, live_processes_with, wait_until
+from sandbox_helpers import BASE_DOCKERFILE, live_processes_with, make_task, wait_until
 from trl_harbor import HarborSpec, close_all
 
 #: Real sandboxes on the local backend (never skipped: where bubblewrap is missing they fail).
@@ -109,38 +108,10 @@ def _digest(path: Path) -> str:
 
 
 def _write_task(root: Path, name: str, gold: str, *, network: str, base: str | None) -> Path:
-    task = root / name
-    (task / "environment").mkdir(parents=True)
-    (task / "tests").mkdir()
-    (task / "solution").mkdir()
     dockerfile = f"FROM {base}\n" if base else BASE_DOCKERFILE
-    (task / "environment" / "Dockerfile").write_text(dockerfile + "WORKDIR /workdir\n")
-    (task / "instruction.md").write_text("Write the answer to /workdir/answer.txt\n")
-    (task / "task.toml").write_text(
-        textwrap.dedent(
-            f"""\
-            version = "1.0"
-            [metadata]
-            gold_answer = "{gold}"
-            [verifier]
-            timeout_sec = 60
-            [agent]
-            timeout_sec = 60
-            [environment]
-            network_mode = "{network}"
-            memory_mb = {MEMORY_MB}
-            cpus = 1
-            """
-        )
+    return make_task(
+        root, name, dockerfile=dockerfile + "WORKDIR /workdir\n", network_mode=network, memory_mb=MEMORY_MB, gold=gold
     )
-    test_sh = task / "tests" / "test.sh"
-    test_sh.write_text(
-        f'#!/bin/bash\nmkdir -p /logs/verifier\n[ "$(cat /workdir/answer.txt 2>/dev/null)" = "{gold}" ] '
-        "&& echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
-    )
-    test_sh.chmod(0o755)
-    (task / "solution" / "solve.sh").write_text(f"#!/bin/bash\necho {gold} > /workdir/answer.txt\n")
-    return task
 
 
 class Arena:

@@ -619,12 +619,13 @@ class LocalEnvironment(BaseEnvironment):
             if kind == "opaque":
                 image_visible = False  # a folder the sandbox replaced whole hides the image's below it
         entries: dict[str, str] = {}
-        if image_visible and all(_layer_entry(lower / "/".join(parts[:i])) == "dir" for i in range(1, len(parts))):
+        if image_visible:
             key = (str(lower), path, depth)
             listed = _IMAGE_LISTINGS.get(key)
             if listed is None:  # published once complete: sandboxes fingerprint in several threads at once
                 listed = {}
-                _walk_tree(lower, path, depth, listed)
+                if all(_layer_entry(lower / "/".join(parts[:i])) == "dir" for i in range(1, len(parts))):
+                    _walk_tree(lower, path, depth, listed)  # not under a link of the image
                 _IMAGE_LISTINGS[key] = listed
             entries.update(listed)
         _lay_upper(upper, path, depth, entries)
