@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from registry import loopback_registry  # noqa: F401 - the session fixture
 
-from sandbox_helpers import make_task, open_env, run
+from sandbox_helpers import count_processes_cmd, make_task, open_env, run
 from trl_harbor.sandboxes._bwrap import state_root
 from trl_harbor.sandboxes.oci import ImageStore
 
@@ -28,11 +28,6 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = tmp_path_factory.mktemp("image-cache")
     yield str(path)
     ImageStore(path).release_mounts()
-
-
-def _running(marker: str) -> str:
-    """A command printing how many processes run ``sleep <marker>`` (no procps in minbase)."""
-    return f"for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^[s]leep {marker}'"
 
 
 def _task(tmp_path: Path, dockerfile: str, files: dict[str, str] | None = None, network: str = "no-network") -> Path:
@@ -476,7 +471,7 @@ def test_seal_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(loo
         await env.start(force_build=False)
         try:
             for _ in range(100):
-                if (await env.exec(_running("7777"))).stdout.strip() != "0":
+                if (await env.exec(count_processes_cmd("sleep 7777"))).stdout.strip() != "0":
                     break
                 await asyncio.sleep(0.05)
             seal = Seal()
@@ -486,8 +481,8 @@ def test_seal_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(loo
                 "nohup sleep 8888 >/dev/null 2>&1 & echo 'exit 0' > /usr/bin/test-helper; chmod +x /usr/bin/test-helper; echo '#' >> /usr/bin/env"
             )
             report = await seal.apply(env)
-            service = await env.exec(_running("7777"))
-            agent = await env.exec(_running("8888"))
+            service = await env.exec(count_processes_cmd("sleep 7777"))
+            agent = await env.exec(count_processes_cmd("sleep 8888"))
             return report, [service.stdout.strip(), agent.stdout.strip()]
         finally:
             await env.stop(delete=True)
