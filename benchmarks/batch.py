@@ -105,10 +105,10 @@ def _latency_kwargs(latency: float) -> dict:
 
 
 def run_ours(suite: Path, n: int, latency: float, tool_calls: int) -> Timing:
-    kwargs = {"environment_kwargs": _latency_kwargs(latency)} if latency else {}
+    kwargs = {"backend_options": _latency_kwargs(latency)} if latency else {}
     spec = HarborSpec(suite, environment_type=LATENCY if latency else LOCAL, env_kwargs=kwargs)
     envs = [spec.environment_factory() for _ in range(n)]
-    [reward_func] = spec.reward_funcs
+    reward_func = spec.reward_funcs
     timing = _drive(envs, str(spec.task_dirs[0]), tool_calls, lambda es: reward_func([None] * len(es), es))
     t = time.perf_counter()
     close_all()
@@ -186,7 +186,7 @@ def _timed_bash_env(spans: list[tuple[float, float]]) -> type:
 
 
 def _latency_spec(suite: Path, agent: type, exec_latency: float) -> HarborSpec:
-    kwargs = {"environment_kwargs": {"exec_latency_sec": exec_latency}}
+    kwargs = {"backend_options": {"exec_latency_sec": exec_latency}}
     return HarborSpec(suite, agent=agent, environment_type=LATENCY, env_kwargs=kwargs)
 
 
@@ -219,7 +219,7 @@ def tool_turn(suite: Path, n: int, exec_latency: float, concurrent_tools: bool) 
     tokenizer = build_tokenizer(corpus=[instruction, agent.PROMPT_SUFFIX], extra_tokens=[call])
     model = build_model(tokenizer, seed=0)
     script_tool_calls(model, tokenizer, [call])
-    [harbor_reward] = spec.reward_funcs
+    harbor_reward = spec.reward_funcs
     rewards: list = []
 
     def reward(**kwargs):

@@ -223,7 +223,7 @@ def test_trajectory_log_records_what_a_rollout_did(tmp_path: Path, copy_tasks, c
     env.reset(**row)
     listing = env.bash("ls /workdir/data")
     env.bash("echo -n 421 > /workdir/answer.txt")
-    rewards = log.reward_func(spec.reward_funcs[0])(
+    rewards = log.reward_func(spec.reward_funcs)(
         environments=[env], completions=[[{"role": "assistant", "content": "421"}]]
     )
     (line,) = read_trajectories(tmp_path / "t.jsonl")

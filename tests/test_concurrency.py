@@ -22,7 +22,7 @@ from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, REPO, requires_local
 
 from sandbox_helpers import BASE_DOCKERFILE, as_a_foreground_job, live_processes_with, wait_until
 from trl_harbor import HarborSpec, close_all
-from trl_harbor.env import infra_failures
+from trl_harbor.rollout import COUNTERS
 from trl_harbor.sandboxes._bwrap import state_root
 from trl_harbor.sandboxes.latency import LatencyLocalEnvironment
 
@@ -51,7 +51,7 @@ def _overlapping(intervals) -> bool:
 
 @requires_local
 def test_reset_returns_before_the_sandbox_and_a_batch_starts_together(tmp_path: Path) -> None:
-    spec = _spec(tmp_path, [GOLD_TASK], environment_kwargs={"start_latency_sec": 1.0})
+    spec = _spec(tmp_path, [GOLD_TASK], backend_options={"start_latency_sec": 1.0})
     envs = [spec.environment_factory() for _ in range(8)]
     for env in envs:
         prompt = env.reset(task_dir=str(spec.task_dirs[0]))
@@ -65,7 +65,7 @@ def test_reset_returns_before_the_sandbox_and_a_batch_starts_together(tmp_path: 
 
 @requires_local
 def test_concurrent_starts_are_bounded(tmp_path: Path) -> None:
-    spec = _spec(tmp_path, [GOLD_TASK], environment_kwargs={"start_latency_sec": 0.3}, max_concurrent_starts=3)
+    spec = _spec(tmp_path, [GOLD_TASK], backend_options={"start_latency_sec": 0.3}, max_concurrent_starts=3)
     envs = [spec.environment_factory() for _ in range(9)]
     for env in envs:
         env.reset(task_dir=str(spec.task_dirs[0]))
@@ -88,7 +88,7 @@ def test_batch_verification_runs_concurrently_and_is_reused(tmp_path: Path) -> N
     for i, env in enumerate(envs):
         env.reset(task_dir=str(spec.task_dirs[0]))
         env.bash(f"echo {GOLD_ANSWER if i % 2 == 0 else 0} > /workdir/answer.txt")
-    [reward_func] = spec.reward_funcs
+    reward_func = spec.reward_funcs
     rewards = reward_func(completions=[None] * 6, environments=envs)
     assert rewards == [1.0, 0.0] * 3
     verifies = [i for i in LatencyLocalEnvironment.intervals if i.kind == "verify"]
@@ -120,7 +120,7 @@ def test_one_failed_start_and_one_crashed_verifier_cost_only_their_rollouts(
     by_name = {p.name: str(p) for p in spec.task_dirs}
     order = ["a_good", "b_cannot_start", "c_verifier_crashes", "a_good"]
     envs = [spec.environment_factory() for _ in order]
-    before = infra_failures()
+    before = COUNTERS.infra_failures()
     with caplog.at_level(logging.WARNING, logger="trl_harbor"):
         for env, name in zip(envs, order, strict=True):
             env.reset(task_dir=by_name[name])
@@ -130,7 +130,7 @@ def test_one_failed_start_and_one_crashed_verifier_cost_only_their_rollouts(
         assert outputs[1].startswith("Error: sandbox start failed for task 'b_cannot_start'")
         assert "no-such-package-anywhere" in outputs[1] and "will not be scored" in outputs[1]
         logged_metrics, logged_extra = {}, {}
-        [reward_func] = spec.reward_funcs
+        reward_func = spec.reward_funcs
         rewards = reward_func(
             completions=[None] * 4,
             environments=envs,
@@ -145,7 +145,7 @@ def test_one_failed_start_and_one_crashed_verifier_cost_only_their_rollouts(
     assert logged_metrics["harbor/verifier_failures"] == 1.0
     assert logged_extra["harbor_error"][0] == "" and "ImageBuildError" in logged_extra["harbor_error"][1]
     assert "RewardFileNotFound" in logged_extra["harbor_error"][2] and "healthy" in logged_extra["harbor_error"][2]
-    after = infra_failures()
+    after = COUNTERS.infra_failures()
     assert after["start"] == before["start"] + 1 and after["verify"] == before["verify"]
     reasons = [r.getMessage() for r in caplog.records if "not the policy's fault" in r.getMessage()]
     assert len(reasons) == 1  # the failure logged once, with its task and cause
@@ -369,7 +369,7 @@ def test_256_concurrent_sandboxes_complete_a_batch(tmp_path: Path) -> None:
     for i, (env, task_dir) in enumerate(zip(envs, dirs, strict=True)):
         answer = gold[task_dir.name] if i % 4 else "wrong"
         assert env.bash(f"printf %s '{answer}' > /workdir/answer.txt && echo ok").strip() == "ok"
-    [reward_func] = spec.reward_funcs
+    reward_func = spec.reward_funcs
     rewards = reward_func(completions=[None] * 256, environments=envs)
     assert rewards == [0.0 if i % 4 == 0 else 1.0 for i in range(256)]
     close_all()

@@ -13,7 +13,9 @@ import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
 
 from trl_harbor import HarborBashEnv, HarborEnv, close_all, runtime
-from trl_harbor.env import LOCAL_ENVIRONMENT_IMPORT_PATH, RewardError, environment_config, select_reward
+from trl_harbor.backends import resolve_backend
+from trl_harbor.rollout import RewardError, select_reward
+from trl_harbor.sandboxes import LOCAL_ENVIRONMENT_IMPORT_PATH
 
 GOLD_DIR = str(BUNDLED_SUITE / GOLD_TASK)
 
@@ -66,15 +68,15 @@ def test_never_reset_env_scores_zero_without_touching_harbor() -> None:
 def test_environment_type_mapping() -> None:
     from harbor.models.environment_type import EnvironmentType
 
-    local = environment_config("local")
-    assert local.import_path == LOCAL_ENVIRONMENT_IMPORT_PATH and local.type is None
+    local = resolve_backend("local")
+    assert local.config.import_path == LOCAL_ENVIRONMENT_IMPORT_PATH and local.config.type is None and local.local
     assert LOCAL_ENVIRONMENT_IMPORT_PATH == "trl_harbor.sandboxes.local:LocalEnvironment"
-    plugin = environment_config("my.pkg:MyEnvironment")
-    assert plugin.import_path == "my.pkg:MyEnvironment"
-    assert environment_config("docker").type == EnvironmentType.DOCKER
-    assert environment_config("e2b").type == EnvironmentType.E2B
+    plugin = resolve_backend("my.pkg:MyEnvironment")
+    assert plugin.config.import_path == "my.pkg:MyEnvironment" and not plugin.local
+    assert resolve_backend("docker").config.type == EnvironmentType.DOCKER
+    assert resolve_backend("e2b").config.type == EnvironmentType.E2B
     with pytest.raises(ValueError, match="docker"):
-        environment_config("dockerr")
+        resolve_backend("dockerr")
 
 
 def test_unknown_backend_fails_at_reset_not_as_a_skipped_rollout() -> None:
@@ -233,7 +235,7 @@ def test_timeout_and_output_cap_are_configurable(close_sandboxes: None) -> None:
     assert "timed out after 2 s" in env.bash("sleep 30")
     out = env.bash("seq 1 10000")
     # cut once, keeping the start and the end (where a failing command's error is)
-    assert out.startswith("1\n2\n") and out.endswith("9999\n10000\n") and out.count("[truncated") == 1
+    assert out.startswith("1\n2\n") and out.endswith("9999\n10000\n") and out.count("characters omitted ...]") == 1
     assert len(out) < 200
     assert "[exit code 3]" in env.bash("echo oops; exit 3")
     assert env.bash("echo hello").strip() == "hello"  # the sandbox survived the timeout
@@ -291,7 +293,7 @@ def test_multi_reward_defaults_weights_and_missing_reward(tmp_path: Path, close_
     assert weighted.reward == 0.25
     toml = task / "task.toml"
     toml.write_text(toml.read_text().replace("[metadata]", "[metadata]\nreward_weights = { b = 2.0, a = 3.0 }", 1))
-    from trl_harbor.env import _TASKS
+    from trl_harbor.suite import _TASKS
 
     _TASKS.clear()  # task.toml changed on disk
     declared = HarborBashEnv(environment_type="local")
@@ -339,14 +341,14 @@ def test_separate_verifier_environment(tmp_path: Path, close_sandboxes: None, mo
         )
     )
 
-    from trl_harbor import grading
+    from trl_harbor.rollout import grading
 
     separate_runs = [0]
     real = grading._grade_separately
 
-    async def counting(episode, step):
+    async def counting(*args):
         separate_runs[0] += 1
-        return await real(episode, step)
+        return await real(*args)
 
     monkeypatch.setattr(grading, "_grade_separately", counting)
     env = HarborBashEnv(environment_type="local")

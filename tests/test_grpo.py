@@ -48,7 +48,7 @@ def test_grpo_step_runs_tools_in_sandboxes_and_scores_them(tmp_path: Path, close
         environment_type="local",
         indices=[sorted(p.name for p in BUNDLED_SUITE.iterdir()).index(GOLD_TASK)],
     )
-    [harbor_reward] = spec.reward_funcs
+    harbor_reward = spec.reward_funcs
 
     def recorded_reward(completions, environments=None, **kwargs):
         rewards = harbor_reward(completions=completions, environments=environments, **kwargs)

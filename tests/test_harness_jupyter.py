@@ -112,7 +112,7 @@ def check_kernel(env, expected_backend: str) -> None:
     assert env.add_and_execute_code_cell("n > 0, x") == "(True, 42)\n"
     # output is capped (head and tail kept)
     out = env.add_and_execute_code_cell("for i in range(100000):\n    print(i)")
-    assert len(out) <= env._max_output_chars and "truncated" in out, len(out)
+    assert len(out) <= env.options.max_output_chars and "characters omitted" in out, len(out)
     assert out.startswith("0\n1\n") and out.endswith("99999\n"), out[-100:]
     # the shell tool works alongside
     assert env.execute_shell_command("cat /workdir/notes.txt") == "kept"
@@ -152,7 +152,7 @@ def test_ipykernel_backend(env_cls: type, ipykernel_task: Path, close_sandboxes:
     # The host root: its sandbox venv takes the Dockerfile's `pip install` (from PyPI); the kernel
     # back end is chosen the same way on a task image that has the two packages.
     env = env_cls(
-        environment_type="local", environment_kwargs={"root": "host"}, cell_timeout_sec=2, max_output_chars=2000
+        environment_type="local", backend_options={"root": "host"}, cell_timeout_sec=2, max_output_chars=2000
     )
     env.reset(task_dir=str(ipykernel_task))
     check_kernel(env, "ipykernel")
@@ -211,7 +211,7 @@ def test_grpo_step_with_jupyter(tmp_path: Path, env_cls: type, close_sandboxes: 
 
     index = sorted(p.name for p in BUNDLED_SUITE.iterdir()).index(GOLD_TASK)
     spec = HarborSpec(BUNDLED_SUITE, agent=Recording, environment_type="local", indices=[index])
-    [harbor_reward] = spec.reward_funcs
+    harbor_reward = spec.reward_funcs
 
     def recorded_reward(completions, environments=None, **kwargs):
         rewards = harbor_reward(completions=completions, environments=environments, **kwargs)

@@ -225,7 +225,7 @@ def test_grpo_step_with_terminal_notes(tmp_path: Path, env_cls: type, close_sand
         environment_type="local",
         indices=[sorted(p.name for p in BUNDLED_SUITE.iterdir()).index(GOLD_TASK)],
     )
-    [harbor_reward] = spec.reward_funcs
+    harbor_reward = spec.reward_funcs
     scored: list[list[float]] = []
 
     def recorded_reward(completions, environments=None, **kwargs):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sandbox_helpers import BUNDLED_SUITE, make_task, run
+from sandbox_helpers import BUNDLED_SUITE, make_task
 from trl_harbor.check import check_suite
 from trl_harbor.cli import main as cli_main
 from trl_harbor.suite import load_suite
@@ -32,7 +32,7 @@ def test_bundled_suite_is_large_and_varied_enough() -> None:
 
 def test_every_bundled_task_scores_one_with_oracle_and_zero_with_nothing() -> None:
     """Harbor's own OracleAgent and Verifier, in real local sandboxes."""
-    results = run(check_suite(BUNDLED_TASKS, "local", concurrency=8))
+    results = check_suite(BUNDLED_TASKS, "local", concurrency=8)
     table = {r.task: (r.oracle.reward, r.nop.reward, r.oracle.error or r.nop.error) for r in results}
     assert all(r.passed for r in results), table
     assert {r.oracle.reward for r in results} == {1.0} and {r.nop.reward for r in results} == {0.0}

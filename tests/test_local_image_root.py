@@ -346,6 +346,7 @@ def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_regi
 
 def test_harbor_oracle_and_verifier_with_task_users(loopback_registry, cache_dir, tmp_path):  # noqa: F811
     """Harbor's own OracleAgent and Verifier on an image root, with [agent]/[verifier] user= set."""
+    from trl_harbor import HarborOptions
     from trl_harbor.check import check_suite
 
     task = _task(
@@ -363,7 +364,8 @@ def test_harbor_oracle_and_verifier_with_task_users(loopback_registry, cache_dir
     (task / "solution" / "solve.sh").write_text(
         '#!/bin/bash\n[ "$(id -un)" = agent ] && echo 42 > /workdir/answer.txt\n'
     )
-    (result,) = run(check_suite([task], "local", concurrency=1, env_kwargs={"root": "image", "cache_dir": cache_dir}))
+    options = HarborOptions(backend_options={"root": "image", "cache_dir": cache_dir})
+    (result,) = check_suite([task], "local", concurrency=1, options=options)
     assert result.passed, (result.oracle, result.nop)
     assert (result.oracle.reward, result.nop.reward) == (1.0, 0.0)
 
@@ -449,10 +451,11 @@ def test_concurrent_cold_starts_share_one_pull_and_build(loopback_registry, tmp_
     assert len([p for p in (Path(cache) / "images").iterdir() if p.is_dir()]) == 1
 
 
-def test_seal_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(loopback_registry, cache_dir, tmp_path):  # noqa: F811
-    """The verifier's guard works on image roots: the agent's processes die, the ENTRYPOINT's
-    service stays, and a changed program on the verifier's PATH (in the image's /usr) is found."""
-    from trl_harbor.sealing import Seal
+def test_baseline_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """The grading path of backends without an isolated view, on an image root: with
+    ``agent_processes="kill"`` the agent's processes die, the ENTRYPOINT's service stays, and a
+    changed program on the verifier's PATH (in the image's /usr) is found."""
+    from trl_harbor.rollout.seal import Baseline
 
     task = _task(
         tmp_path,
@@ -467,20 +470,20 @@ def test_seal_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(loo
     )
 
     async def scenario():
-        env = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        env = open_env(task, tmp_path, root="image", cache_dir=cache_dir, verifier_isolation=False)
         await env.start(force_build=False)
         try:
             for _ in range(100):
                 if (await env.exec(count_processes_cmd("sleep 7777"))).stdout.strip() != "0":
                     break
                 await asyncio.sleep(0.05)
-            seal = Seal()
+            seal = Baseline()
             await seal.take_processes(env)
             await seal.take_files(env, "root")
             await env.exec(
                 "nohup sleep 8888 >/dev/null 2>&1 & echo 'exit 0' > /usr/bin/test-helper; chmod +x /usr/bin/test-helper; echo '#' >> /usr/bin/env"
             )
-            report = await seal.apply(env)
+            report = await seal.apply(env, kill=True)
             service = await env.exec(count_processes_cmd("sleep 7777"))
             agent = await env.exec(count_processes_cmd("sleep 8888"))
             return report, [service.stdout.strip(), agent.stdout.strip()]
@@ -490,7 +493,7 @@ def test_seal_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(loo
     report, alive = run(scenario())
     assert alive == ["1", "0"]
     assert report.killed >= 1
-    assert any(change.path == "/usr/bin/env" for change in report.tampered), report.changes
+    assert any(change.path == "/usr/bin/env" for change in report.tampered), report.tampered
 
 
 def test_kernel_knobs_are_read_only(loopback_registry, cache_dir, tmp_path):  # noqa: F811

@@ -163,11 +163,11 @@ def test_one_environment_per_combination_with_stable_names() -> None:
     assert set(mix.train_dataset["suite"]) == {"examples"}
     envs = {name: factory() for name, factory in factories.items()}
     assert type(envs[names[0]]) is HarborBashEnv and type(envs[names[1]]) is TerminalNotesEnv
-    assert envs[names[2]]._environment_type == "docker" and envs[names[3]]._command_timeout_sec == 9
+    assert envs[names[2]]._environment_type == "docker" and envs[names[3]].options.command_timeout_sec == 9
     # The factories travel to worker processes.
     clones = pickle.loads(pickle.dumps(factories))
     assert [type(clones[n]()) for n in names] == [type(envs[n]) for n in names]
-    assert mix.reward_funcs == [harbor_mix_reward]
+    assert mix.reward_funcs is harbor_mix_reward
 
 
 def test_mix_reward_logs_per_suite_metrics() -> None:
@@ -327,7 +327,7 @@ def test_grpo_step_routes_rows_to_their_harness_and_sandbox(
     assert sorted(mix.train_dataset["suite"]) == ["humidity", "orders"]
     env_of = {entry.suite: entry.environment for entry in mix.entries}
 
-    [mix_reward] = mix.reward_funcs
+    mix_reward = mix.reward_funcs
     scored: list[dict] = []
 
     def recorded_reward(completions, environments=None, **kwargs):

@@ -16,7 +16,7 @@ import pytest
 from conftest import BUNDLED_SUITE, GOLD_TASK, requires_local, tiny_grpo_trainer
 
 from sandbox_helpers import BASE_DOCKERFILE, run_unprivileged, unprivileged_test
-from trl_harbor import HarborSpec, close_all
+from trl_harbor import HarborOptions, HarborSpec, close_all
 from trl_harbor.env import HarborBashEnv
 from trl_harbor.preflight import BackendUnavailableError, InfrastructureFailureError, check_batch
 from trl_harbor.suite import TaskSuiteError
@@ -55,7 +55,7 @@ def test_local_backend_passes_and_bad_backends_are_named() -> None:
         HarborSpec(BUNDLED_SUITE, environment_type="no_such_module_xyz:Env", preflight=True)
     with pytest.raises(BackendUnavailableError, match="root"):
         HarborSpec(
-            BUNDLED_SUITE, environment_type="local", env_kwargs={"environment_kwargs": {"root": "vm"}}, preflight=True
+            BUNDLED_SUITE, environment_type="local", env_kwargs={"backend_options": {"root": "vm"}}, preflight=True
         )
     with pytest.raises(ValueError, match="unknown environment_type 'dockr'"):
         HarborSpec(BUNDLED_SUITE, environment_type="dockr", preflight=True)
@@ -73,7 +73,7 @@ try:
     found["default"] = "built"
 except BackendUnavailableError as error:
     found["default"] = str(error)
-HarborSpec(suite, environment_type="local", env_kwargs={"environment_kwargs": {"root": "host"}}, preflight=True)
+HarborSpec(suite, environment_type="local", env_kwargs={"backend_options": {"root": "host"}}, preflight=True)
 found["host"] = "built"
 print(json.dumps(found))
 """
@@ -110,9 +110,9 @@ def test_task_toml_typos_are_refused_and_other_unknown_keys_only_logged(
 
 
 def test_batch_guard_thresholds() -> None:
-    from trl_harbor.env import Verification
+    from trl_harbor.rollout import Cause, Verification
 
-    lost = Verification(None, reason="sandbox start failed for task 'x': no daemon", infra=True)
+    lost = Verification(None, cause=Cause.INFRASTRUCTURE, reason="sandbox start failed for task 'x': no daemon")
     fine = Verification(1.0)
     check_batch([lost])  # one rollout alone is an isolated failure
     check_batch([lost, fine])  # half a batch: the default stops only a batch lost whole
@@ -136,17 +136,17 @@ def test_a_batch_lost_to_the_backend_stops_the_reward_function(tmp_path: Path, c
         envs = [spec.environment_factory() for _ in names]
         for env, name in zip(envs, names, strict=True):
             env.reset(task_dir=by_name[name])
-        [reward] = spec.reward_funcs
+        reward = spec.reward_funcs
         return reward(completions=[None] * len(envs), environments=envs)
 
     spec = HarborSpec(suite, environment_type="local")
     assert batch(spec, ["a_good", "b_unstartable"]) == [0.0, None]  # one lost rollout: training goes on
     with pytest.raises(InfrastructureFailureError, match=r"(?s)2 of 2 rollouts.*RUN exit 7"):
         batch(spec, ["b_unstartable", "b_unstartable"])
-    lenient = HarborSpec(suite, environment_type="local", infra_stop_fraction=None)
-    assert lenient.reward_funcs[0].__name__ == "harbor_reward"
+    lenient = HarborSpec(suite, environment_type="local", env_kwargs={"infra_stop_fraction": None})
+    assert lenient.reward_funcs.__name__ == "harbor_reward"
     assert batch(lenient, ["b_unstartable", "b_unstartable"]) == [None, None]
-    strict = HarborSpec(suite, environment_type="local", infra_stop_fraction=0.5)
+    strict = HarborSpec(suite, environment_type="local", options=HarborOptions(infra_stop_fraction=0.5))
     with pytest.raises(InfrastructureFailureError, match=r"1 of 2 rollouts"):
         batch(strict, ["a_good", "b_unstartable"])
 

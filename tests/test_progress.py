@@ -20,7 +20,7 @@ def test_sandbox_starts_and_verification_report_their_progress(close_sandboxes: 
             env.reset(task_dir=str(task_dir))
         for env in envs:
             env.bash("true")  # waits for its sandbox
-        [reward] = spec.reward_funcs
+        reward = spec.reward_funcs
         reward(completions=[None] * 3, environments=envs)
     finally:
         progress.set_reporter(previous)

@@ -88,7 +88,7 @@ def test_factory_and_reward_behave_alike(bundled_suite: Path) -> None:
     assert ref_env.reward == our_env.reward == 0.0  # never reset: no backend touched
 
     ref_reward = ref_spec.reward_funcs
-    [our_reward] = our_spec.reward_funcs
+    our_reward = our_spec.reward_funcs
     assert ref_reward(environment_reward=[1, 0.25]) == our_reward(completions=[], environment_reward=[1, 0.25])
     assert ref_reward(environments=[ref_env]) == our_reward(completions=["x"], environments=[our_env]) == [0.0]
 

@@ -20,7 +20,7 @@ import pytest
 from conftest import requires_local
 
 from trl_harbor import HarborSpec
-from trl_harbor.episode import infra_failures, verification_failures
+from trl_harbor.rollout import COUNTERS
 
 GOLD = "42"
 #: The verifier (a `pytest` the image provides) sleeps after grading, then keeps whatever reward
@@ -82,7 +82,7 @@ HONEST = f"nohup sleep 600 >/dev/null 2>&1 & echo {GOLD} > /workdir/answer.txt"
 
 #: The exploits name the host root's paths (its /opt/venv is first on PATH); the image root's
 #: counterparts run in tests/adversarial/ (reward hacking on an image root).
-HOST_ROOT = {"environment_kwargs": {"root": "host"}}
+HOST_ROOT = {"backend_options": {"root": "host"}}
 
 #: harness -> how a rollout runs one shell command through it.
 HARNESSES = {
@@ -136,7 +136,7 @@ def _rollouts(suite: Path, harness: str, commands: dict[str, str]) -> dict[str, 
         env.reset(task_dir=by_name["unstartable" if name == "backend fault" else "guard"])
     for env, name in zip(envs[:-1], names[:-1], strict=True):
         HARNESSES[harness](env, commands[name])
-    [reward] = spec.reward_funcs
+    reward = spec.reward_funcs
     extra: dict[str, list] = {}
     rewards = reward(completions=[None] * len(envs), environments=envs, log_extra=extra.__setitem__)
     outcome = dict(zip(names, rewards, strict=True))
@@ -150,14 +150,14 @@ def _rollouts(suite: Path, harness: str, commands: dict[str, str]) -> dict[str, 
 def test_every_exploit_scores_zero_and_the_honest_solution_one(
     suite: Path, harness: str, close_sandboxes: None
 ) -> None:
-    before_infra, before_agent = infra_failures(), verification_failures()
+    before_infra, before_agent = COUNTERS.infra_failures(), COUNTERS.by_cause()
     commands = {**EXPLOITS, **SABOTAGE, "honest": HONEST}
     outcome = _rollouts(suite, harness, commands)
     assert outcome.pop("honest") == 1.0
     assert outcome == dict.fromkeys(outcome, 0.0), outcome
-    assert infra_failures()["start"] == before_infra["start"] + 1  # the backend fault, counted once
-    assert infra_failures()["verify"] == before_infra["verify"]  # nothing the agent did is an infra failure
-    assert verification_failures()["tampered"] == before_agent["tampered"] + 4  # .pth, two fake tools, /tests
+    assert COUNTERS.infra_failures()["start"] == before_infra["start"] + 1  # the backend fault, counted once
+    assert COUNTERS.infra_failures()["verify"] == before_infra["verify"]  # nothing the agent did is an infra failure
+    assert COUNTERS.by_cause()["tampered"] == before_agent["tampered"] + 4  # .pth, two fake tools, /tests
 
 
 @requires_local

@@ -12,7 +12,7 @@ import pytest
 from conftest import BUNDLED_SUITE, GOLD_TASK
 
 from trl_harbor import HarborBashEnv, HarborEnv, HarborSpec, TaskSuiteError
-from trl_harbor.spec import harbor_reward
+from trl_harbor.rewards import harbor_reward
 
 NAMES = sorted(p.name for p in BUNDLED_SUITE.iterdir() if (p / "task.toml").is_file())
 
@@ -86,7 +86,7 @@ def test_environment_factory_builds_fresh_picklable_envs(bundled_suite: Path, tm
     factory = spec.environment_factory
     a, b = factory(), factory()
     assert isinstance(a, HarborBashEnv) and a is not b
-    assert a._environment_type == "local" and a._command_timeout_sec == 30
+    assert a._environment_type == "local" and a.options.command_timeout_sec == 30
     clone = pickle.loads(pickle.dumps(factory))
     assert isinstance(clone(), HarborBashEnv)
 
@@ -109,13 +109,13 @@ def test_factory_unpickles_in_a_fresh_process(bundled_suite: Path, tmp_path: Pat
 
 def test_reward_funcs(bundled_suite: Path) -> None:
     spec = HarborSpec(bundled_suite)
-    funcs = spec.reward_funcs
-    assert funcs == [harbor_reward]
+    func = spec.reward_funcs
+    assert func is harbor_reward  # one function, as in trl.experimental.harbor
     envs = [spec.environment_factory() for _ in range(3)]
-    assert funcs[0](completions=["a", "b", "c"], environments=envs) == [0.0, 0.0, 0.0]  # never reset
-    assert funcs[0](completions=["a", "b"], environment_reward=[1, 0.5]) == [1.0, 0.5]
+    assert func(completions=["a", "b", "c"], environments=envs) == [0.0, 0.0, 0.0]  # never reset
+    assert func(completions=["a", "b"], environment_reward=[1, 0.5]) == [1.0, 0.5]
     with pytest.raises(ValueError, match="environments"):
-        funcs[0](completions=["a"])
+        func(completions=["a"])
 
 
 def test_import_is_light_and_dataset_is_lazy() -> None:

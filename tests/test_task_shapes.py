@@ -92,9 +92,7 @@ def test_a_multi_step_task_is_one_rollout_with_submit_step(steps_suite: Path, cl
 
 
 @requires_local
-def test_stopping_early_is_never_rewarded_and_min_reward_ends_the_rollout(
-    tmp_path: Path, close_sandboxes: None
-) -> None:
+def test_steps_combine_as_in_harbor_and_min_reward_ends_the_rollout(tmp_path: Path, close_sandboxes: None) -> None:
     root = tmp_path / "suite"
     make_steps_task(root, "mean")
     make_steps_task(root, "final", strategy="final")
@@ -103,16 +101,26 @@ def test_stopping_early_is_never_rewarded_and_min_reward_ends_the_rollout(
     task = {p.name: str(p) for p in spec.task_dirs}
     env = spec.environment_factory()
 
-    # Step one done but never submitted: it is graded at the end, step two scores 0.
+    # Step one done but never submitted: it is graded at the end; Harbor's mean is over the steps graded.
     env.reset(task_dir=task["mean"])
     env.bash("echo 1 > /workdir/a.txt")
-    assert env.reward == 0.5
-    assert "never reached" in env.verification.reason
+    assert env.reward == 1.0
+    assert "never reached (not counted, as in Harbor)" in env.verification.reason
+    # The training option: a step never reached scores 0, so stopping early is never rewarded.
+    strict = HarborSpec(root, agent="bash_steps", environment_type="local", env_kwargs={"unreached_steps": "zero"})
+    zeroed = strict.environment_factory()
+    zeroed.reset(task_dir=task["mean"])
+    zeroed.bash("echo 1 > /workdir/a.txt")
+    assert zeroed.reward == 0.5
+    assert "never reached (scored 0)" in zeroed.verification.reason
 
-    # "final": only the last step counts; not reaching it is 0.
+    # "final": the last step graded counts (Harbor); with unreached_steps="zero", not reaching the last is 0.
     env.reset(task_dir=task["final"])
     env.bash("echo 1 > /workdir/a.txt")
-    assert env.reward == 0.0
+    assert env.reward == 1.0
+    zeroed.reset(task_dir=task["final"])
+    zeroed.bash("echo 1 > /workdir/a.txt")
+    assert zeroed.reward == 0.0
     env.reset(task_dir=task["final"])
     env.submit_step()  # step one wrong
     env.bash("cp /workdir/token.txt /workdir/b.txt")
@@ -210,7 +218,6 @@ def test_grpo_step_on_a_multi_reward_task_logs_every_component(
 @requires_local
 def test_check_grades_like_training_and_reports_every_task_even_broken_ones(tmp_path: Path, copy_tasks) -> None:
     """One broken task among good ones: every task gets its row, each failure its reason."""
-    import asyncio
 
     from conftest import GOLD_TASK
 
@@ -241,7 +248,7 @@ def test_check_grades_like_training_and_reports_every_task_even_broken_ones(tmp_
         )
 
     dirs = sorted(p for p in suite.iterdir() if p.is_dir())
-    results = {r.task_dir.name: r for r in asyncio.run(check_suite(dirs, "local", concurrency=4))}
+    results = {r.task_dir.name: r for r in check_suite(dirs, "local", concurrency=4)}
     assert set(results) == {p.name for p in dirs}
     assert results[GOLD_TASK].passed and results["two_steps"].passed, results["two_steps"].why
     assert results["two_steps"].oracle.reward == 1.0 and results["two_steps"].nop.reward == 0.0

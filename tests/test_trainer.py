@@ -34,7 +34,7 @@ from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
 
 from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborBashEnv, HarborSpec, close_all
-from trl_harbor.env import infra_failures
+from trl_harbor.rollout import COUNTERS
 from trl_harbor.sandboxes._bwrap import state_root
 
 EXPLOSION = "sandbox API down"
@@ -206,7 +206,7 @@ def _gold_spec(agent: Any, tmp_path: Path, exec_latency: float = 0.0) -> HarborS
         shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / GOLD_TASK)
     if not exec_latency:
         return HarborSpec(suite, agent=agent, environment_type="local")
-    kwargs = {"environment_kwargs": {"exec_latency_sec": exec_latency}}
+    kwargs = {"backend_options": {"exec_latency_sec": exec_latency}}
     return HarborSpec(suite, agent=agent, environment_type=LATENCY, env_kwargs=kwargs)
 
 
@@ -296,9 +296,9 @@ def test_a_sandbox_that_cannot_start_costs_its_rollouts_alike(tmp_path: Path) ->
     outcomes = {}
     for trainer_cls in (GRPOTrainer, HarborGRPOTrainer):
         spec = HarborSpec(suite, agent="bash", environment_type="local", env_kwargs={"on_infra_error": "zero"})
-        before = infra_failures()["start"]
+        before = COUNTERS.infra_failures()["start"]
         outcomes[trainer_cls] = _outcome(_train(trainer_cls, tmp_path, spec, scripted, batch=4, prompts=2))
-        assert infra_failures()["start"] == before + 2  # both rollouts of the broken task, once each
+        assert COUNTERS.infra_failures()["start"] == before + 2  # both rollouts of the broken task, once each
     ours, trls = outcomes[HarborGRPOTrainer], outcomes[GRPOTrainer]
     errors = trls["extra"]["harbor_error"]
     assert sum("sandbox start failed for task 'b_cannot_start'" in e for e in errors) == 2, errors
@@ -412,7 +412,7 @@ def test_environments_driven_from_a_thread_pool_like_async_grpo(tmp_path: Path, 
     from other threads while their neighbours run."""
     spec = _gold_spec(agent, tmp_path)
     [row] = spec.train_dataset.to_list()
-    before = infra_failures()
+    before = COUNTERS.infra_failures()
     pool: list[Any] = []
     created: list[Any] = []
     executor = ThreadPoolExecutor(max_workers=12, thread_name_prefix="grpo-tool")
@@ -448,7 +448,7 @@ def test_environments_driven_from_a_thread_pool_like_async_grpo(tmp_path: Path, 
         assert output.strip() == f"rollout-{index}", (index, output)  # no rollout saw another's sandbox
         assert reward == (1.0 if index % 2 == 0 else 0.0), (index, reward)
     assert len(created) <= 12  # environments were reused, reset from other threads
-    assert infra_failures() == before
+    assert COUNTERS.infra_failures() == before
     close_all()
     deadline = time.monotonic() + 10
     while _leftovers() and time.monotonic() < deadline:

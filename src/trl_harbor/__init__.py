@@ -2,7 +2,8 @@
 
 ``HarborSpec`` plugs a suite into the trainer (``train_dataset``, ``environment_factory``,
 ``reward_funcs``); ``HarborEnv`` is the sandbox-backed TRL environment and ``HarborBashEnv``
-its built-in one-tool harness; ``close_all()`` stops every live sandbox.
+its built-in one-tool harness (``AGENTS`` names the built-ins); ``HarborOptions`` holds every
+option of a rollout; ``close_all()`` stops every live sandbox.
 ``HarborGRPOTrainer`` is ``GRPOTrainer`` with a turn's tool calls run at the same time.
 
 Importing this package imports neither torch, TRL, ``datasets`` nor Harbor: names are
@@ -15,13 +16,16 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trl_harbor.env import HarborBashEnv, HarborBashStepsEnv, HarborEnv, StepsMixin, close_all
+    from trl_harbor.agents import AGENTS
+    from trl_harbor.env import HarborBashEnv, HarborBashStepsEnv, HarborEnv, StepsMixin, close_all, release
     from trl_harbor.mix import HarborMix, HarborMixError
+    from trl_harbor.options import HarborOptions
     from trl_harbor.spec import HarborSpec
     from trl_harbor.suite import TaskSuiteError
     from trl_harbor.trainer import ConcurrentToolsMixin, HarborGRPOTrainer
 
 __all__ = [
+    "AGENTS",
     "ConcurrentToolsMixin",
     "HarborBashEnv",
     "HarborBashStepsEnv",
@@ -29,14 +33,18 @@ __all__ = [
     "HarborGRPOTrainer",
     "HarborMix",
     "HarborMixError",
+    "HarborOptions",
     "HarborSpec",
     "StepsMixin",
     "TaskSuiteError",
     "close_all",
+    "release",
 ]
 
 _LAZY = {
-    "HarborSpec": "trl_harbor.spec",
+    "AGENTS": "trl_harbor.agents",
+    "HarborOptions": "trl_harbor.options",
+    "HarborSpec": "trl_harbor.mix",  # trl_harbor.mix adds HarborSpec.mix
     "HarborMix": "trl_harbor.mix",
     "HarborMixError": "trl_harbor.mix",
     "HarborEnv": "trl_harbor.env",
@@ -44,6 +52,7 @@ _LAZY = {
     "HarborBashStepsEnv": "trl_harbor.env",
     "StepsMixin": "trl_harbor.env",
     "close_all": "trl_harbor.env",
+    "release": "trl_harbor.env",
     "TaskSuiteError": "trl_harbor.suite",
     "HarborGRPOTrainer": "trl_harbor.trainer",
     "ConcurrentToolsMixin": "trl_harbor.trainer",

@@ -9,24 +9,21 @@ bubblewrap backend are interchangeable.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from harbor.environments.base import BaseEnvironment
-from harbor.environments.factory import EnvironmentFactory
-from harbor.models.environment_type import EnvironmentType
-from harbor.models.task.config import EnvironmentConfig, NetworkPolicy, StepConfig
-from harbor.models.task.task import Task
-from harbor.models.task.verifier_mode import resolve_step_verifier_mode, resolve_task_verifier_mode
-from harbor.models.trial.config import AgentConfig as TrialAgentConfig
-from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
-from harbor.models.trial.config import VerifierConfig as TrialVerifierConfig
-from harbor.models.trial.paths import TrialPaths
-from harbor.trial.network_policy import TrialNetworkPlan, resolve_trial_network_plan
+from typing import TYPE_CHECKING, Any
 
 from trl_harbor.sandboxes import LOCAL_ENVIRONMENT_IMPORT_PATH
 
-__all__ = ["BUILTIN_ALIASES", "create_environment", "environment_config", "network_plan", "parse_backend_options"]
+if TYPE_CHECKING:  # Harbor is imported when a backend is first resolved, not with trl_harbor
+    from harbor.environments.base import BaseEnvironment
+    from harbor.models.task.config import EnvironmentConfig, NetworkPolicy, StepConfig
+    from harbor.models.task.task import Task
+    from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
+    from harbor.models.trial.paths import TrialPaths
+    from harbor.trial.network_policy import TrialNetworkPlan
+
+__all__ = ["BUILTIN_ALIASES", "Backend", "create_environment", "network_plan", "parse_backend_options", "resolve_backend"]
 
 #: Short names trl-harbor adds to Harbor's own environment types.
 BUILTIN_ALIASES = {"local": LOCAL_ENVIRONMENT_IMPORT_PATH}
@@ -61,23 +58,56 @@ def parse_backend_options(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
-def environment_config(environment_type: str, kwargs: dict[str, Any] | None = None) -> TrialEnvironmentConfig:
-    """Turn an ``environment_type`` string into Harbor's trial environment config.
+@dataclass(frozen=True)
+class Backend:
+    """An ``environment_type`` resolved once: Harbor's environment config and what follows from it.
+
+    Built by :func:`resolve_backend` when a spec (or ``check``, or ``eval``) is built, then handed
+    to every environment and episode, so the string is never looked up again.
+
+    Attributes:
+        name: The ``environment_type`` as given (``"local"``, ``"docker"``, ``"module:Class"``).
+        config: Harbor's trial environment config (type or import path, and the backend's options).
+    """
+
+    name: str
+    config: TrialEnvironmentConfig
+
+    @property
+    def local(self) -> bool:
+        """Whether this is the bundled local sandbox (which runs one container per task, no compose)."""
+        return self.config.import_path == LOCAL_ENVIRONMENT_IMPORT_PATH
+
+    def plan(self, task: Task, step: StepConfig | None = None) -> TrialNetworkPlan:
+        """The task's (or step's) network policies per phase, as Harbor's trial resolves them."""
+        return network_plan(task, self.config, step)
+
+    def create(self, task: Task, trial_paths: TrialPaths, *, session_id: str, **options: Any) -> BaseEnvironment:
+        """Create (not start) a sandbox for ``task`` (see :func:`create_environment` for ``options``)."""
+        return create_environment(task, self.config, session_id=session_id, trial_paths=trial_paths, **options)
+
+
+def resolve_backend(environment_type: str, options: dict[str, Any] | None = None) -> Backend:
+    """Resolve an ``environment_type`` string and the backend's options, once.
 
     Args:
         environment_type: ``"local"``, a Harbor environment type (``"docker"``,
             ``"e2b"``, ...) or a ``"module:Class"`` import path of a plug-in.
-        kwargs: Backend options (Harbor's ``--ek``).
+        options: Backend options (Harbor's environment ``kwargs``, the command line's ``--ek``).
 
     Returns:
-        The config Harbor's ``EnvironmentFactory`` takes.
+        The resolved backend.
 
     Raises:
         ValueError: If the string is neither a known type nor an import path.
     """
+    from harbor.environments.factory import EnvironmentFactory
+    from harbor.models.environment_type import EnvironmentType
+    from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
+
     value = BUILTIN_ALIASES.get(environment_type, environment_type)
     if ":" in value:
-        return TrialEnvironmentConfig(import_path=value, kwargs=dict(kwargs or {}))
+        return Backend(environment_type, TrialEnvironmentConfig(import_path=value, kwargs=dict(options or {})))
     try:
         kind = EnvironmentType(value)
     except ValueError:
@@ -86,7 +116,7 @@ def environment_config(environment_type: str, kwargs: dict[str, Any] | None = No
             f"unknown environment_type {environment_type!r}: use one of {', '.join(known)}, "
             "or a Harbor environment plug-in as 'package.module:ClassName'"
         ) from None
-    return TrialEnvironmentConfig(type=kind, kwargs=dict(kwargs or {}))
+    return Backend(environment_type, TrialEnvironmentConfig(type=kind, kwargs=dict(options or {})))
 
 
 def network_plan(task: Task, config: TrialEnvironmentConfig, step: StepConfig | None = None) -> TrialNetworkPlan:
@@ -94,12 +124,17 @@ def network_plan(task: Task, config: TrialEnvironmentConfig, step: StepConfig | 
 
     Args:
         task: The Harbor task (its ``[environment]``, ``[agent]`` and ``[verifier]`` network settings).
-        config: The environment config from :func:`environment_config`.
+        config: Harbor's trial environment config (:attr:`Backend.config`).
         step: The step of a multi-step task whose phases to resolve (``None``: the task's).
 
     Returns:
         Harbor's plan: the sandbox's baseline policy and the agent's and verifier's phases.
     """
+    from harbor.models.task.verifier_mode import resolve_step_verifier_mode, resolve_task_verifier_mode
+    from harbor.models.trial.config import AgentConfig as TrialAgentConfig
+    from harbor.models.trial.config import VerifierConfig as TrialVerifierConfig
+    from harbor.trial.network_policy import resolve_trial_network_plan
+
     mode = resolve_task_verifier_mode(task.config) if step is None else resolve_step_verifier_mode(task.config, step)
     return resolve_trial_network_plan(
         task.config, TrialAgentConfig(), config, TrialVerifierConfig(), step, verifier_mode=mode
@@ -128,7 +163,7 @@ def create_environment(
 
     Args:
         task: The Harbor task.
-        environment: An ``environment_type`` string (see :func:`environment_config`) or
+        environment: An ``environment_type`` string (see :func:`resolve_backend`) or
             the config it resolves to.
         session_id: A human-readable handle for the sandbox.
         trial_paths: Where Harbor keeps the trial's host-side files.
@@ -143,7 +178,9 @@ def create_environment(
     Returns:
         The environment, ready for ``start()``.
     """
-    config = environment if isinstance(environment, TrialEnvironmentConfig) else environment_config(environment, kwargs)
+    from harbor.environments.factory import EnvironmentFactory
+
+    config = resolve_backend(environment, kwargs).config if isinstance(environment, str) else environment
     if network_policy is None:
         plan = network_plan(task, config)
         network_policy = plan.agent_env_baseline

@@ -1,15 +1,17 @@
 """Suite QA: every task's oracle must score 1, and doing nothing must score 0.
 
-For each task, two episodes run in fresh sandboxes and are graded exactly as training grades
-them (:class:`trl_harbor.episode.Episode`: the same provisioning, healthchecks, multi-step
-staging, process kill, tamper check, verifier modes and reward reduction): Harbor's oracle agent
-runs the reference solution (``solution/solve.sh``, or each step's) and must score 1; an
-untouched sandbox must score the task's floor (0 unless ``[metadata] reward_floor`` says
-otherwise). A task whose graders accept an empty answer, or whose reference solution fails,
-would silently poison training; this catches both before a GPU hour is spent.
+For each task, two episodes run in fresh sandboxes and are graded exactly as training grades them
+(:class:`trl_harbor.rollout.Episode` and :func:`trl_harbor.rollout.grading.grade`: the same
+provisioning, healthchecks, multi-step staging, verifier view, verifier modes and reward
+reduction): Harbor's oracle agent runs the reference solution (``solution/solve.sh``, or each
+step's) as the task's ``[agent] user``, and must score 1; an untouched sandbox must score the
+task's floor (0 unless ``[metadata] reward_floor`` says otherwise). A task whose graders accept an
+empty answer, or whose reference solution fails, would silently poison training; this catches
+both before a GPU hour is spent.
 
 One task never stops the check: a task that is malformed, that the backend cannot run, or whose
-sandbox fails, is a failed row with its reason.
+sandbox fails, is a failed row with its reason. Episodes run on the shared loop of
+:mod:`trl_harbor.runtime`, as in training.
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ import math
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trl_harbor.episode import Episode
+from trl_harbor import runtime
+from trl_harbor.options import HarborOptions
+from trl_harbor.rollout import steps
+from trl_harbor.rollout.episode import Episode
+
+if TYPE_CHECKING:
+    from trl_harbor.backends import Backend
 
 __all__ = ["CheckResult", "TrialOutcome", "check_suite", "check_task"]
 
@@ -109,47 +116,26 @@ def _show(reward: float | None) -> str:
     return "nothing (error)" if reward is None else f"{reward:g}"
 
 
-async def _episode(
-    task: Any,
-    config: Any,
-    workdir: Path,
-    *,
-    oracle: bool,
-    reward_key: str | None,
-    reward_weights: dict[str, float] | None,
-) -> TrialOutcome:
+async def _episode(task: Any, backend: Backend, options: HarborOptions, workdir: Path, *, oracle: bool) -> TrialOutcome:
     from harbor.agents.oracle import OracleAgent
     from harbor.models.agent.context import AgentContext
 
-    from trl_harbor.backends import create_environment
-
     started = time.perf_counter()
     role = "oracle" if oracle else "nop"
-
-    def make(task_, paths, role_, **options):
-        session = f"{task_.short_name}__check-{role}-{uuid.uuid4().hex[:6]}__{role_}"
-        return create_environment(task_, config, session_id=session, trial_paths=paths, **options)
-
-    episode = Episode(
-        task,
-        Path(tempfile.mkdtemp(prefix=f"{role}-", dir=workdir)),
-        create_environment=make,
-        trial_config=config,
-        reward_key=reward_key,
-        reward_weights=reward_weights,
-        on_infra_error="skip",
-    )
+    trial = Path(tempfile.mkdtemp(prefix=f"{role}-", dir=workdir))
+    episode = Episode(task, backend, options, trial, label=f"{task.short_name}__check-{role}")
     try:
         await episode.provision()
-        if oracle and episode.infra_error is None:
-            assert episode.paths is not None and episode.environment is not None
+        if oracle and episode.failure is None:
+            assert episode.environment is not None
             agent = OracleAgent(logs_dir=episode.paths.agent_dir, task_dir=task.task_dir, trial_paths=episode.paths)
             for _ in episode.steps or [None]:
                 try:
-                    await asyncio.wait_for(
-                        agent.run(episode.instruction, episode.environment, AgentContext()),
-                        timeout=task.config.agent.timeout_sec,
-                    )
+                    with episode.environment.with_default_user(steps.agent_user(task, episode.step)):
+                        await asyncio.wait_for(
+                            agent.run(episode.instruction, episode.environment, AgentContext()),
+                            timeout=task.config.agent.timeout_sec,
+                        )
                 except Exception as error:  # noqa: BLE001 - the grade says what it left
                     logger.info("check: the oracle of %s failed: %s", task.name, error)
                 if episode.steps and await episode.submit_step() is None:
@@ -167,49 +153,43 @@ async def check_task(
     task_dir: Path,
     environment_type: str = "local",
     *,
-    env_kwargs: dict[str, Any] | None = None,
-    reward_key: str | None = None,
-    reward_weights: dict[str, float] | None = None,
+    options: HarborOptions | None = None,
     workdir: Path | None = None,
 ) -> CheckResult:
-    """Check one task: its oracle episode and its do-nothing episode, concurrently.
+    """Check one task: its oracle episode and its do-nothing episode, concurrently (on the shared loop).
 
     Args:
         task_dir: The task folder.
         environment_type: Where the sandboxes run (see :mod:`trl_harbor.backends`).
-        env_kwargs: Backend options.
-        reward_key: The verifier's entry that is the reward (see :func:`trl_harbor.episode.select_reward`).
-        reward_weights: A weighting of the verifier's entries.
+        options: How the episodes run and are graded (reward reduction, backend options, ...).
         workdir: Where the episodes keep their files (default: a temporary folder).
 
     Returns:
         The result; never raises for a problem of the task or of its sandboxes.
     """
-    from trl_harbor.backends import environment_config
+    from trl_harbor.backends import resolve_backend
     from trl_harbor.env import HarborBashStepsEnv
     from trl_harbor.spec import check_runnable
     from trl_harbor.suite import TaskSuiteError, validate_task
 
+    options = options or HarborOptions()
     task_dir = Path(task_dir)
     failed = TrialOutcome(None, None, 0.0)
     info, problems = validate_task(task_dir)
     if info is None:
         return CheckResult(task_dir.name, task_dir, failed, failed, problem="; ".join(problems))
     try:
-        check_runnable([info], HarborBashStepsEnv, environment_type)
-        config = environment_config(environment_type, env_kwargs)
+        backend = resolve_backend(environment_type, dict(options.backend_options))
+        check_runnable([info], HarborBashStepsEnv, backend)
     except (TaskSuiteError, ValueError) as error:
         return CheckResult(info.name, task_dir, failed, failed, problem=" ".join(str(error).split()))
-    from harbor.models.task.task import Task
-
-    task = Task(task_dir)
-    floor = float((task.config.metadata or {}).get("reward_floor", 0.0))
+    floor = float((info.metadata or {}).get("reward_floor", 0.0))
     own = workdir is None
     folder = Path(tempfile.mkdtemp(prefix="trl-harbor-check-")) if own else workdir
     try:
         oracle, nop = await asyncio.gather(
-            _episode(task, config, folder, oracle=True, reward_key=reward_key, reward_weights=reward_weights),
-            _episode(task, config, folder, oracle=False, reward_key=reward_key, reward_weights=reward_weights),
+            _episode(info.task, backend, options, folder, oracle=True),
+            _episode(info.task, backend, options, folder, oracle=False),
         )
     finally:
         if own:
@@ -217,14 +197,12 @@ async def check_task(
     return CheckResult(info.name, task_dir, oracle, nop, floor)
 
 
-async def check_suite(
+def check_suite(
     task_dirs: Sequence[Path],
     environment_type: str = "local",
     *,
     concurrency: int = 8,
-    env_kwargs: dict[str, Any] | None = None,
-    reward_key: str | None = None,
-    reward_weights: dict[str, float] | None = None,
+    options: HarborOptions | None = None,
     on_done: Callable[[CheckResult], None] | None = None,
 ) -> list[CheckResult]:
     """Check every task (oracle → 1, nothing → floor), ``concurrency`` tasks at a time.
@@ -233,28 +211,29 @@ async def check_suite(
         task_dirs: The task folders.
         environment_type: Where the sandboxes run (see :mod:`trl_harbor.backends`).
         concurrency: How many tasks are checked at once.
-        env_kwargs: Backend options.
-        reward_key: The verifier's entry that is the reward.
-        reward_weights: A weighting of the verifier's entries.
+        options: How the episodes run and are graded.
         on_done: Called with each task's result as it finishes (e.g. a progress bar).
 
     Returns:
         One result per task, in the order given; a broken task is a failed result.
     """
+    return runtime.run(_check_all(list(task_dirs), environment_type, concurrency, options, on_done))
+
+
+async def _check_all(
+    task_dirs: list[Path],
+    environment_type: str,
+    concurrency: int,
+    options: HarborOptions | None,
+    on_done: Callable[[CheckResult], None] | None,
+) -> list[CheckResult]:
     semaphore = asyncio.Semaphore(max(1, concurrency))
     workdir = Path(tempfile.mkdtemp(prefix="trl-harbor-check-"))
 
     async def one(task_dir: Path) -> CheckResult:
         async with semaphore:
             try:
-                result = await check_task(
-                    task_dir,
-                    environment_type,
-                    env_kwargs=env_kwargs,
-                    reward_key=reward_key,
-                    reward_weights=reward_weights,
-                    workdir=workdir,
-                )
+                result = await check_task(task_dir, environment_type, options=options, workdir=workdir)
             except Exception as error:  # noqa: BLE001 - one task never stops the check
                 failed = TrialOutcome(None, None, 0.0)
                 problem = f"{type(error).__name__}: {error}"

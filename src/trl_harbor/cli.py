@@ -12,23 +12,65 @@ Commands:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from trl_harbor.options import HarborOptions
+
+__all__ = ["add_option_flags", "main", "options_from_args"]
 
 
-def _backend_options(pairs: list[str]) -> dict:
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """Add a flag for every :class:`~trl_harbor.HarborOptions` field (``check`` and ``eval`` share them).
+
+    Args:
+        parser: The command's parser; the flags default to ``None`` (the option's own default).
+    """
+    group = parser.add_argument_group("rollout options (trl_harbor.HarborOptions; defaults there)")
+    group.add_argument("--command-timeout-sec", type=int, help="seconds one command may run")
+    group.add_argument("--max-output-chars", type=int, help="characters of a command's output shown to the model")
+    group.add_argument("--max-concurrent-starts", type=int, help="sandboxes started at once")
+    group.add_argument("--on-infra-error", choices=("skip", "zero", "raise"), help="a rollout lost to the backend")
+    group.add_argument("--agent-processes", choices=("keep", "kill"), help="at grading, backends other than local")
+    group.add_argument("--unreached-steps", choices=("skip", "zero"), help="multi-step rollouts that stopped early")
+    group.add_argument("--reward-key", help="the reward.json entry that is the reward")
+    group.add_argument(
+        "--reward-weight", action="append", default=[], metavar="KEY=W",
+        help="weigh reward.json entries: the reward is the weighted sum (repeatable)",
+    )  # fmt: skip
+    group.add_argument("--allowed-change", action="append", default=[], metavar="GLOB",
+                       help="a path whose agent-made version the verifier sees (repeatable)")  # fmt: skip
+    group.add_argument("--ek", action="append", default=[], help="backend option key=value, e.g. root=host (repeatable)")
+
+
+def options_from_args(args: argparse.Namespace) -> HarborOptions:
+    """The :class:`~trl_harbor.HarborOptions` the flags of :func:`add_option_flags` give.
+
+    Raises:
+        ValueError: For a malformed ``--ek`` or ``--reward-weight``, or an invalid option.
+    """
     from trl_harbor.backends import parse_backend_options
+    from trl_harbor.options import HarborOptions
 
-    try:
-        return parse_backend_options(pairs)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
+    given = {
+        name: getattr(args, name)
+        for name in ("command_timeout_sec", "max_output_chars", "max_concurrent_starts", "on_infra_error",
+                     "agent_processes", "unreached_steps", "reward_key")
+        if getattr(args, name, None) is not None
+    }  # fmt: skip
+    weights = _parse_weights(args.reward_weight)
+    if weights:
+        given["reward_weights"] = weights
+    if args.allowed_change:
+        given["allowed_changes"] = tuple(args.allowed_change)
+    if args.ek:
+        given["backend_options"] = parse_backend_options(args.ek)
+    return HarborOptions(**given)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -43,7 +85,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     try:
         # Not validated here: check reports every task, a malformed one as a failed row.
         task_dirs = candidate_task_dirs(args.suite)
-        weights = _parse_weights(args.reward_weight)
+        options = options_from_args(args)
     except (TaskSuiteError, ValueError) as error:
         console.print(f"[red]{error}")
         return 2
@@ -59,16 +101,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
         console=console, transient=True, disable=args.json or (not console.is_terminal and not args.progress),
     ) as progress:  # fmt: skip
         bar = progress.add_task("check", total=len(task_dirs))
-        results = asyncio.run(
-            check_suite(
-                task_dirs,
-                args.environment_type,
-                concurrency=args.concurrency,
-                env_kwargs=_backend_options(args.ek),
-                reward_key=args.reward_key,
-                reward_weights=weights,
-                on_done=lambda _: progress.advance(bar),
-            )
+        results = check_suite(
+            task_dirs,
+            args.environment_type,
+            concurrency=args.concurrency,
+            options=options,
+            on_done=lambda _: progress.advance(bar),
         )
     failed = [r for r in results if not r.passed]
     if args.json:
@@ -123,7 +161,6 @@ def _eval_one(args: argparse.Namespace, suite: str, output_dir: str | None) -> i
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from trl_harbor.backends import parse_backend_options
     from trl_harbor.evaluate import EvalConfig, evaluate
     from trl_harbor.preflight import BackendUnavailableError
     from trl_harbor.train import quiet_libraries
@@ -146,10 +183,7 @@ def _eval_one(args: argparse.Namespace, suite: str, output_dir: str | None) -> i
             temperature=args.temperature,
             max_tokens=args.max_tokens,
             pass_threshold=args.pass_threshold,
-            command_timeout_sec=args.command_timeout_sec,
-            max_output_chars=args.max_output_chars,
-            reward_key=args.reward_key,
-            environment_kwargs=parse_backend_options(args.ek),
+            options=options_from_args(args),
             output_dir=output_dir,
         )
         with Progress(
@@ -217,12 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tasks checked at once",
     )  # fmt: skip
     check.add_argument("--task", "-t", action="append", help="check only this task (repeatable)")
-    check.add_argument("--ek", action="append", default=[], help="backend option key=value (repeatable)")
-    check.add_argument("--reward-key", default=None, help="the reward.json entry that is the reward")
-    check.add_argument(
-        "--reward-weight", action="append", default=[], metavar="KEY=W",
-        help="weigh reward.json entries: the reward is the weighted sum (repeatable)",
-    )  # fmt: skip
+    add_option_flags(check)
     check.add_argument("--json", action="store_true", help="print the results as JSON (exit status unchanged)")
     check.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     check.set_defaults(func=_cmd_check)
@@ -234,7 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", required=True, help="the model the endpoint serves; without --base-url a path or hub id")
     ev.add_argument("--agent", default="bash", help="harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls")
     ev.add_argument("--environment-type", "-e", default="local", help="local (default), docker, ... or module:Class")
-    ev.add_argument("--ek", action="append", default=[], help="backend option key=value, e.g. root=host (repeatable)")
     ev.add_argument("--num-tasks", type=int, default=None, help="the first N tasks of the sorted suite")
     ev.add_argument("--indices", type=int, nargs="+", default=None, help="these positions of the sorted suite")
     ev.add_argument("--num-rollouts", "-n", type=int, default=4, help="rollouts per task (default 4)")
@@ -244,9 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--temperature", type=float, default=1.0)
     ev.add_argument("--max-tokens", type=int, default=2048, help="tokens per model turn")
     ev.add_argument("--pass-threshold", type=float, default=1.0, help="a rollout passes at this reward (default 1)")
-    ev.add_argument("--command-timeout-sec", type=int, default=180)
-    ev.add_argument("--max-output-chars", type=int, default=8000)
-    ev.add_argument("--reward-key", default=None, help="key of a multi-key reward.json")
+    add_option_flags(ev)
     ev.add_argument("--output-dir", default="outputs/trl-harbor-eval")
     ev.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     ev.set_defaults(func=_cmd_eval)

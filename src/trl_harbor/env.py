@@ -1,17 +1,20 @@
 """TRL environments backed by a Harbor sandbox and Harbor's verifier.
 
-:class:`HarborEnv` is what ``GRPOTrainer(environment_factory=...)`` instantiates: one instance
-per rollout slot, reused across batches. For each rollout TRL calls
-``reset(task_dir=..., **row)`` (start the task's sandbox and return its instruction), then the
-tool methods the model picks (commands run in the sandbox), then reads the reward (Harbor's
-verifier runs once, lazily, against the sandbox).
+:class:`HarborEnv` is what ``GRPOTrainer(environment_factory=...)`` instantiates: one instance per
+rollout slot, reused across batches. For each rollout TRL calls ``reset(task_dir=..., **row)``
+(start the task's sandbox, return its instruction), then the tool methods the model picks
+(commands run in the sandbox), then reads the reward (Harbor's verifier runs once, lazily).
+The state of a rollout is its :class:`~trl_harbor.rollout.Episode`.
 
-TRL turns every public method of the class into a tool, so besides ``reset`` and
-``get_reward`` (which TRL handles itself) every lifecycle helper here is private: a model must
-never be handed a tool that stops its own sandbox. Tear-down of every live sandbox is
+TRL turns every public method of the class into a tool (:mod:`trl_harbor.tools`), so besides
+``reset`` every helper here is private: a model must never be handed a tool that stops its own
+sandbox. A harness runs commands with ``self._exec(command)`` (text for the model) or ``await
+self._aexec(...)`` (Harbor's ``ExecResult``) and prepares its sandbox in ``async _setup()``;
+``self._environment``, ``self._task`` and the reference integration's ``self._env``,
+``self._paths`` and ``self._run`` are there too. Stopping environments is :func:`release` and
 :func:`close_all` (also run at interpreter exit).
 
-Harbor is asynchronous; every coroutine runs on the one process-wide loop of
+Harbor is asynchronous: every coroutine runs on the one process-wide loop of
 :mod:`trl_harbor.runtime`. Harbor is imported lazily, when the first sandbox starts.
 """
 
@@ -20,179 +23,74 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import logging
+import contextvars
 import os
 import shutil
 import sys
 import tempfile
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trl_harbor import progress, runtime
-from trl_harbor.episode import (
-    INFRA_MODES,
-    Episode,
-    RewardError,
-    Verification,
-    infra_failures,
-    select_reward,
-    verification_failures,
-)
-from trl_harbor.harness_api import _PROVISIONING, HarnessAPI
-from trl_harbor.sandboxes import LOCAL_ENVIRONMENT_IMPORT_PATH
+from trl_harbor.options import HarborOptions
+from trl_harbor.rollout.episode import CommandTimeoutError, Episode, Phase
+from trl_harbor.rollout.outcome import Cause, Verification
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.task import Task
-    from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
     from harbor.models.trial.paths import TrialPaths
 
-__all__ = [
-    "DEFAULT_COMMAND_TIMEOUT_SEC",
-    "DEFAULT_MAX_OUTPUT_CHARS",
-    "LOCAL_ENVIRONMENT_IMPORT_PATH",
-    "HarborBashEnv",
-    "HarborBashStepsEnv",
-    "HarborEnv",
-    "RewardError",
-    "StepsMixin",
-    "Verification",
-    "close_all",
-    "environment_config",
-    "infra_failures",
-    "select_reward",
-    "verification_failures",
-    "verify_all",
-]
+    from trl_harbor.backends import Backend
 
-logger = logging.getLogger(__name__)
+__all__ = ["HarborBashEnv", "HarborBashStepsEnv", "HarborEnv", "StepsMixin", "close_all", "release", "verify_all"]
 
-#: Default per-command timeout, in seconds (the reference integration's hard-coded value).
-DEFAULT_COMMAND_TIMEOUT_SEC: int = 180
-#: Default cap on the characters of one command's output handed back to the model.
-DEFAULT_MAX_OUTPUT_CHARS: int = 8000
+#: The episode whose ``_setup`` is running: setup runs in the background after ``reset`` returned,
+#: so ``self._episode`` may already belong to a newer episode.
+_PROVISIONING: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("provisioning", default=None)
 
 
 def close_all() -> None:
     """Stop every live sandbox of this process (all environments, concurrently).
 
-    Environments stay usable: the next ``reset`` starts a fresh sandbox. Also runs
-    automatically at interpreter exit.
+    Environments stay usable: the next ``reset`` starts a fresh sandbox. Also runs at exit.
     """
     runtime.close_all()
 
 
-def environment_config(environment_type: str, kwargs: dict[str, Any] | None = None) -> TrialEnvironmentConfig:
-    """Translate an ``environment_type`` string into Harbor's environment config.
-
-    Delegates to :func:`trl_harbor.backends.environment_config` (imported lazily, since it
-    imports Harbor).
+def release(env: HarborEnv) -> None:
+    """Stop an environment's current sandbox in the background (the environment stays usable).
 
     Args:
-        environment_type: ``"local"`` (the bundled bubblewrap backend), a Harbor plug-in
-            ``"module.path:ClassName"``, or a Harbor environment type (``"docker"``,
-            ``"e2b"``, ``"daytona"``, ``"modal"``, ...).
-        kwargs: Backend options (Harbor's environment ``kwargs``).
-
-    Returns:
-        A ``harbor.models.trial.config.EnvironmentConfig``.
-
-    Raises:
-        ValueError: When the string is neither an import path nor a Harbor environment type.
+        env: The environment (its next ``reset`` starts a fresh sandbox).
     """
-    from trl_harbor.backends import environment_config as backend_config
-
-    return backend_config(environment_type, kwargs)
-
-
-_TASKS: dict[Path, Task] = {}
+    episode, env._episode = env._episode, None
+    if episode is not None:
+        runtime.submit(_stop(episode))
 
 
-def _load_task(task_dir: Path) -> Task:
-    """Parse a task once per process (``reset`` runs thousands of times on a few hundred tasks)."""
-    from harbor.models.task.task import Task
-
-    key = task_dir.resolve()
-    if key not in _TASKS:
-        _TASKS[key] = Task(key)
-    return _TASKS[key]
+async def _stop(episode: Episode) -> None:
+    await episode.stop()
 
 
-def _trial_root() -> Path:
-    """This process's folder for Harbor's per-episode files; stale ones of dead processes are swept."""
-    global _TRIAL_ROOT
-    if _TRIAL_ROOT is None:
-        base = Path(tempfile.gettempdir()) / f"trl-harbor-trials-{os.getuid()}"
-        base.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for entry in base.iterdir():
-            owner = entry.name.split("-", 1)[0]
-            if owner.isdigit() and not _alive(int(owner)):
-                shutil.rmtree(entry, ignore_errors=True)
-        _TRIAL_ROOT = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base))
-        atexit.register(_remove_trial_root, _TRIAL_ROOT)
-    return _TRIAL_ROOT
-
-
-def _remove_trial_root(root: Path) -> None:
-    # Registered after runtime's own exit hook, so it runs first: stop the sandboxes (episodes
-    # still starting write into the folder) before removing it.
-    runtime.close_all()
-    shutil.rmtree(root, ignore_errors=True)
-
-
-_TRIAL_ROOT: Path | None = None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class HarborEnv(HarnessAPI):
+class HarborEnv:
     """Base TRL environment: one Harbor task sandbox plus Harbor's verifier per rollout.
 
-    Subclass it to build a harness: every public method of the subclass becomes a tool the
-    model can call (typed signature and Google-style docstring with ``Args:`` required by
-    TRL). Run commands in the sandbox with ``self._exec(command)``; prepare the sandbox in
-    ``async _setup()``.
+    Subclass it to build a harness: every public method of the subclass becomes a tool the model
+    can call (typed signature and Google-style docstring with ``Args:``, as TRL requires).
 
-    ``reset`` returns the instruction at once and starts the sandbox in the background, so
-    the sandboxes of a whole generation batch start together while the model generates;
-    the first tool call waits for its sandbox only if it is not ready yet.
+    ``reset`` returns the instruction at once and starts the sandbox in the background, so the
+    sandboxes of a whole generation batch start together while the model generates; the first
+    tool call waits for its sandbox only if it is not ready yet.
 
     Args:
-        environment_type: Harbor sandbox backend: ``"docker"`` (default), any Harbor
-            environment type (``"e2b"``, ``"daytona"``, ``"modal"``, ...), ``"local"`` for
-            the bundled bubblewrap sandbox, or a plug-in ``"module.path:ClassName"``.
-        command_timeout_sec: Seconds one command may run before it is stopped.
-        max_output_chars: Characters of a command's output handed back to the model; the
-            rest is cut and marked.
-        reward_key: Which entry of the verifier's rewards is the scalar reward. ``None``
-            takes ``reward_weights`` when set, else ``"reward"``, else the mean of every
-            entry (see ``docs/rewards.md``).
-        reward_weights: ``{entry: weight}``: the reward is the weighted sum of the verifier's
-            entries (default: the task's ``[metadata] reward_weights``, if any).
-        on_infra_error: What an infrastructure failure (the sandbox did not start, or
-            stopped answering) makes of the rollout's reward: ``"skip"`` (default) gives
-            ``None``, which ``GRPOTrainer`` leaves out of the batch (it is not the policy's
-            fault); ``"zero"`` gives ``0.0``; ``"raise"`` propagates the error (for
-            debugging). Either way the failure is logged once and counted
-            (:func:`infra_failures`). A verification the rollout broke in a healthy sandbox
-            (no reward file, a malformed one, a timeout, tampering) always scores ``0.0``.
-        max_concurrent_starts: How many sandboxes this process starts at once (across all
-            environments with the same value), to respect cloud quotas; ``None``: no limit.
-        environment_kwargs: Options for the backend, passed as Harbor's environment
-            ``kwargs`` (e.g. ``{"auto_mounting": True}``).
-        allowed_changes: Globs of sandbox paths the agent may change although the verifier
-            runs them (see ``docs/rewards.md``); tasks can declare their own in
-            ``[metadata] allowed_changes``.
+        environment_type: Harbor sandbox backend: ``"docker"`` (default), any Harbor environment
+            type (``"e2b"``, ``"daytona"``, ``"modal"``, ...), ``"local"`` for the bundled
+            bubblewrap sandbox, or a plug-in ``"module.path:ClassName"``.
+        options: How rollouts run and are graded (:class:`~trl_harbor.HarborOptions`).
+        **overrides: Fields of :class:`~trl_harbor.HarborOptions` (``command_timeout_sec=60``, ...)
+            replacing those of ``options``.
 
     Attributes:
         PROMPT_SUFFIX: Text appended to the task instruction returned by ``reset``.
@@ -200,36 +98,17 @@ class HarborEnv(HarnessAPI):
 
     PROMPT_SUFFIX: str = ""
 
-    def __init__(
-        self,
-        environment_type: str = "docker",
-        *,
-        command_timeout_sec: int = DEFAULT_COMMAND_TIMEOUT_SEC,
-        max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
-        reward_key: str | None = None,
-        reward_weights: dict[str, float] | None = None,
-        on_infra_error: str = "skip",
-        max_concurrent_starts: int | None = 64,
-        environment_kwargs: dict[str, Any] | None = None,
-        allowed_changes: Sequence[str] = (),
-    ) -> None:
-        if on_infra_error not in INFRA_MODES:
-            raise ValueError(f"on_infra_error must be one of {', '.join(INFRA_MODES)}; got {on_infra_error!r}")
-        if command_timeout_sec <= 0 or max_output_chars <= 0:
-            raise ValueError("command_timeout_sec and max_output_chars must be positive")
-        if max_concurrent_starts is not None and max_concurrent_starts < 1:
-            raise ValueError("max_concurrent_starts must be at least 1 (or None for no limit)")
+    def __init__(self, environment_type: str = "docker", *, options: HarborOptions | None = None, **overrides: Any):
         self._environment_type = environment_type
-        self._command_timeout_sec = int(command_timeout_sec)
-        self._max_output_chars = int(max_output_chars)
-        self._reward_key = reward_key
-        self._reward_weights = dict(reward_weights) if reward_weights else None
-        self._on_infra_error = on_infra_error
-        self._max_concurrent_starts = max_concurrent_starts
-        self._environment_kwargs = dict(environment_kwargs or {})
-        self._allowed_changes = [allowed_changes] if isinstance(allowed_changes, str) else list(allowed_changes)
-        self._config: TrialEnvironmentConfig | None = None
+        self._options = HarborOptions.merged(options, **overrides)
+        self._backend: Backend | None = None
         self._episode: Episode | None = None
+        self._reward_reported = False
+
+    @property
+    def options(self) -> HarborOptions:
+        """How this environment's rollouts run and are graded."""
+        return self._options
 
     # ── TRL lifecycle ──────────────────────────────────────────────────────────────
 
@@ -246,30 +125,22 @@ class HarborEnv(HarnessAPI):
             The task's ``instruction.md`` followed by :attr:`PROMPT_SUFFIX`.
 
         Raises:
-            ValueError: When ``task_dir`` is missing, or the task has several steps and the
-                harness has no ``submit_step`` tool.
+            ValueError: When ``task_dir`` is missing, the backend is unknown, or the task has
+                several steps and the harness has no ``submit_step`` tool.
         """
+        from trl_harbor.suite import load_task
+
         if task_dir is None:
             raise ValueError("HarborEnv.reset needs `task_dir` (the dataset row's task_dir column).")
-        self._retire()
-        self._trial_config()  # an unknown environment_type fails here, not as a skipped rollout
-        task = _load_task(Path(task_dir))
+        release(self)
+        task = load_task(Path(task_dir))
         if task.has_steps and not callable(getattr(self, "submit_step", None)):
             raise ValueError(
                 f"{task_dir}: a multi-step task needs a harness with a `submit_step` tool; use "
                 "agent='bash_steps', or add trl_harbor.StepsMixin to your harness."
             )
-        episode = Episode(
-            task,
-            Path(tempfile.mkdtemp(prefix="episode-", dir=_trial_root())),
-            create_environment=self._create_environment,
-            trial_config=self._trial_config(),
-            reward_key=self._reward_key,
-            reward_weights=self._reward_weights,
-            on_infra_error=self._on_infra_error,
-            allowed_changes=self._allowed_changes,
-        )
-        self._episode = episode
+        episode = Episode(task, self._resolved_backend(), self._options, Path(tempfile.mkdtemp(dir=_trial_root())))
+        self._episode, self._reward_reported = episode, False
         episode.ready = runtime.submit(self._provision(episode))
         return episode.instruction + self.PROMPT_SUFFIX + _steps_note(task)
 
@@ -277,69 +148,142 @@ class HarborEnv(HarnessAPI):
     def reward(self) -> float | None:
         """The verifier's scalar for the current episode (computed once, on first read).
 
-        ``0.0`` for an environment that was never reset, without touching any backend. After
-        an infrastructure failure: ``None`` or ``0.0``, as ``on_infra_error`` says.
+        ``0.0`` for an environment that was never reset, without touching any backend. After an
+        infrastructure failure: ``None`` or ``0.0``, as ``on_infra_error`` says.
         """
         episode = self._episode
         if episode is None:
             return 0.0
         value = runtime.run(episode.grade()).reward
-        episode.reward_reported = True
+        self._reward_reported = True
         return value
 
     @property
     def verification(self) -> Verification | None:
-        """How the current episode was graded (``None`` before its reward was read).
-
-        Holds every reward component, the reason a rollout scored 0 or was skipped, whether
-        that was an infrastructure failure, and what the agent changed.
-        """
-        episode = self._episode
-        return None if episode is None else episode.verification
+        """How the current episode was graded (``None`` before its reward was read)."""
+        return None if self._episode is None else self._episode.verification
 
     @property
     def infra_error(self) -> str | None:
-        """The current episode's infrastructure failure, or ``None`` (it is not the policy's fault)."""
-        episode = self._episode
-        return None if episode is None else episode.infra_error
+        """Why the current episode was lost to the infrastructure, or ``None`` (not the policy's fault)."""
+        failure = None if self._episode is None else self._episode.failure
+        return failure.reason if failure is not None and failure.cause.infra else None
 
     def get_reward(self) -> float | None:
-        """Return the episode's reward for trainers that read it from the environment.
+        """The episode's reward, for trainers that read it from the environment.
 
-        TRL adds ``get_reward`` as an extra reward source next to ``reward_funcs``. When the
-        reward was already handed out this episode (``spec.reward_funcs`` reads
-        :attr:`reward` first), this returns ``None`` — which TRL ignores — so the same
-        verifier score is never counted twice.
+        TRL adds ``get_reward`` as an extra reward source next to ``reward_funcs``. When the reward
+        was already handed out this episode (``spec.reward_funcs`` reads :attr:`reward` first),
+        this returns ``None`` — which TRL ignores — so the verifier is never counted twice.
 
         Returns:
             The reward, or ``None`` when it was already reported for this episode.
         """
-        episode = self._episode
-        if episode is not None and episode.reward_reported:
+        if self._episode is not None and self._reward_reported:
             return None
         return self.reward
 
-    # ── Harbor lifecycle (async, on the shared loop) ────────────────────────────────
+    # ── the harness's helpers (private: TRL makes every public method a tool) ─────────
 
-    def _trial_config(self) -> TrialEnvironmentConfig:
-        if self._config is None:
-            self._config = environment_config(self._environment_type, self._environment_kwargs)
-        return self._config
+    def _exec(self, command: str, timeout: int | None = None, user: str | int | None = None) -> str:
+        """Run a shell command in the sandbox; return its combined stdout and stderr as text for the model.
 
-    def _create_environment(self, task: Task, paths: TrialPaths, role: str, **options: Any) -> BaseEnvironment:
-        from trl_harbor.backends import create_environment
+        Waits for the sandbox if it is still starting. Never raises: a failure (the sandbox did
+        not start, a timeout, a backend error) comes back as text. Output longer than
+        ``max_output_chars`` keeps its start and its end (where a failing command's error is).
 
-        return create_environment(
-            task,
-            self._trial_config(),
-            session_id=f"{task.short_name}__{uuid.uuid4().hex[:8]}__{role}",
-            trial_paths=paths,
-            **options,
-        )
+        Args:
+            command: The shell command.
+            timeout: Seconds before the command is stopped (default: ``command_timeout_sec``).
+            user: User to run as (default: the task's ``[agent] user``).
+
+        Returns:
+            The output, ``"(empty output, rc=N)"`` when there is none, with a trailing
+            ``[exit code N]`` line when the command failed.
+        """
+        episode = self._episode
+        if episode is None or episode.phase is Phase.STOPPED:
+            return "Error: no sandbox is running (the environment was not reset, or it was closed)."
+        timeout = self._options.command_timeout_sec if timeout is None else int(timeout)
+        try:
+            result = runtime.run(self._aexec(command, timeout, user), timeout=None)
+        except Exception as exc:  # the model gets the error, training goes on
+            return _error_text(episode, exc, timeout)
+        output = cut_output((result.stdout or "") + (result.stderr or ""), self._options.max_output_chars)
+        if not output:
+            return f"(empty output, rc={result.return_code})"
+        return output + (f"\n[exit code {result.return_code}]" if result.return_code else "")
+
+    async def _aexec(self, command: str, timeout: int | None = None, user: str | int | None = None) -> Any:
+        """Async form of :meth:`_exec` returning Harbor's ``ExecResult`` (for ``_setup`` hooks).
+
+        Args:
+            command: The shell command.
+            timeout: Seconds before the command is stopped (default: ``command_timeout_sec``).
+            user: User to run as (default: the task's ``[agent] user``).
+
+        Returns:
+            Harbor's ``ExecResult`` (``stdout``, ``stderr``, ``return_code``).
+
+        Raises:
+            RuntimeError: When no sandbox is running, or it could not be started.
+        """
+        provisioning = _PROVISIONING.get()
+        episode = provisioning or self._episode
+        if episode is None:
+            raise RuntimeError("no sandbox is running")
+        timeout = self._options.command_timeout_sec if timeout is None else int(timeout)
+        return await episode.exec(command, timeout, user, wait=provisioning is None)
+
+    async def _setup(self) -> None:
+        """Hook for harnesses: prepare the sandbox after it started (default: nothing).
+
+        Runs on the shared event loop once per ``reset``, in the background: use
+        ``self._environment`` or ``await self._aexec(...)``, which refer to the episode being set
+        up. An exception fails the episode's start.
+        """
+
+    @property
+    def _current(self) -> Episode | None:
+        return _PROVISIONING.get() or self._episode
+
+    @property
+    def _environment(self) -> BaseEnvironment | None:
+        """The running Harbor environment of this episode (the one being set up, in ``_setup``)."""
+        return None if self._current is None else self._current.environment
+
+    @property
+    def _task(self) -> Task | None:
+        """Harbor's ``Task`` of this episode, or ``None`` before the first reset."""
+        return None if self._current is None else self._current.task
+
+    @property
+    def _env(self) -> BaseEnvironment | None:
+        """The reference's name for :attr:`_environment`; from a tool, it waits for the sandbox to start."""
+        episode = self._episode
+        if _PROVISIONING.get() is None and episode is not None and not runtime.on_loop_thread():
+            runtime.run(episode.wait_ready())
+        return self._environment
+
+    @property
+    def _paths(self) -> TrialPaths | None:
+        """Harbor's trial folders of this episode (the reference's ``self._paths``)."""
+        return None if self._current is None else self._current.paths
+
+    def _run(self, coro: Any) -> Any:
+        """Run a coroutine on the shared loop and wait for it (the reference's ``self._run``)."""
+        return runtime.run(coro)
+
+    # ── plumbing ───────────────────────────────────────────────────────────────────
+
+    def _resolved_backend(self) -> Backend:
+        if self._backend is None:
+            from trl_harbor.backends import resolve_backend
+
+            self._backend = resolve_backend(self._environment_type, dict(self._options.backend_options))
+        return self._backend
 
     async def _provision(self, episode: Episode) -> None:
-        """Start the episode's sandbox and run the harness's ``_setup`` (in the background of ``reset``)."""
-
         async def prepare() -> None:
             # The folders the reference integration makes before its harness's setup (harnesses rely on them).
             await self._aexec("mkdir -p /workdir /home/user/input", timeout=60)
@@ -347,70 +291,88 @@ class HarborEnv(HarnessAPI):
 
         token = _PROVISIONING.set(episode)
         try:
-            await episode.provision(prepare, max_concurrent_starts=self._max_concurrent_starts)
+            await episode.provision(prepare)
         finally:
             _PROVISIONING.reset(token)
-
-    def _retire(self) -> None:
-        """Stop the current episode's sandbox in the background (without waiting)."""
-        episode, self._episode = self._episode, None
-        if episode is not None:
-            runtime.submit(_stop_episode(episode))
-
-    async def _reward_of(self, episode: Episode) -> float | None:
-        """The episode's reward, graded at most once however many callers ask concurrently."""
-        return (await episode.grade()).reward
 
     def __del__(self) -> None:
         episode = getattr(self, "_episode", None)
         if episode is None or sys.is_finalizing():
             return
         with contextlib.suppress(Exception):  # best effort; close_all() at exit is the safety net
-            runtime.submit(_stop_episode(episode))
+            runtime.submit(_stop(episode))
 
 
-async def _stop_episode(episode: Episode) -> None:
-    await episode.stop()
+def _error_text(episode: Episode, exc: BaseException, timeout: int) -> str:
+    """What the model reads when a command did not run to an answer."""
+    failure = episode.failure
+    if failure is not None:
+        ending = "This rollout will not be scored." if failure.cause.infra else "The rollout is over."
+        return f"Error: {failure.reason}. {ending}"
+    if isinstance(exc, CommandTimeoutError):
+        return f"Error: the command timed out after {timeout} s."
+    if "being graded" in str(exc):
+        return "Error: the rollout is over; its sandbox is being graded."
+    if runtime.run(episode.alive()):
+        # The backend runs the sandbox: the command itself was killed (e.g. by the agent's own `kill -9 -1`).
+        return f"Error: the command ended without an answer ({type(exc).__name__}: {exc})."
+    if runtime.run(episode.check_exhausted()):
+        return f"Error: {episode.failure.reason}. The rollout is over."  # type: ignore[union-attr]
+    return f"Error: {episode.fail('exec', exc).reason}. This rollout will not be scored."
+
+
+def cut_output(text: str, limit: int) -> str:
+    """Cut ``text`` to about ``limit`` characters, keeping its start and its end, one marker between.
+
+    Args:
+        text: The output.
+        limit: The most characters kept.
+
+    Returns:
+        ``text``, or its first and last halves around ``[... N characters omitted ...]``.
+    """
+    if len(text) <= limit:
+        return text
+    head, tail = limit // 2, limit - limit // 2
+    return f"{text[:head]}\n[... {len(text) - head - tail} characters omitted ...]\n{text[-tail:]}"
 
 
 def verify_all(environments: Sequence[HarborEnv]) -> list[float | None]:
     """Verify a batch of rollouts concurrently and return each one's reward.
 
-    What ``spec.reward_funcs`` does with a generation batch: every verifier runs at once, so
-    a batch of N rollouts costs about one verification. Each environment's ``reward`` (and
-    ``get_reward()``) then returns the same value without verifying again.
+    What ``spec.reward_funcs`` does with a generation batch: every verifier runs at once, so a
+    batch of N rollouts costs about one verification. Each environment's ``reward`` then returns
+    the same value without verifying again.
 
     Args:
         environments: The rollouts' environments, in completion order.
 
     Returns:
-        One reward per environment (``None`` for a skipped infrastructure failure; ``0.0``
-        for an environment never reset).
+        One reward per environment (``None`` for a skipped infrastructure failure; ``0.0`` for an
+        environment never reset).
     """
+    done = 0
 
     async def one(env: HarborEnv) -> float | None:
-        episode = env._episode
-        if episode is None:
-            return 0.0
-        value = await env._reward_of(episode)
-        episode.reward_reported = True
-        return value
+        nonlocal done
+        try:
+            episode = env._episode
+            if episode is None:
+                return 0.0
+            value = (await episode.grade()).reward
+            env._reward_reported = True
+            return value
+        finally:
+            done += 1
+            progress.report("verification", done, len(environments))
 
     async def every() -> list[float | None]:
-        done = 0
-
-        async def counted(env: HarborEnv) -> float | None:
-            nonlocal done
-            try:
-                return await one(env)
-            finally:
-                done += 1
-                progress.report("verification", done, len(environments))
-
-        return list(await asyncio.gather(*(counted(env) for env in environments)))
+        return list(await asyncio.gather(*(one(env) for env in environments)))
 
     return runtime.run(every())
 
+
+# ── the built-in harnesses ──────────────────────────────────────────────────────────
 
 _BASH_PROMPT_SUFFIX = (
     "\n\nYou have one tool, `bash`: it runs a shell command in the task's sandbox and returns "
@@ -457,11 +419,12 @@ class StepsMixin:
 
     A multi-step task is one rollout: ``reset`` returns the first step's instruction; the model
     calls ``submit_step`` when a step is done, which grades it (exactly as a whole task is graded)
-    and returns the next step's instruction. The rollout's reward combines the steps by the
-    task's ``multi_step_reward_strategy`` (``mean`` by default, ``final``); a step the model never
-    reached scores 0, and a step below its ``min_reward`` ends the rollout, as in Harbor.
+    and returns the next step's instruction. The rollout's reward combines the steps by the task's
+    ``multi_step_reward_strategy``; a step below its ``min_reward`` ends the rollout, as in Harbor.
     Put it before the harness class: ``class MyEnv(StepsMixin, HarborBashEnv)``.
     """
+
+    _episode: Episode | None
 
     def submit_step(self) -> str:
         """Submit your work on the current step: it is graded, and the next step's instruction is returned.
@@ -471,19 +434,56 @@ class StepsMixin:
         Returns:
             The next step's instruction, or a note that the task is over.
         """
-        episode = getattr(self, "_episode", None)
-        if episode is None or episode.stopped:
+        episode = self._episode
+        if episode is None:
             return "Error: no task is running."
         if not episode.steps:
             return "This task has a single step: just finish your turn when you are done."
-        if episode.finished:
-            return "The task is over: every step was submitted. Finish your turn."
         index = episode.step_index
         following = runtime.run(episode.submit_step())
         if following is None:
+            if episode.failure is not None and episode.failure.cause is Cause.INFRASTRUCTURE:
+                return f"Error: {episode.failure.reason}. The task is over: finish your turn."
             return f"Step {index + 1} submitted. The task is over: finish your turn."
         return f"Step {index + 1} submitted. Step {index + 2} of {len(episode.steps)}:\n\n{following}"
 
 
 class HarborBashStepsEnv(StepsMixin, HarborBashEnv):
     """The ``bash`` harness plus ``submit_step``, for suites with multi-step tasks (``agent="bash_steps"``)."""
+
+
+# ── where episodes keep Harbor's trial files ────────────────────────────────────────
+
+_TRIAL_ROOT: Path | None = None
+
+
+def _trial_root() -> Path:
+    """This process's folder for Harbor's per-episode files; those of dead processes are swept."""
+    global _TRIAL_ROOT
+    if _TRIAL_ROOT is None:
+        base = Path(tempfile.gettempdir()) / f"trl-harbor-trials-{os.getuid()}"
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for entry in base.iterdir():
+            owner = entry.name.split("-", 1)[0]
+            if owner.isdigit() and not _alive(int(owner)):
+                shutil.rmtree(entry, ignore_errors=True)
+        _TRIAL_ROOT = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base))
+        atexit.register(_remove_trial_root, _TRIAL_ROOT)
+    return _TRIAL_ROOT
+
+
+def _remove_trial_root(root: Path) -> None:
+    # Registered after runtime's own exit hook, so it runs first: stop the sandboxes (episodes
+    # still starting write into the folder) before removing it.
+    runtime.close_all()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -30,6 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trl_harbor.options import HarborOptions
+from trl_harbor.tools import tool_schemas
+
 __all__ = ["EndpointError", "EvalConfig", "EvalResult", "TaskScore", "evaluate", "pass_at_k"]
 
 logger = logging.getLogger(__name__)
@@ -80,10 +83,8 @@ class EvalConfig:
         pass_threshold: A rollout passes when its reward is at least this.
         api_key: Bearer token (default: ``OPENAI_API_KEY``).
         request_timeout_sec: Seconds one request may take.
-        command_timeout_sec: Seconds one tool command may run.
-        max_output_chars: Characters of a command's output handed to the model.
-        reward_key: Which key of a multi-key ``reward.json`` is the reward.
-        environment_kwargs: Backend options (``--ek``), e.g. ``{"root": "host"}`` for the local sandbox.
+        options: How rollouts run and are graded (command timeout, output cap, reward key,
+            infrastructure-failure policy, backend options, ...), as in training.
         output_dir: Where ``eval.json`` and ``trajectories.jsonl`` go.
     """
 
@@ -103,10 +104,7 @@ class EvalConfig:
     pass_threshold: float = 1.0
     api_key: str | None = None
     request_timeout_sec: float = 600.0
-    command_timeout_sec: int = 180
-    max_output_chars: int = 8000
-    reward_key: str | None = None
-    environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    options: HarborOptions = field(default_factory=HarborOptions)
     output_dir: str = "outputs/trl-harbor-eval"
 
     def __post_init__(self) -> None:
@@ -249,25 +247,11 @@ def _chat(config: EvalConfig, messages: list[dict], tools: list[dict]) -> dict:
         raise EndpointError(f"{url}: the answer has no choices[0].message: {str(payload)[:300]}") from exc
 
 
-def _tool_schemas(env: Any) -> tuple[dict[str, Callable[..., Any]], list[dict]]:
-    """The harness's tools (TRL's rule: public functions but ``reset``/``get_reward``) and their schemas."""
-    import inspect
-
-    from transformers.utils import get_json_schema
-
-    tools = {
-        name: getattr(env, name)
-        for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-        if not name.startswith("_") and name not in ("reset", "get_reward")
-    }
-    return tools, [get_json_schema(fn) for fn in tools.values()]
-
-
 def _rollout(config: EvalConfig, factory: Callable[[], Any], row: dict) -> tuple[Any, list[dict], str | None]:
     """Run one rollout; return its environment, its messages and an endpoint error (or ``None``)."""
     env = factory()
     prompt = env.reset(**row)
-    tools, schemas = _tool_schemas(env)
+    tools, schemas = tool_schemas(env)
     messages: list[dict] = [{"role": "user", "content": prompt}]
     try:
         for _ in range(config.max_turns):
@@ -306,7 +290,7 @@ def evaluate(config: EvalConfig, on_done: Callable[[int], None] | None = None) -
     Raises:
         ValueError: For a bad suite, harness or selection.
     """
-    from trl_harbor import HarborSpec
+    from trl_harbor import HarborSpec, release
     from trl_harbor.trajectories import TrajectoryLog
 
     spec = HarborSpec(
@@ -315,12 +299,7 @@ def evaluate(config: EvalConfig, on_done: Callable[[int], None] | None = None) -
         environment_type=config.environment_type,
         num_tasks=config.num_tasks,
         indices=config.indices,
-        env_kwargs={
-            "command_timeout_sec": config.command_timeout_sec,
-            "max_output_chars": config.max_output_chars,
-            "reward_key": config.reward_key,
-            "environment_kwargs": config.environment_kwargs or None,
-        },
+        options=config.options,
     )
     if config.base_url is None and config.model not in _LOCAL:
         try:
@@ -342,7 +321,7 @@ def evaluate(config: EvalConfig, on_done: Callable[[int], None] | None = None) -
         calls = sum(len(m.get("tool_calls") or []) for m in messages if m["role"] == "assistant")
         extra = {"rollout": index, "endpoint_error": endpoint_error, "model": config.model}
         log.write([env], [reward], [messages[1:]], extra=[extra])
-        env._retire()  # stop the sandbox now, not when the instance is collected
+        release(env)  # stop the sandbox now, not when the instance is collected
         return Path(row["task_dir"]).name, reward, calls
 
     start = time.monotonic()

@@ -43,16 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 from trl_harbor.agents import AGENTS, EXAMPLE_AGENTS
 from trl_harbor.env import HarborEnv
-from trl_harbor.spec import HarborSpec, harbor_reward
+from trl_harbor.rewards import harbor_reward
+from trl_harbor.spec import HarborSpec
 from trl_harbor.suite import TaskInfo
 
 if TYPE_CHECKING:
     from datasets import Dataset, Features
 
-__all__ = ["HarborMix", "HarborMixError", "MixEntry", "harbor_mix_reward", "merge_features", "suite_name"]
-
-#: The columns a mix adds to every row.
-MIX_COLUMNS: tuple[str, ...] = ("environment", "suite")
+__all__ = ["HarborMix", "HarborMixError", "MixEntry", "harbor_mix_reward", "merge_features", "mix", "suite_name"]
 
 
 class HarborMixError(ValueError):
@@ -91,7 +89,7 @@ class MixEntry:
         rows: How many rows of the mixed dataset it holds.
         harness: The harness's label (a built-in name, else the class name).
         environment_type: The sandbox backend.
-        options: The keyword arguments of its environments (``env_kwargs``).
+        options: What its environments are given beyond the defaults (changed options, harness arguments).
     """
 
     suite: str
@@ -109,6 +107,11 @@ def _harness_label(spec: HarborSpec) -> str:
     if isinstance(agent, str) and (agent in AGENTS or agent in EXAMPLE_AGENTS):
         return agent
     return spec.env_cls.__name__
+
+
+def _spec_options(spec: HarborSpec) -> dict[str, Any]:
+    """What a spec's environments get beyond the defaults: its changed options and harness arguments."""
+    return {**spec.options.changed(), **spec.environment_factory.harness_kwargs}
 
 
 def _options_key(options: Mapping[str, Any]) -> str:
@@ -334,8 +337,8 @@ class HarborMix:
                     "'name_b': spec_b}, ...)."
                 )
             factory = spec.environment_factory
-            environment_type = getattr(factory, "environment_type", None)
-            options = dict(getattr(factory, "env_kwargs", {}) or {})
+            environment_type = factory.environment_type
+            options = _spec_options(spec)
             combo = (suite, spec.env_cls, environment_type, _options_key(options))
             if combo in combos:
                 raise HarborMixError(
@@ -376,8 +379,8 @@ class HarborMix:
                 weight=float(weight / total),
                 rows=quota,
                 harness=_harness_label(spec),
-                environment_type=getattr(spec.environment_factory, "environment_type", None),
-                options=dict(getattr(spec.environment_factory, "env_kwargs", {}) or {}),
+                environment_type=spec.environment_type,
+                options=_spec_options(spec),
             )
             for suite, name, spec, weight, quota in zip(suites, env_names, spec_list, fractions, quotas, strict=True)
         ]
@@ -470,14 +473,14 @@ class HarborMix:
         """``{environment name: factory}``, the dict by which TRL routes rows (``environment`` column).
 
         A name reads ``"<suite>:<harness>@<backend>"``, with ``"+<digest>"`` of the options when
-        the spec has ``env_kwargs``; it depends only on that combination, not on the other specs.
+        the spec changes options or harness arguments; it depends only on that combination, not on the other specs.
         """
         return {entry.environment: entry.spec.environment_factory for entry in self.entries}
 
     @property
-    def reward_funcs(self) -> list[Callable[..., list[float | None]]]:
-        """``[harbor_mix_reward]``: the verifier's scalar for every row, plus per-suite metrics."""
-        return [harbor_mix_reward]
+    def reward_funcs(self) -> Callable[..., list[float | None]]:
+        """:func:`harbor_mix_reward`: the verifier's scalar for every row, plus per-suite metrics."""
+        return harbor_mix_reward
 
     def __len__(self) -> int:
         return self.num_rows
@@ -499,7 +502,7 @@ def harbor_mix_reward(
     """The outcome reward of a mix: :func:`~trl_harbor.spec.harbor_reward`, plus metrics per suite.
 
     Every rollout is scored by its own task's verifier, whatever its suite or harness, exactly
-    as :func:`~trl_harbor.spec.harbor_reward` does (which logs the batch-wide ``harbor/*``
+    as :func:`~trl_harbor.rewards.harbor_reward` does (which logs the batch-wide ``harbor/*``
     metrics). For each suite present in the batch it also logs
     ``harbor/suite/<suite>/reward`` (the mean reward of its scored rollouts; absent when
     all of them were skipped), ``harbor/suite/<suite>/infra_failures`` (rollouts lost to an
@@ -551,3 +554,34 @@ def _infra(environments: Sequence[Any] | None, rewards: list[float | None], i: i
         outcome = env.verification
         return bool(outcome is not None and outcome.infra)
     return False
+
+
+def mix(
+    specs: Sequence[HarborSpec] | Mapping[str, HarborSpec],
+    weights: Sequence[float] | Mapping[str, float] | None = None,
+    seed: int = 0,
+    *,
+    num_rows: int | None = None,
+) -> HarborMix:
+    """Mix several specs (suites, harnesses, backends) into one training run (``HarborSpec.mix``).
+
+    See :class:`HarborMix` and ``docs/mixing.md``.
+
+    Args:
+        specs: The specs, as a list or a mapping ``{suite name: spec}``.
+        weights: One positive weight per spec (need not sum to 1); ``None``: equal.
+        seed: Seed of the mixed dataset's row order.
+        num_rows: Rows of the mixed dataset; ``None``: every task at least once.
+
+    Returns:
+        A :class:`HarborMix` with ``train_dataset``, ``environment_factory`` (a dict) and ``reward_funcs``.
+
+    Raises:
+        TypeError: When a spec is not a ``HarborSpec``.
+        HarborMixError: When the combination is impossible (a ``ValueError``).
+    """
+    return HarborMix(specs, weights, seed, num_rows=num_rows)
+
+
+# ``HarborSpec.mix(...)``: defined here, so that the spec module does not depend on mixing.
+HarborSpec.mix = staticmethod(mix)  # type: ignore[attr-defined]

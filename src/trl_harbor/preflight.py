@@ -25,11 +25,14 @@ import logging
 import os
 import shutil
 import subprocess
-import tomllib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trl_harbor.backends import Backend
+    from trl_harbor.suite import TaskInfo
 
 __all__ = [
     "DEFAULT_INFRA_STOP_FRACTION",
@@ -74,7 +77,7 @@ def preflight_enabled(preflight: bool | None) -> bool:
     return os.environ.get("TRL_HARBOR_PREFLIGHT", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def check_backend(environment_type: str, environment_kwargs: dict[str, Any] | None = None) -> None:
+def check_backend(backend: Backend) -> None:
     """Check that a backend can start sandboxes on this machine, before any rollout needs one.
 
     Runs the backend class's Harbor ``preflight()`` (Harbor's Docker backend asks ``docker info``;
@@ -82,23 +85,19 @@ def check_backend(environment_type: str, environment_kwargs: dict[str, Any] | No
     A success is remembered for the rest of the process.
 
     Args:
-        environment_type: As given to ``HarborSpec``/``HarborEnv`` (``"docker"``, ``"local"``,
-            ``"module:Class"``, ...).
-        environment_kwargs: The backend's options (Harbor's environment ``kwargs``).
+        backend: The resolved backend (:func:`trl_harbor.backends.resolve_backend`).
 
     Raises:
         BackendUnavailableError: When the backend cannot be loaded or its preflight fails; the
             message names the cause and the fixes.
-        ValueError: When ``environment_type`` names no backend at all.
     """
     from harbor.environments.factory import EnvironmentFactory
 
-    from trl_harbor.backends import environment_config
-
-    key = (environment_type, json.dumps(environment_kwargs or {}, sort_keys=True, default=str))
+    config = backend.config
+    environment_type = backend.name
+    key = (environment_type, json.dumps(dict(config.kwargs), sort_keys=True, default=str))
     if key in _PASSED:
         return
-    config = environment_config(environment_type, environment_kwargs)  # ValueError for an unknown name
     try:
         EnvironmentFactory.run_preflight(config.type, config.import_path, kwargs=dict(config.kwargs))
     except (SystemExit, Exception) as exc:  # Harbor's preflights exit (SystemExit) on a missing daemon or key
@@ -139,7 +138,7 @@ def _docker_info() -> str:
 # ── task.toml: keys Harbor would ignore ─────────────────────────────────────────────
 
 
-def check_task_configs(task_dirs: Iterable[Path], suite_root: Path | None = None) -> None:
+def check_task_configs(tasks: Iterable[TaskInfo], suite_root: Path | None = None) -> None:
     """Refuse ``task.toml`` typos, impossible values and links out of the suite, which Harbor accepts.
 
     Harbor's task model ignores keys it does not know, so ``[verifier] timeout_secs = 600``
@@ -152,7 +151,7 @@ def check_task_configs(task_dirs: Iterable[Path], suite_root: Path | None = None
     Docker's build context does not follow it either.
 
     Args:
-        task_dirs: The task directories (already validated by :func:`trl_harbor.suite.load_suite`).
+        tasks: The validated tasks (:func:`trl_harbor.suite.load_suite`), whose ``task.toml`` was read once.
         suite_root: The folder the links may point into (default: each task's parent).
 
     Raises:
@@ -163,13 +162,9 @@ def check_task_configs(task_dirs: Iterable[Path], suite_root: Path | None = None
     from trl_harbor.suite import TaskSuiteError
 
     problems: list[str] = []
-    for task_dir in task_dirs:
-        path = Path(task_dir) / "task.toml"
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
-            continue  # reported by load_suite
-        for where, key, close in _unknown_keys(raw, TaskConfig, ""):
+    for info in tasks:
+        path = info.path / "task.toml"
+        for where, key, close in _unknown_keys(info.raw, TaskConfig, ""):
             if close:
                 problems.append(
                     f"{path}: unknown key {where}{key!r}, which Harbor would silently ignore. "
@@ -178,8 +173,8 @@ def check_task_configs(task_dirs: Iterable[Path], suite_root: Path | None = None
             elif (label := f"{where}{key}") not in _WARNED:
                 _WARNED.add(label)
                 logger.warning("trl-harbor: %s: Harbor ignores the unknown task.toml key %s%r", path, where, key)
-        problems += [f"{path}: {p}" for p in _negative_values(raw, "")]
-        problems += _outside_links(Path(task_dir), Path(suite_root or Path(task_dir).parent))
+        problems += [f"{path}: {p}" for p in _negative_values(info.raw, "")]
+        problems += _outside_links(info.path, Path(suite_root or info.path.parent))
     if problems:
         raise TaskSuiteError(
             f"{len(problems)} problem(s) in task.toml files:\n" + "\n".join(f"  - {p}" for p in problems)

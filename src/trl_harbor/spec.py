@@ -21,115 +21,50 @@ at once; the three properties are computed on first access (``datasets`` is impo
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trl_harbor.agents import resolve_agent
-from trl_harbor.env import HarborEnv, verify_all
-from trl_harbor.preflight import (
-    DEFAULT_INFRA_STOP_FRACTION,
-    check_backend,
-    check_batch,
-    check_task_configs,
-    preflight_enabled,
-)
-from trl_harbor.sandboxes import LOCAL_ENVIRONMENT_IMPORT_PATH
+from trl_harbor.backends import Backend, resolve_backend
+from trl_harbor.env import HarborEnv
+from trl_harbor.options import OPTION_NAMES, HarborOptions
+from trl_harbor.preflight import check_backend, check_task_configs, preflight_enabled
+from trl_harbor.rewards import harbor_reward
 from trl_harbor.suite import TaskInfo, TaskSuiteError, load_suite, metadata_columns, select_tasks
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from trl_harbor.mix import HarborMix
-
-__all__ = ["EnvironmentFactory", "HarborSpec", "check_runnable", "harbor_reward"]
+__all__ = ["EnvironmentFactory", "HarborSpec", "check_runnable", "split_env_kwargs"]
 
 
-def harbor_reward(
-    completions: Sequence[Any] | None = None,
-    environments: Sequence[HarborEnv] | None = None,
-    environment_reward: Sequence[float | None] | None = None,
-    log_metric: Callable[[str, float], None] | None = None,
-    log_extra: Callable[[str, list], None] | None = None,
-    infra_stop_fraction: float | None = DEFAULT_INFRA_STOP_FRACTION,
-    **kwargs: Any,
-) -> list[float | None]:
-    """Outcome reward: the Harbor verifier's scalar for each rollout, verified concurrently.
-
-    ``GRPOTrainer`` passes the live environments (``environments=``, in completion order):
-    every rollout of the batch is verified at once (:func:`trl_harbor.env.verify_all`);
-    environments that are not ``HarborEnv`` are read through their public ``reward``.
-    Trainers that run environments elsewhere pass the already computed scores as
-    ``environment_reward=``. A rollout lost to an infrastructure failure scores ``None``
-    (left out of the batch by TRL) or ``0.0``, per the environment's ``on_infra_error``; a
-    rollout that broke its own verification scores ``0.0``. Logged per batch: the metrics
-    ``harbor/infra_failures``, ``harbor/verifier_failures``, ``harbor/tampered`` and the mean
-    of every reward component (``harbor/reward/<key>``), and each rollout's reason in the
-    ``harbor_error`` column of the completions table.
+def split_env_kwargs(
+    options: HarborOptions | None, env_kwargs: dict[str, Any] | None
+) -> tuple[HarborOptions, dict[str, Any]]:
+    """Separate rollout options from a harness's own constructor arguments.
 
     Args:
-        completions: The completions (unused; part of TRL's reward-function signature).
-        environments: The rollouts' environments.
-        environment_reward: Per-rollout rewards computed elsewhere; used as given.
-        log_metric: TRL's metric logger (passed by ``GRPOTrainer``).
-        log_extra: TRL's completions-table logger (passed by ``GRPOTrainer``).
-        infra_stop_fraction: Stop the run when at least this fraction of the batch was lost
-            to the infrastructure (default: all of it); ``None`` never stops
-            (:func:`trl_harbor.preflight.check_batch`).
-        **kwargs: Other columns TRL passes (ignored).
+        options: The options object, if any.
+        env_kwargs: Keyword arguments for every environment: fields of :class:`HarborOptions`
+            (``command_timeout_sec``, ...) override ``options``; the rest go to the harness.
 
     Returns:
-        One reward per rollout.
-
-    Raises:
-        ValueError: When neither ``environments`` nor ``environment_reward`` is given.
-        trl_harbor.preflight.InfrastructureFailureError: When the batch was lost to the
-            infrastructure (after its metrics are logged).
+        ``(options, harness keyword arguments)``.
     """
-    if environment_reward is not None:
-        return [None if r is None else float(r) for r in environment_reward]
-    if environments is None:
-        raise ValueError(
-            "harbor_reward needs `environments=` (GRPOTrainer with environment_factory) or "
-            "`environment_reward=`; got neither."
-        )
-    harbor_envs = [env for env in environments if isinstance(env, HarborEnv)]
-    verified = iter(verify_all(harbor_envs))
-    # Any other environment (e.g. one written for the reference) is read through its public `reward`.
-    rewards = [next(verified) if isinstance(env, HarborEnv) else _as_reward(env.reward) for env in environments]
-    outcomes = [env.verification if isinstance(env, HarborEnv) else None for env in environments]
-    if log_metric is not None:
-        log_metric("harbor/infra_failures", float(sum(bool(o and o.infra) for o in outcomes)))
-        log_metric("harbor/verifier_failures", float(sum(bool(o and o.reason and not o.infra) for o in outcomes)))
-        log_metric("harbor/tampered", float(sum(bool(o and o.tampered) for o in outcomes)))
-        components: dict[str, list[float]] = {}
-        for outcome in outcomes:
-            for key, value in (outcome.rewards if outcome else {}).items():
-                components.setdefault(key, []).append(value)
-            for step, step_rewards in outcome.steps if outcome else ():
-                for key, value in step_rewards.items():
-                    components.setdefault(f"{step}/{key}", []).append(value)
-        for key, values in sorted(components.items()):
-            log_metric(f"harbor/reward/{key}", sum(values) / len(values))
-    if log_extra is not None:
-        log_extra("harbor_error", [(o.reason if o else "") for o in outcomes])
-    check_batch(outcomes, infra_stop_fraction)
-    return rewards
+    given = dict(env_kwargs or {})
+    overrides = {key: given.pop(key) for key in list(given) if key in OPTION_NAMES}
+    return HarborOptions.merged(options, **overrides), given
 
 
-def _as_reward(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv], environment_type: str) -> None:
+def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv], backend: Backend) -> None:
     """Refuse, when the spec is built, tasks that the harness or the backend cannot run.
 
     Args:
         tasks: The selected tasks.
         env_cls: The harness.
-        environment_type: The backend.
+        backend: The backend.
 
     Raises:
         TaskSuiteError: Naming every such task, why, and the fix.
@@ -143,7 +78,7 @@ def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv], environm
                     f"`submit_step` tool, and {env_cls.__name__} has none. Fix: agent='bash_steps', or "
                     "add trl_harbor.StepsMixin to your harness."
                 )
-    if environment_type in ("local", LOCAL_ENVIRONMENT_IMPORT_PATH):
+    if backend.local:
         for task in tasks:
             if task.compose:
                 problems.append(
@@ -158,25 +93,36 @@ def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv], environm
 class EnvironmentFactory:
     """Zero-argument, picklable callable that builds a fresh harness environment.
 
-    The harness is kept as the user's selector (e.g. a file path string) and resolved again
-    after unpickling, so the factory also works in worker processes that never built the spec.
+    Holds what the spec resolved once: the harness class, the backend and the options. A harness
+    loaded from a file (``"path/to/env.py:MyEnv"``) is pickled by its selector and loaded again in
+    the worker process that unpickles the factory.
 
     Args:
-        agent: The harness selector (see :func:`trl_harbor.agents.resolve_agent`).
-        environment_type: Harbor backend passed to every environment.
-        env_kwargs: Extra keyword arguments for the environment's constructor.
+        agent: The harness selector (see :func:`trl_harbor.agents.resolve_agent`) or class.
+        backend: The resolved backend.
+        options: The rollout options.
+        harness_kwargs: Further keyword arguments of the harness's constructor.
+        cls: The resolved harness class (default: resolved from ``agent``).
     """
 
     def __init__(
         self,
         agent: str | type[HarborEnv],
-        environment_type: str,
-        env_kwargs: dict[str, Any] | None = None,
+        backend: Backend,
+        options: HarborOptions,
+        harness_kwargs: dict[str, Any] | None = None,
+        cls: type[HarborEnv] | None = None,
     ) -> None:
         self.agent = agent
-        self.environment_type = environment_type
-        self.env_kwargs = dict(env_kwargs or {})
-        self._cls = resolve_agent(agent)
+        self.backend = backend
+        self.options = options
+        self.harness_kwargs = dict(harness_kwargs or {})
+        self.cls = cls or resolve_agent(agent)
+
+    @property
+    def environment_type(self) -> str:
+        """The ``environment_type`` the backend was resolved from."""
+        return self.backend.name
 
     def __call__(self) -> HarborEnv:
         """Build a new environment.
@@ -184,21 +130,27 @@ class EnvironmentFactory:
         Returns:
             A fresh, not yet reset, harness instance.
         """
-        return self._cls(environment_type=self.environment_type, **self.env_kwargs)
+        env = self.cls(environment_type=self.backend.name, options=self.options, **self.harness_kwargs)
+        env._backend = self.backend
+        return env
+
+    def with_class(self, cls: type[HarborEnv]) -> EnvironmentFactory:
+        """The same factory building ``cls`` (e.g. a recording subclass of the harness)."""
+        return EnvironmentFactory(cls, self.backend, self.options, self.harness_kwargs, cls)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        if isinstance(self.agent, str):
-            state.pop("_cls")  # re-resolved from the selector after unpickling
+        if isinstance(self.agent, str) and ":" in self.agent:
+            state.pop("cls")  # loaded from a file: loaded again from the selector after unpickling
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if "_cls" not in state:
-            self._cls = resolve_agent(self.agent)
+        if "cls" not in state:
+            self.cls = resolve_agent(self.agent)
 
     def __repr__(self) -> str:
-        return f"EnvironmentFactory(agent={self.agent!r}, environment_type={self.environment_type!r})"
+        return f"EnvironmentFactory(agent={self.agent!r}, environment_type={self.backend.name!r})"
 
 
 class HarborSpec:
@@ -212,23 +164,26 @@ class HarborSpec:
             ``"path/to/file.py:ClassName"``, or a ``HarborEnv`` subclass.
         environment_type: Harbor sandbox backend (``"docker"``, ``"e2b"``, ``"daytona"``,
             ..., ``"local"`` for the bundled bubblewrap sandbox, or ``"module:Class"`` for a
-            Harbor plug-in). Passed through, not validated here.
+            Harbor plug-in).
         num_tasks: Use only the first ``num_tasks`` tasks of the sorted list.
         indices: Use exactly these positions of the sorted task list. Exclusive with
             ``num_tasks``.
         include_metadata: Add every task's ``task.toml`` ``[metadata]`` entries as columns.
         revision: Hub revision (branch, tag or commit) when ``dataset`` is a repo id.
-        env_kwargs: Extra keyword arguments for every environment (e.g.
-            ``{"command_timeout_sec": 60, "max_output_chars": 4000}``).
+        options: How rollouts run and are graded (:class:`~trl_harbor.HarborOptions`: timeouts,
+            output cap, concurrency, infrastructure-failure policy, reward reduction, backend
+            options, ...).
+        env_kwargs: Keyword arguments for every environment: :class:`~trl_harbor.HarborOptions`
+            fields (``{"command_timeout_sec": 60}``) override ``options``; the rest go to the
+            harness's constructor.
         preflight: Check now that the backend can start sandboxes here (e.g. that Docker's
             daemon answers); ``None``: unless ``TRL_HARBOR_PREFLIGHT=0``. See
             :mod:`trl_harbor.preflight`.
-        infra_stop_fraction: ``reward_funcs`` stops the run when at least this fraction of a
-            batch was lost to the infrastructure (default: all of it); ``None`` never stops.
 
     Raises:
         ValueError: When both ``num_tasks`` and ``indices`` are given, an index is out of
-            range, or ``agent`` is an unknown name.
+            range, ``agent`` is an unknown name, ``environment_type`` names no backend, or an
+            option is invalid.
         TypeError: When ``agent`` does not resolve to a ``HarborEnv`` subclass.
         trl_harbor.suite.TaskSuiteError: When the suite cannot be found, a task is
             malformed, or the harness or backend cannot run a task (multi-step tasks without
@@ -248,18 +203,18 @@ class HarborSpec:
         include_metadata: bool = True,
         revision: str | None = None,
         *,
+        options: HarborOptions | None = None,
         env_kwargs: dict[str, Any] | None = None,
         preflight: bool | None = None,
-        infra_stop_fraction: float | None = DEFAULT_INFRA_STOP_FRACTION,
     ) -> None:
         if num_tasks is not None and indices is not None:
             raise ValueError("Provide num_tasks or indices, not both.")
         self._dataset = dataset
         self._agent = agent
-        self._environment_type = environment_type
         self._include_metadata = include_metadata
-        self._env_kwargs = dict(env_kwargs or {})
+        self.options, harness_kwargs = split_env_kwargs(options, env_kwargs)
         self.env_cls: type[HarborEnv] = resolve_agent(agent)
+        self.backend = resolve_backend(environment_type, dict(self.options.backend_options))
         self.suite = load_suite(dataset, revision=revision)
         self._selected: list[tuple[int, TaskInfo]] = select_tasks(
             self.suite.tasks, num_tasks=num_tasks, indices=indices
@@ -269,11 +224,16 @@ class HarborSpec:
                 f"The selection (num_tasks={num_tasks}, indices={indices}) leaves no task of "
                 f"the {len(self.suite.tasks)} in {dataset!s}."
             )
-        check_runnable(self.tasks, self.env_cls, environment_type)
-        check_task_configs(self.task_dirs, self.suite.root)
-        self._infra_stop_fraction = infra_stop_fraction
+        check_runnable(self.tasks, self.env_cls, self.backend)
+        check_task_configs(self.tasks, self.suite.root)
         if preflight_enabled(preflight):
-            check_backend(environment_type, self._env_kwargs.get("environment_kwargs"))
+            check_backend(self.backend)
+        self._factory = EnvironmentFactory(agent, self.backend, self.options, harness_kwargs, self.env_cls)
+
+    @property
+    def environment_type(self) -> str:
+        """The backend's ``environment_type``, as given."""
+        return self.backend.name
 
     @property
     def tasks(self) -> list[TaskInfo]:
@@ -304,52 +264,22 @@ class HarborSpec:
             columns.update(metadata_columns(self.tasks))
         return Dataset.from_dict(columns)
 
-    @cached_property
-    def environment_factory(self) -> Callable[[], HarborEnv]:
+    @property
+    def environment_factory(self) -> EnvironmentFactory:
         """A zero-argument, picklable callable returning a fresh harness environment."""
-        return EnvironmentFactory(self._agent, self._environment_type, self._env_kwargs)
+        return self._factory
 
     @property
-    def reward_funcs(self) -> list[Callable[..., list[float]]]:
-        """The outcome reward as a one-element list: each rollout's verifier scalar."""
-        if self._infra_stop_fraction == DEFAULT_INFRA_STOP_FRACTION:
-            return [harbor_reward]
-        reward = functools.partial(harbor_reward, infra_stop_fraction=self._infra_stop_fraction)
-        reward.__name__ = harbor_reward.__name__  # type: ignore[attr-defined] - TRL names reward columns by it
-        return [reward]
+    def reward_funcs(self) -> Callable[..., list[float | None]]:
+        """The outcome reward (:func:`trl_harbor.rewards.harbor_reward`): each rollout's verifier scalar.
 
-    @staticmethod
-    def mix(
-        specs: Sequence[HarborSpec] | Mapping[str, HarborSpec],
-        weights: Sequence[float] | Mapping[str, float] | None = None,
-        seed: int = 0,
-        *,
-        num_rows: int | None = None,
-    ) -> HarborMix:
-        """Mix several specs (suites, harnesses, backends) into one training run.
-
-        See :class:`trl_harbor.mix.HarborMix` and ``docs/mixing.md``.
-
-        Args:
-            specs: The specs, as a list or a mapping ``{suite name: spec}``.
-            weights: One positive weight per spec (need not sum to 1); ``None``: equal.
-            seed: Seed of the mixed dataset's row order.
-            num_rows: Rows of the mixed dataset; ``None``: every task at least once.
-
-        Returns:
-            A :class:`~trl_harbor.mix.HarborMix` with ``train_dataset``,
-            ``environment_factory`` (a dict) and ``reward_funcs``.
-
-        Raises:
-            TypeError: When a spec is not a ``HarborSpec``.
-            trl_harbor.mix.HarborMixError: When the combination is impossible (a ``ValueError``).
+        A single function, as in ``trl.experimental.harbor``: pass it as ``reward_funcs=``, or in a
+        list with your own (``reward_funcs=[spec.reward_funcs, format_reward]``).
         """
-        from trl_harbor.mix import HarborMix
-
-        return HarborMix(specs, weights, seed, num_rows=num_rows)
+        return harbor_reward
 
     def __repr__(self) -> str:
         return (
             f"HarborSpec(dataset={str(self._dataset)!r}, agent={self._agent!r}, "
-            f"environment_type={self._environment_type!r}, tasks={len(self._selected)})"
+            f"environment_type={self.backend.name!r}, tasks={len(self._selected)})"
         )

@@ -30,6 +30,7 @@ __all__ = [
     "candidate_task_dirs",
     "find_suite_root",
     "load_suite",
+    "load_task",
     "metadata_columns",
     "select_tasks",
     "validate_task",
@@ -65,6 +66,8 @@ class TaskInfo:
         metadata: The task's ``[metadata]`` table from ``task.toml``.
         steps: How many ``[[steps]]`` the task has (0: a single-step task).
         compose: Whether its environment is a ``docker-compose.yaml`` (sidecar services).
+        task: Harbor's parsed task (the one every layer of this process reads; see :func:`load_task`).
+        raw: ``task.toml`` as read, unknown keys included (for the typo check).
     """
 
     path: Path
@@ -72,6 +75,8 @@ class TaskInfo:
     metadata: dict[str, Any] = field(default_factory=dict)
     steps: int = 0
     compose: bool = False
+    task: Any = field(default=None, repr=False, compare=False)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -212,10 +217,8 @@ def validate_task(task_dir: Path) -> tuple[TaskInfo | None, list[str]]:
     if problems:
         return None, problems
 
-    from harbor.models.task.task import Task
-
     try:
-        task = Task(task_dir)
+        task = load_task(task_dir)
     except Exception as exc:  # pydantic ValidationError, FileNotFoundError, ValueError, ...
         detail = " ".join(str(exc).split())
         return None, [
@@ -227,8 +230,34 @@ def validate_task(task_dir: Path) -> tuple[TaskInfo | None, list[str]]:
         return None, problems
     metadata = dict(task.config.metadata or {})
     compose = (task_dir / "environment" / "docker-compose.yaml").is_file()
-    info = TaskInfo(task_dir.resolve(), task.name, metadata, steps=len(task.config.steps or []), compose=compose)
+    info = TaskInfo(
+        task_dir.resolve(), task.name, metadata, len(task.config.steps or []), compose, task=task, raw=raw or {}
+    )
     return info, []
+
+
+_TASKS: dict[Path, Any] = {}
+
+
+def load_task(task_dir: Path) -> Any:
+    """Harbor's ``Task`` for a folder, parsed once per process (``reset`` runs thousands of times on a few tasks).
+
+    Args:
+        task_dir: The task directory.
+
+    Returns:
+        The ``harbor.models.task.task.Task``.
+
+    Raises:
+        Exception: Whatever Harbor's model raises for a malformed task.
+    """
+    from harbor.models.task.task import Task
+
+    key = Path(task_dir).resolve()
+    task = _TASKS.get(key)
+    if task is None:
+        task = _TASKS[key] = Task(key)
+    return task
 
 
 def _missing_host_variables(task: Any) -> list[str]:

@@ -356,7 +356,7 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
                     "reward_key": harbor.reward_key,
                     "on_infra_error": harbor.on_infra_error,
                     "max_concurrent_starts": harbor.max_concurrent_starts,
-                    "environment_kwargs": parse_backend_options(harbor.ek) or None,
+                    "backend_options": parse_backend_options(harbor.ek),
                 },
             )
             for suite in suites
@@ -390,7 +390,7 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
         log = TrajectoryLog(output_dir / "trajectories.jsonl", environment_type=harbor.environment_type)
         log.path.unlink(missing_ok=True)  # one run, one log
         environment_factory = log.environment_factory(environment_factory)
-        reward_funcs = [log.reward_func(f) for f in reward_funcs]
+        reward_funcs = log.reward_func(reward_funcs)
     torch.manual_seed(config.seed)
     trainer = GRPOTrainer(
         model=model,

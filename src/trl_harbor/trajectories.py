@@ -16,7 +16,7 @@
     trainer = GRPOTrainer(
         ...,
         environment_factory=log.environment_factory(spec.environment_factory),
-        reward_funcs=[log.reward_func(f) for f in spec.reward_funcs],
+        reward_funcs=log.reward_func(spec.reward_funcs),
     )
 
 Each process of a multi-process run writes its own file (``trajectories.rank1.jsonl`` ...).
@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from trl_harbor.tools import tool_functions
 
 __all__ = ["TrajectoryLog", "read_trajectories", "recording_class"]
 
@@ -114,24 +116,10 @@ def recording_class(cls: type) -> type:
         The recording subclass (one per harness class).
     """
     namespace: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction):
-        if name == "reset":
-            namespace[name] = _record_reset(fn)
-        elif not name.startswith("_") and name != "get_reward":
-            namespace[name] = _record_tool(name, fn)
+    namespace["reset"] = _record_reset(cls.reset)
+    for name, fn in tool_functions(cls).items():
+        namespace[name] = _record_tool(name, fn)
     return type(cls.__name__, (cls,), namespace)
-
-
-class _RecordingFactory:
-    """Picklable factory: builds the wrapped factory's environment as its recording subclass."""
-
-    def __init__(self, factory: Callable[[], Any]) -> None:
-        self.factory = factory
-
-    def __call__(self) -> Any:
-        env = self.factory()
-        env.__class__ = recording_class(type(env))
-        return env
 
 
 def _final_message(completion: Any) -> str | None:
@@ -170,22 +158,31 @@ class TrajectoryLog:
         """Wrap an environment factory so that its environments record their tool calls.
 
         Args:
-            factory: A zero-argument factory (``spec.environment_factory``), or TRL's
-                ``{name: factory}`` mapping for several environments in one run.
+            factory: A spec's ``environment_factory``, or a mix's ``{name: factory}`` mapping.
 
         Returns:
-            A picklable zero-argument factory of recording environments (a mapping of them
-            for a mapping).
+            The same factory building the harness's recording subclass (a mapping of them for a
+            mapping); picklable.
+
+        Raises:
+            TypeError: For a factory that is not a spec's (its class cannot be known beforehand).
         """
+        from trl_harbor.spec import EnvironmentFactory
+
+        def recording(one: Any) -> EnvironmentFactory:
+            if not isinstance(one, EnvironmentFactory):
+                raise TypeError(f"TrajectoryLog records the environments of a HarborSpec's factory, not {one!r}")
+            return one.with_class(recording_class(one.cls))
+
         if isinstance(factory, dict):
-            return {name: _RecordingFactory(f) for name, f in factory.items()}
-        return _RecordingFactory(factory)
+            return {name: recording(f) for name, f in factory.items()}
+        return recording(factory)
 
     def reward_func(self, func: Callable[..., list[float | None]]) -> Callable[..., list[float | None]]:
         """Wrap a reward function so that each scored batch is written to the log.
 
         Args:
-            func: A reward function taking ``environments=`` (``spec.reward_funcs[0]``).
+            func: A reward function taking ``environments=`` (``spec.reward_funcs``).
 
         Returns:
             A reward function with the same name and results.
@@ -225,14 +222,9 @@ class TrajectoryLog:
         for index, (env, reward) in enumerate(zip(environments, rewards, strict=True)):
             record = dict(getattr(env, _RECORD, None) or {"task": None, "tool_calls": []})
             t0 = record.pop("_t0", None)
-            episode = getattr(env, "_episode", None)
             verification = getattr(env, "verification", None)  # HarborEnv: how the rollout was graded
             components = getattr(verification, "rewards", None)
-            if components is None:
-                components = getattr(episode, "rewards", None)
             infra_error = getattr(env, "infra_error", None) if hasattr(type(env), "infra_error") else None
-            if infra_error is None:
-                infra_error = getattr(episode, "infra_error", None)
             value = None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else float(reward)
             line = {
                 "step": step,

@@ -235,7 +235,7 @@ def run_corpus(arena: Arena, harness: str, label: str, cases: list[Case]) -> lis
             if problem:
                 (outcome.leaks if case.leak_if_failed else outcome.problems).append(problem)
     phases = {"calls": time.monotonic() - t0}
-    [reward_func] = spec.reward_funcs
+    reward_func = spec.reward_funcs
     extra: dict[str, list] = {}
     rewards = reward_func(completions=[None] * len(envs), environments=envs, log_extra=extra.__setitem__)
     for case, outcome, outputs, reward, reason in zip(
@@ -277,7 +277,7 @@ def run_corpus(arena: Arena, harness: str, label: str, cases: list[Case]) -> lis
 def arena(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Arena]:
     os.environ["TRL_HARBOR_ADVERSARIAL_CANARY"] = ENV_CANARY
     memory = [MEMORY_CANARY * 3]  # noqa: F841 - held in this process's memory while the corpus runs
-    arena = Arena(tmp_path_factory.mktemp("adversarial"), env_kwargs={"environment_kwargs": {"root": "host"}})
+    arena = Arena(tmp_path_factory.mktemp("adversarial"), env_kwargs={"backend_options": {"root": "host"}})
     yield arena
     arena.close()
     close_all()
@@ -308,7 +308,7 @@ def image_arena(loopback_registry, tmp_path_factory: pytest.TempPathFactory) -> 
     arena = Arena(
         tmp_path_factory.mktemp("adversarial-image"),
         base=loopback_registry.base,
-        env_kwargs={"environment_kwargs": {"root": "image", "cache_dir": str(cache)}},
+        env_kwargs={"backend_options": {"root": "image", "cache_dir": str(cache)}},
     )
     yield arena
     arena.close()

@@ -210,7 +210,7 @@ def test_broken_verifications_cost_one_rollout_each_with_their_reason(tmp_path: 
             env.reset(task_dir=by_name[name])
         for env in envs:
             env.bash(f"echo {GOLD} > /workdir/answer.txt")
-        [reward_func] = spec.reward_funcs
+        reward_func = spec.reward_funcs
         extra: dict[str, list] = {}
         metrics: dict[str, float] = {}
         rewards = reward_func(

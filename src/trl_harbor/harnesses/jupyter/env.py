@@ -61,7 +61,7 @@ class JupyterEnv(HarborEnv):
             raise ValueError(f"kernel_mode must be 'auto', 'ipykernel' or 'builtin', got {kernel_mode!r}")
         if cell_timeout_sec is not None and cell_timeout_sec <= 0:
             raise ValueError("cell_timeout_sec must be positive")
-        self._cell_timeout_sec = float(cell_timeout_sec or self._command_timeout_sec)
+        self._cell_timeout_sec = float(cell_timeout_sec or self._options.command_timeout_sec)
         self._kernel_mode = kernel_mode
         self._kernel_ready = threading.Event()
         self._kernel_error: str | None = None
@@ -156,7 +156,7 @@ class JupyterEnv(HarborEnv):
         if error is not None:
             return error
         payload = base64.b64encode(code.encode("utf-8", "surrogateescape")).decode("ascii")
-        budget = max(self._max_output_chars - 300, 256)
+        budget = max(self._options.max_output_chars - 300, 256)
         client = (
             f"python3 {SANDBOX_DIR}/kernel_client.py --state {SANDBOX_DIR} "
             f"--timeout {self._cell_timeout_sec:g} --max-chars {budget} --wait 5"

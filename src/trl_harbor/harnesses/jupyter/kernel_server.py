@@ -70,7 +70,7 @@ class CappedText:
         with self.lock:
             head = "".join(self.head)
             if self.dropped:
-                return f"{head}\n... [output truncated: {self.dropped} characters omitted] ...\n{self.tail}"
+                return f"{head}\n[... {self.dropped} characters omitted ...]\n{self.tail}"  # cut_output's marker
             return head + self.tail
 
 

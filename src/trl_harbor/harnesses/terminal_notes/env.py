@@ -59,8 +59,8 @@ class TerminalNotesEnv(HarborEnv):
         self, *args: Any, wait_timeout_sec: float | None = None, view_chars: int | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._wait_timeout_sec = float(wait_timeout_sec or min(self._command_timeout_sec, 300))
-        self._view_chars = int(view_chars or self._max_output_chars)
+        self._wait_timeout_sec = float(wait_timeout_sec or min(self._options.command_timeout_sec, 300))
+        self._view_chars = int(view_chars or self._options.max_output_chars)
         self._notes: dict[str, str] = {}
         self._procs: dict[str, str] = {}  # pid -> its folder in the sandbox
 

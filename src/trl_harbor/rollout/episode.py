@@ -1,0 +1,360 @@
+"""One rollout's sandbox, from provisioning to its grade: :class:`Episode`.
+
+An episode is what one ``reset`` brings up: the task, its sandbox and Harbor's trial folder.
+It starts the sandbox the way Harbor's trials do (the network plan, the healthcheck, the first
+step's staging), runs the agent's commands, moves a multi-step task from step to step, and has
+it graded (:func:`trl_harbor.rollout.grading.grade`) once. Its state is one :class:`Phase` and,
+when the rollout cannot go on, one :class:`Failure`.
+
+Every coroutine here runs on the shared loop of :mod:`trl_harbor.runtime`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import shutil
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trl_harbor import progress, runtime
+from trl_harbor.options import HarborOptions
+from trl_harbor.rollout import grading, steps
+from trl_harbor.rollout.outcome import COUNTERS, Cause, Failure, Verification
+from trl_harbor.rollout.seal import Baseline
+
+if TYPE_CHECKING:
+    from harbor.environments.base import BaseEnvironment, ExecResult
+    from harbor.models.task.config import StepConfig
+    from harbor.models.task.task import Task
+    from harbor.models.trial.paths import TrialPaths
+    from harbor.trial.network_policy import TrialNetworkPlan
+
+    from trl_harbor.backends import Backend
+
+__all__ = ["COMMAND_GRACE_SEC", "CommandTimeoutError", "Episode", "Phase"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds past a command's own timeout before a backend that never answers counts as gone.
+COMMAND_GRACE_SEC = 30
+
+
+class CommandTimeoutError(TimeoutError):
+    """A command ran past its timeout (the backend stopped it): the policy's doing, not the infrastructure's."""
+
+
+class Phase(enum.Enum):
+    """Where an episode is: ``STARTING`` (provisioning in the background), ``READY`` (the agent's
+    commands run), ``GRADING`` (a step or the rollout is being graded), ``OVER`` (graded, or it
+    cannot go on), ``STOPPED`` (its sandbox is gone)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    GRADING = "grading"
+    OVER = "over"
+    STOPPED = "stopped"
+
+
+def _is_timeout(error: BaseException) -> bool:
+    # Harbor's backends report a command timeout as TimeoutError, their own "...Timeout..." types,
+    # or RuntimeError("Command timed out after N seconds"): this is the one place that knows.
+    return isinstance(error, TimeoutError) or "timeout" in type(error).__name__.lower() or "timed out" in str(error)
+
+
+class Episode:
+    """Everything one ``reset`` brings up: the task, its sandbox, its trial folder.
+
+    Args:
+        task: Harbor's task.
+        backend: Where its sandboxes run.
+        options: How it runs and is graded.
+        trial_dir: A fresh folder for Harbor's trial files (removed at :meth:`stop`).
+        label: A human-readable part of the sandboxes' session ids.
+    """
+
+    def __init__(self, task: Task, backend: Backend, options: HarborOptions, trial_dir: Path, label: str = "") -> None:
+        from harbor.models.trial.paths import TrialPaths
+
+        self.task = task
+        self.backend = backend
+        self.options = options
+        self.paths: TrialPaths = TrialPaths(trial_dir=trial_dir)
+        self.label = label or task.short_name
+        self.phase = Phase.STARTING
+        self.failure: Failure | None = None
+        self.environment: BaseEnvironment | None = None
+        self.plan: TrialNetworkPlan | None = None
+        #: The provisioning future, set by whoever submitted :meth:`provision` to the shared loop.
+        self.ready: concurrent.futures.Future[None] | None = None
+        self.verification: Verification | None = None
+        self.baseline = Baseline()
+        self.steps: list[StepConfig] = list(task.config.steps or [])
+        self.step_index = 0
+        self.step_outcomes: list[Verification] = []
+        self._grading: asyncio.Future[Verification] | None = None
+        self._stopping: asyncio.Future[None] | None = None
+        self._cleanup = runtime.register_cleanup(self.stop)
+
+    # ── state ──────────────────────────────────────────────────────────────────────
+
+    @property
+    def step(self) -> StepConfig | None:
+        """The current step of a multi-step task (``None`` for a single-step task)."""
+        return self.steps[self.step_index] if self.steps else None
+
+    @property
+    def instruction(self) -> str:
+        """The instruction of the current step (the task's, for a single-step task)."""
+        step = self.step
+        return self.task.instruction if step is None else self.task.step_instruction(step.name)
+
+    def fail(self, stage: str, error: BaseException | str, cause: Cause = Cause.INFRASTRUCTURE) -> Failure:
+        """Record why the rollout cannot go on (the first failure wins) and end it.
+
+        Args:
+            stage: ``"start"``, ``"exec"`` or ``"verify"``, for the log and the counters.
+            error: What went wrong.
+            cause: ``INFRASTRUCTURE`` (counted as lost to the backend) or ``EXHAUSTED``.
+
+        Returns:
+            The episode's failure.
+        """
+        if self.failure is None:
+            what = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            if cause is Cause.INFRASTRUCTURE:
+                COUNTERS.infra_failure(stage)
+                what = f"{_STAGES[stage]} failed for task {self.task.name!r}: {what}"
+                logger.warning("trl-harbor: %s (the rollout is not the policy's fault)", what)
+            else:
+                logger.info("trl-harbor: task %s: %s", self.task.name, what)
+            self.failure = Failure(cause, what, None if isinstance(error, str) else error)
+        if self.phase is not Phase.STOPPED:
+            self.phase = Phase.OVER
+        return self.failure
+
+    async def check_exhausted(self) -> bool:
+        """After the sandbox stopped answering: whether the agent exhausted its limits (then it is over).
+
+        Returns:
+            Whether it did (the failure then says which limit).
+        """
+        found = await grading.exhaustion(self.environment)
+        if found:
+            self.fail("exec", f"the rollout exhausted its sandbox ({found}), which stopped answering", Cause.EXHAUSTED)
+        return self.failure is not None and self.failure.cause is Cause.EXHAUSTED
+
+    # ── lifecycle ──────────────────────────────────────────────────────────────────
+
+    async def provision(self, setup: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Start the sandbox the way Harbor's trials do, then prepare it for the agent; never raises.
+
+        Builds and starts the agent's sandbox with the task's network plan, runs its healthcheck,
+        stages the first step of a multi-step task, takes the baseline of a backend without an
+        isolated verifier view, and runs ``setup`` (a harness's preparation). A failure ends the
+        episode (:attr:`failure`).
+
+        Args:
+            setup: The harness's preparation, run last.
+        """
+        progress.SANDBOX_STARTS.started()
+        try:
+            async with runtime.limit("harbor-sandbox-starts", self.options.max_concurrent_starts):
+                self.plan = plan = self.backend.plan(self.task, self.step)
+                shared = plan.verifier_env_baseline is None
+                self.paths.mkdir()
+                environment = self.backend.create(
+                    self.task,
+                    self.paths,
+                    session_id=f"{self.label}__{uuid.uuid4().hex[:8]}__env",
+                    network_policy=plan.agent_env_baseline,
+                    phase_network_policies=[plan.agent_phase, plan.verifier_phase] if shared else [plan.agent_phase],
+                )
+                self.environment = environment
+                await asyncio.wait_for(
+                    environment.start(force_build=False), timeout=self.task.config.environment.build_timeout_sec
+                )
+                if plan.agent_phase != plan.agent_env_baseline:
+                    await environment.set_network_policy(plan.agent_phase)
+                await environment.run_healthcheck()
+                if self.step is not None:
+                    await steps.stage(environment, self.task, self.step)
+                await self.baseline.take_processes(environment)
+            if setup is not None:
+                await setup()
+            if shared:
+                await self.baseline.take_files(environment, grading.verifier_user(self.task, self.step))
+            if self.phase is Phase.STARTING:
+                self.phase = Phase.READY
+        except asyncio.CancelledError:
+            self.fail("start", "the episode was replaced before its sandbox started")
+            raise
+        except Exception as exc:
+            self.fail("start", exc)
+        finally:
+            progress.SANDBOX_STARTS.finished()
+
+    async def wait_ready(self) -> None:
+        """Wait until provisioning ended, however it ended; a cancellation of the caller propagates."""
+        if self.ready is not None:
+            await asyncio.wait([asyncio.wrap_future(self.ready)])
+
+    def stop(self) -> asyncio.Future[None]:
+        """Stop the sandbox and remove the trial folder; idempotent, safe to call concurrently.
+
+        Must be called on the shared loop (it is what ``close_all`` and the next ``reset`` schedule).
+
+        Returns:
+            A future that is done once everything is stopped.
+        """
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        return self._stopping
+
+    async def _stop(self) -> None:
+        if self.ready is not None and not self.ready.done():
+            self.ready.cancel()  # a start in progress is abandoned, then cleaned up below
+        await self.wait_ready()
+        self.phase = Phase.STOPPED
+        environment, self.environment = self.environment, None
+        try:
+            if environment is not None:
+                await environment.stop(delete=True)
+        except Exception as exc:
+            logger.warning("trl-harbor: stopping the sandbox of %s failed: %r", self.task.name, exc)
+        finally:
+            shutil.rmtree(self.paths.trial_dir, ignore_errors=True)
+            runtime.unregister_cleanup(self._cleanup)
+
+    # ── commands ───────────────────────────────────────────────────────────────────
+
+    async def exec(self, command: str, timeout: int, user: str | int | None = None, *, wait: bool = True) -> ExecResult:
+        """Run a shell command in the agent's sandbox.
+
+        Args:
+            command: The shell command.
+            timeout: Seconds before the backend stops it.
+            user: User to run as (default: the task's, or the step's, ``[agent] user``).
+            wait: Wait for provisioning first (``False`` inside provisioning itself).
+
+        Returns:
+            Harbor's ``ExecResult``.
+
+        Raises:
+            CommandTimeoutError: When the command ran past ``timeout`` (a backend that does not
+                answer :data:`COMMAND_GRACE_SEC` later is taken as one that stopped it).
+            RuntimeError: When the rollout cannot go on, is being graded, or its sandbox is gone.
+        """
+        if wait:
+            await self.wait_ready()
+        if self.failure is not None:
+            raise RuntimeError(self.failure.reason)
+        if self.phase in (Phase.GRADING, Phase.OVER):
+            raise RuntimeError("the rollout is over: its sandbox is being graded")
+        if self.environment is None or self.phase is Phase.STOPPED:
+            raise RuntimeError("no sandbox is running (it was stopped)")
+        if user is None:
+            user = steps.agent_user(self.task, self.step)
+        try:
+            return await asyncio.wait_for(
+                self.environment.exec(command, timeout_sec=timeout, user=user), timeout=timeout + COMMAND_GRACE_SEC
+            )
+        except Exception as exc:
+            if _is_timeout(exc):
+                raise CommandTimeoutError(f"the command timed out after {timeout} s") from exc
+            raise
+
+    async def alive(self) -> bool:
+        """Whether the backend still runs this sandbox (asked of the backend itself where it can tell)."""
+        return await grading.alive(self.environment)
+
+    # ── grading ────────────────────────────────────────────────────────────────────
+
+    async def grade(self) -> Verification:
+        """Grade the rollout once, however many callers ask concurrently.
+
+        A multi-step task's step in progress is graded as if submitted, and the steps are
+        combined as the task's ``multi_step_reward_strategy`` says (:func:`steps.combine`).
+
+        Returns:
+            The :class:`Verification` (also kept as :attr:`verification`).
+
+        Raises:
+            Exception: An infrastructure failure, when ``on_infra_error="raise"``.
+        """
+        if self._grading is None:
+            self._grading = asyncio.ensure_future(self._grade())
+        return await asyncio.shield(self._grading)
+
+    async def _grade(self) -> Verification:
+        await self.wait_ready()
+        if self.steps and self.phase is Phase.READY:
+            await self._grade_step()  # the step in progress, as if submitted
+        if self.steps and self.step_outcomes:
+            verification = steps.combine(self.task, self.steps, self.step_outcomes, self.options, self.failure)
+        else:
+            verification = await self._grade_step()
+        if self.phase is not Phase.STOPPED:
+            self.phase = Phase.OVER
+        self.verification = verification = grading.settle(verification, self.options)
+        COUNTERS.outcome(verification)
+        return verification
+
+    async def _grade_step(self) -> Verification:
+        """Grade the current step (or the single-step task), recording a failure it reveals."""
+        if self.failure is None and (self.environment is None or self.phase is Phase.STOPPED):
+            self.fail("verify", "the sandbox is gone (it was stopped before verification)")
+        if self.failure is not None:
+            outcome = grading.failed(self.failure.cause, self.failure.reason, error=self.failure.error)
+        else:
+            assert self.environment is not None and self.plan is not None
+            self.phase = Phase.GRADING
+            context = grading.Context(self.task, self.step, self.plan, self.paths, self.backend, self.options)
+            outcome = await grading.grade(self.environment, context, self.baseline)
+            if outcome.cause is Cause.INFRASTRUCTURE or outcome.cause is Cause.EXHAUSTED:
+                failure = self.fail("verify", outcome.error or outcome.reason, outcome.cause)
+                outcome = grading.failed(failure.cause, failure.reason, error=failure.error)
+        if self.steps:
+            self.step_outcomes.append(outcome)
+        return outcome
+
+    async def submit_step(self) -> str | None:
+        """Grade the current step of a multi-step task and move to the next one.
+
+        As in Harbor's multi-step trials, a step below its ``min_reward`` ends the rollout;
+        otherwise the next step is staged (its ``workdir/``, ``setup.sh`` and healthcheck).
+
+        Returns:
+            The next step's instruction, or ``None`` when the rollout is over.
+        """
+        await self.wait_ready()
+        if not self.steps or self.phase is not Phase.READY or self._grading is not None:
+            return None
+        step = self.step
+        assert step is not None and self.environment is not None
+        outcome = await self._grade_step()
+        if (
+            self.step_index + 1 >= len(self.steps)
+            or outcome.cause is not None
+            or not steps.meets_min_reward(outcome.rewards, step.min_reward)
+        ):
+            self.phase = Phase.OVER
+            return None
+        try:
+            self.step_index += 1
+            self.plan = await steps.advance(self.environment, self.task, self.step, self.backend, self.plan)
+            await self.baseline.take_processes(self.environment)
+            if self.plan.verifier_env_baseline is None:
+                await self.baseline.take_files(self.environment, grading.verifier_user(self.task, self.step))
+        except Exception as exc:
+            self.fail("start", f"staging step {self.step.name!r} failed: {type(exc).__name__}: {exc}")
+            return None
+        self.phase = Phase.READY
+        return self.instruction
+
+
+_STAGES = {"start": "sandbox start", "exec": "a tool call", "verify": "verification"}

@@ -1,0 +1,360 @@
+"""Grading one rollout (or one step of it): Harbor's verifier, where the agent cannot reach it.
+
+:func:`grade` is a function of explicit inputs — the agent's sandbox, a :class:`Context` (task,
+step, network plan, trial folder, backend, options) and the :class:`~trl_harbor.rollout.seal.Baseline`
+taken before the agent — and returns a :class:`~trl_harbor.rollout.outcome.Verification`.
+
+* **Shared verification** (Harbor's default): on a backend that offers an isolated view of the
+  sandbox (``verifier_view``, the local sandbox), Harbor's ``Verifier`` runs in it: a sibling of
+  the agent's namespaces that sees the agent's files and services but runs the image's own code,
+  and that the agent's processes — still running, as under Harbor — cannot see, signal or
+  change. Elsewhere it runs in the agent's sandbox, after the baseline's process policy and
+  tamper check (:mod:`trl_harbor.rollout.seal`).
+* **Separate verification** (``[verifier] environment_mode = "separate"``): the agent's processes
+  are stopped, the declared artifacts copied as files into a fresh verifier sandbox, and the
+  verifier runs there.
+* **Failures** are classified by the backend, not by a shell the agent could break: a backend
+  that still runs the sandbox means the rollout broke its own verification (0); one that does not
+  is an infrastructure failure, unless the agent exhausted the sandbox's limits (0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trl_harbor import runtime
+from trl_harbor.rollout import steps
+from trl_harbor.rollout.outcome import Cause, RewardError, Verification, select_reward
+from trl_harbor.rollout.seal import Baseline, isolating
+
+if TYPE_CHECKING:
+    from harbor.environments.base import BaseEnvironment
+    from harbor.models.task.config import StepConfig
+    from harbor.models.task.task import Task
+    from harbor.models.trial.paths import TrialPaths
+    from harbor.trial.network_policy import TrialNetworkPlan
+
+    from trl_harbor.backends import Backend
+    from trl_harbor.options import HarborOptions
+
+__all__ = ["Context", "alive", "exhaustion", "failed", "grade", "settle", "verifier_user"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a health probe may take before the sandbox counts as gone (backends without ``alive()``).
+PROBE_TIMEOUT_SEC = 30
+
+
+@dataclass(frozen=True)
+class Context:
+    """What grading a rollout needs besides its sandbox.
+
+    Attributes:
+        task: Harbor's task.
+        step: The step being graded (``None`` for a single-step task).
+        plan: The step's (or task's) network plan.
+        paths: The trial folder.
+        backend: Where a separate verifier sandbox starts.
+        options: The reward reduction, the process policy, the allowed changes.
+    """
+
+    task: Task
+    step: StepConfig | None
+    plan: TrialNetworkPlan
+    paths: TrialPaths
+    backend: Backend
+    options: HarborOptions
+
+    @property
+    def allowed_changes(self) -> list[str]:
+        """The options' allowed changes and the task's ``[metadata] allowed_changes``."""
+        declared = (self.task.config.metadata or {}).get("allowed_changes") or []
+        return [*self.options.allowed_changes, *([declared] if isinstance(declared, str) else declared)]
+
+
+class _BackendFault(RuntimeError):
+    """A failure of the backend by construction (a verifier sandbox that did not start, a view that did not open)."""
+
+
+def verifier_user(task: Task, step: StepConfig | None) -> str | int | None:
+    """The user the verifier runs as: the step's ``[verifier] user``, else the task's."""
+    if step is not None and step.verifier.user is not None:
+        return step.verifier.user
+    return task.config.verifier.user
+
+
+def failed(cause: Cause, reason: str, **details: Any) -> Verification:
+    """A verification that did not grade normally (reward 0 until :func:`settle` applies the infra policy)."""
+    return Verification(0.0, cause=cause, reason=reason, **details)
+
+
+def settle(verification: Verification, options: HarborOptions) -> Verification:
+    """Apply ``on_infra_error`` to a rollout lost to the infrastructure: ``None``, ``0.0``, or raise.
+
+    Raises:
+        RuntimeError: For a lost rollout under ``on_infra_error="raise"``.
+    """
+    if not verification.infra:
+        return verification
+    if options.on_infra_error == "raise":
+        raise verification.error or RuntimeError(verification.reason)
+    return replace(verification, reward=None if options.on_infra_error == "skip" else 0.0)
+
+
+async def alive(environment: BaseEnvironment | None) -> bool:
+    """Whether the backend still runs a sandbox.
+
+    A backend that can tell without running the sandbox's programs provides ``async alive()``
+    (the local sandbox asks its supervisor); elsewhere ``true`` must run as root.
+    """
+    if environment is None:
+        return False
+    native = getattr(environment, "alive", None)
+    try:
+        if callable(native):
+            return bool(await asyncio.wait_for(native(), PROBE_TIMEOUT_SEC))
+        result = await asyncio.wait_for(
+            environment.exec("true", user="root", timeout_sec=PROBE_TIMEOUT_SEC), PROBE_TIMEOUT_SEC + 5
+        )
+    except Exception:  # noqa: BLE001 - any failure to answer is the answer
+        return False
+    return result.return_code == 0
+
+
+async def exhaustion(environment: BaseEnvironment | None) -> str | None:
+    """Which of its limits the agent ran the sandbox into, where the backend can tell (``resource_exhaustion``)."""
+    probe = getattr(environment, "resource_exhaustion", None)
+    if not callable(probe):
+        return None
+    try:
+        return await probe()
+    except Exception:  # noqa: BLE001 - no answer is no evidence
+        return None
+
+
+async def grade(environment: BaseEnvironment, context: Context, baseline: Baseline) -> Verification:
+    """Grade a single-step task, or one step, in ``environment`` (see the module docstring).
+
+    Returns:
+        The verification: a multi-step task's step has its rewards but no scalar yet.
+    """
+    try:
+        if context.plan.verifier_env_baseline is not None:
+            return await _grade_separately(environment, context, baseline)
+        if isolating(environment):
+            return await _grade_isolated(environment, context)
+        return await _grade_in_place(environment, context, baseline)
+    except _BackendFault as fault:
+        found = await exhaustion(environment)
+        if found:
+            return failed(Cause.EXHAUSTED, f"the rollout exhausted its sandbox ({found}), which stopped answering")
+        return failed(Cause.INFRASTRUCTURE, str(fault))
+
+
+async def _grade_isolated(environment: BaseEnvironment, context: Context) -> Verification:
+    plan = context.plan
+    try:
+        if plan.verifier_phase != plan.agent_phase:
+            await environment.set_network_policy(plan.verifier_phase)
+        view = environment.verifier_view(allowed_changes=context.allowed_changes)  # type: ignore[attr-defined]
+        opened = await view.__aenter__()
+    except Exception as exc:
+        if await alive(environment) and not await exhaustion(environment):
+            return failed(Cause.VERIFIER, f"the verifier's view could not be prepared ({type(exc).__name__}: {exc})")
+        raise _BackendFault(f"opening the verifier's view failed: {type(exc).__name__}: {exc}") from exc
+    concealed = tuple(getattr(opened, "concealed", ()))
+    try:
+        try:
+            with opened.with_default_user(verifier_user(context.task, context.step)):
+                rewards = await _run_verifier(opened, context)
+        except Exception as exc:
+            return await _verifier_failed(exc, opened, context, concealed=concealed)
+        return _scored(rewards, context, concealed=concealed)
+    finally:
+        await view.__aexit__(None, None, None)
+
+
+async def _grade_in_place(environment: BaseEnvironment, context: Context, baseline: Baseline) -> Verification:
+    from harbor.models.trial.paths import EnvironmentPaths
+
+    try:
+        report = await baseline.apply(environment, context.options.agent_processes == "kill", context.allowed_changes)
+    except Exception as exc:
+        raise _BackendFault(f"sealing the sandbox failed: {type(exc).__name__}: {exc}") from exc
+    if report.tampered:
+        shown = ", ".join(str(c) for c in report.tampered[:5]) + (
+            f" and {len(report.tampered) - 5} more" if len(report.tampered) > 5 else ""
+        )
+        reason = (
+            f"the rollout changed what the verifier runs ({shown}); scored 0 without verifying. "
+            "If the task legitimately changes these, declare them in task.toml [metadata] allowed_changes."
+        )
+        logger.info("trl-harbor: task %s: %s", context.task.name, reason)
+        return failed(Cause.TAMPERED, reason, tampered=tuple(str(c) for c in report.tampered), killed=report.killed)
+    plan = context.plan
+    try:
+        with environment.with_default_user(verifier_user(context.task, context.step)):
+            await environment.empty_dirs([EnvironmentPaths.for_os(environment.os).verifier_dir], chmod=True)
+            if plan.verifier_phase != plan.agent_phase:
+                await environment.set_network_policy(plan.verifier_phase)
+            rewards = await _run_verifier(environment, context)
+    except Exception as exc:
+        return await _verifier_failed(exc, environment, context, killed=report.killed)
+    return _scored(rewards, context, killed=report.killed)
+
+
+async def _grade_separately(environment: BaseEnvironment, context: Context, baseline: Baseline) -> Verification:
+    """Verify in a fresh sandbox from the task's (or step's) verifier environment, the artifacts copied in."""
+    from harbor.models.task.verifier_mode import resolve_verifier_environment_definition
+    from harbor.models.trial.paths import EnvironmentPaths
+
+    task, step, plan = context.task, context.step, context.plan
+    try:
+        killed = await _stop_agent(environment, baseline)
+    except Exception as exc:
+        raise _BackendFault(f"stopping the agent's processes failed: {type(exc).__name__}: {exc}") from exc
+    definition = resolve_verifier_environment_definition(task.config, task.paths, step)
+    if definition is None or plan.verifier_env_baseline is None:
+        raise _BackendFault("separate verifier mode did not resolve a verifier environment")
+    verifier = context.backend.create(
+        task,
+        context.paths,
+        session_id=f"{task.short_name}__{uuid.uuid4().hex[:8]}__verifier",
+        environment_dir=definition.directory,
+        task_env_config=definition.config,
+        network_policy=plan.verifier_env_baseline,
+        phase_network_policies=[plan.verifier_phase],
+        enable_environment_dir_upload=not definition.bundled_tests,
+    )
+    handle = runtime.register_cleanup(lambda: verifier.stop(delete=True))
+    try:
+        try:
+            await verifier.start(force_build=False)
+            with verifier.with_default_user(verifier_user(task, step)):
+                await verifier.empty_dirs([EnvironmentPaths.for_os(verifier.os).verifier_dir], chmod=True)
+        except Exception as exc:
+            raise _BackendFault(f"preparing the verifier sandbox failed: {type(exc).__name__}: {exc}") from exc
+        unsafe = await _copy_artifacts(environment, verifier, context)
+        if unsafe:
+            return failed(Cause.VERIFIER, f"an artifact the rollout left cannot be copied safely: {unsafe}; scored 0")
+        try:
+            if plan.verifier_phase != plan.verifier_env_baseline:
+                await verifier.set_network_policy(plan.verifier_phase)
+            with verifier.with_default_user(verifier_user(task, step)):
+                rewards = await _run_verifier(verifier, context, bundled=definition.bundled_tests)
+        except Exception as exc:
+            return await _verifier_failed(exc, verifier, context, killed=killed)
+        return _scored(rewards, context, killed=killed)
+    finally:
+        runtime.unregister_cleanup(handle)
+        with contextlib.suppress(Exception):
+            await verifier.stop(delete=True)
+
+
+async def _stop_agent(environment: BaseEnvironment, baseline: Baseline) -> int:
+    """Stop every process of the agent's sandbox but the backend's own, as Harbor stops the agent's container."""
+    if isolating(environment):  # the local sandbox: every process of its PID namespace but its supervisor
+        return int(await environment.kill_processes(()))  # type: ignore[attr-defined]
+    return await baseline.kill(environment)
+
+
+async def _run_verifier(environment: BaseEnvironment, context: Context, *, bundled: bool = False) -> dict[str, float]:
+    from harbor.verifier.verifier import Verifier
+
+    step = context.step
+    timeout = context.task.config.verifier.timeout_sec
+    env = None
+    if step is not None:
+        timeout = step.verifier.timeout_sec if step.verifier.timeout_sec is not None else timeout
+        env = step.verifier.env or None
+    verifier = Verifier(
+        task=context.task,
+        trial_paths=context.paths,
+        environment=environment,
+        verifier_env=env,
+        step_name=None if step is None else step.name,
+        skip_tests_upload=bundled,
+    )
+    try:
+        result = await asyncio.wait_for(verifier.verify(), timeout=timeout)
+    except TimeoutError:
+        raise TimeoutError(f"the verifier ran past its timeout ({timeout:g} s)") from None
+    return {key: float(value) for key, value in (result.rewards or {}).items()}
+
+
+def _scored(rewards: dict[str, float], context: Context, **details: Any) -> Verification:
+    if context.step is not None:  # a step's scalar is decided when the steps are combined
+        return Verification(None, rewards=rewards, **details)
+    try:
+        reward = select_reward(rewards, context.options.reward_key, steps.reward_weights(context.task, context.options))
+    except RewardError as exc:  # the task's or the user's configuration, never the policy's
+        return Verification(None, rewards=rewards, cause=Cause.CONFIGURATION, reason=str(exc), error=exc, **details)
+    return Verification(reward, rewards=rewards, **details)
+
+
+async def _verifier_failed(
+    exc: BaseException, environment: BaseEnvironment, context: Context, **details: Any
+) -> Verification:
+    """Score 0 when the backend still runs the sandbox (the rollout broke its verification), else infrastructure."""
+    cause = f"{type(exc).__name__}: {exc}"
+    if not await alive(environment):
+        found = await exhaustion(environment)
+        if found:
+            return failed(Cause.EXHAUSTED, f"the rollout exhausted its sandbox ({found}), which stopped answering")
+        return failed(Cause.INFRASTRUCTURE, cause)
+    reason = f"verification failed in a healthy sandbox ({cause}); scored 0"
+    logger.info("trl-harbor: task %s: %s", context.task.name, reason)
+    return failed(Cause.VERIFIER, reason, **details)
+
+
+async def _copy_artifacts(source: BaseEnvironment, target: BaseEnvironment, context: Context) -> str | None:
+    """Copy the declared artifacts (and ``/logs/artifacts``) into the verifier sandbox, as files.
+
+    Returns:
+        ``None``, or what made an artifact unsafe to copy (a link, a size past the backend's
+        bound): the rollout's doing.
+
+    Raises:
+        _BackendFault: When the copy fails for another reason.
+    """
+    from harbor.models.trial.paths import EnvironmentPaths
+
+    paths = [str(EnvironmentPaths.for_os(source.os).artifacts_dir)]
+    step = context.step
+    for artifact in [*context.task.config.artifacts, *(step.artifacts if step is not None else [])]:
+        paths.append(artifact if isinstance(artifact, str) else artifact.source)
+    staging = Path(tempfile.mkdtemp(prefix="artifacts_", dir=context.paths.trial_dir))
+    for index, path in enumerate(paths):
+        local = staging / str(index)
+        try:
+            if await source.is_dir(path, user="root"):
+                await source.download_dir(path, local)
+                upload = target.upload_dir
+            elif (await source.exec(f"test -f '{path}'", user="root")).return_code == 0:
+                await source.download_file(path, local)
+                upload = target.upload_file
+            else:
+                continue
+        except Exception as exc:
+            if _unsafe(exc):
+                return f"{path}: {exc}"
+            raise _BackendFault(f"copying the artifact {path} failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            parent = path.rstrip("/").rsplit("/", 1)[0] or "/"
+            await target.exec(f"mkdir -p '{parent}'", user="root")
+            await upload(local, path)
+        except Exception as exc:
+            raise _BackendFault(f"copying the artifact {path} failed: {type(exc).__name__}: {exc}") from exc
+    return None
+
+
+def _unsafe(error: BaseException) -> bool:
+    """Whether a download was refused for what the rollout left (a link, a size past the bound)."""
+    return getattr(error, "unsafe", False) or type(error).__name__ in ("UnsafePathError", "ArtifactTooLargeError")
