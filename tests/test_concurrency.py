@@ -94,7 +94,6 @@ def test_batch_verification_runs_concurrently_and_is_reused(tmp_path: Path) -> N
     verifies = [i for i in LatencyLocalEnvironment.intervals if i.kind == "verify"]
     assert len(verifies) == 6 and _overlapping(verifies)
     assert [env.reward for env in envs] == rewards  # reused, not verified again
-    assert [env.get_reward() for env in envs] == [None] * 6  # and never counted twice
     assert len([i for i in LatencyLocalEnvironment.intervals if i.kind == "verify"]) == 6
 
 

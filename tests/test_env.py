@@ -55,7 +55,7 @@ def test_never_reset_env_scores_zero_without_touching_harbor() -> None:
         import sys
         from trl_harbor import HarborBashEnv
         env = HarborBashEnv(environment_type="no-such-backend")
-        assert env.reward == 0.0 and env.get_reward() == 0.0
+        assert env.reward == 0.0
         assert env.bash("ls").startswith("Error: no sandbox")
         assert not [m for m in sys.modules if m == "harbor" or m.startswith("harbor.")]
         print("ok")
@@ -139,8 +139,7 @@ def test_episode_gold_answer_scores_one(close_sandboxes: None) -> None:
     assert "No such file" in env.bash("ls /tests /solution")
     assert env.bash(f"echo -n {GOLD_ANSWER} > /workdir/answer.txt") == "(empty output, rc=0)"
     assert env.reward == 1.0
-    assert env.reward == 1.0
-    assert env.get_reward() is None  # already reported through `reward`: never counted twice
+    assert env.reward == 1.0  # graded once, read twice
 
 
 @requires_local
@@ -148,7 +147,6 @@ def test_episode_wrong_or_missing_answer_scores_zero(close_sandboxes: None) -> N
     env = HarborBashEnv(environment_type="local")
     env.reset(task_dir=GOLD_DIR)
     env.bash("echo -n 12.34 > /workdir/answer.txt")
-    assert env.get_reward() == 0.0  # get_reward alone reports it
     assert env.reward == 0.0
     env.reset(task_dir=GOLD_DIR)  # fresh sandbox: the previous answer is gone
     assert "No such file" in env.bash("cat /workdir/answer.txt")
@@ -205,7 +203,7 @@ def test_reward_computed_once_setup_hook_and_previous_sandbox_stopped(
     # _setup runs in the background after reset returned; the first tool call waits for it.
     assert env.bash("cat /tmp/setup.txt").strip() == "prepared" and env.setups == 1
     env.bash(f"echo {GOLD_ANSWER} > /workdir/answer.txt")
-    assert [env.reward, env.reward, env.get_reward()] == [1.0, 1.0, None]
+    assert [env.reward, env.reward] == [1.0, 1.0]
     assert count_verifications[0] == 1
     first = env._environment
     env.reset(task_dir=GOLD_DIR)

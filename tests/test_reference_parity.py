@@ -1,8 +1,24 @@
-"""Drop-in parity with ``trl.experimental.harbor`` where the behaviour is meant to be identical.
+"""Drop-in parity with ``trl.experimental.harbor``: every behaviour its own test file checks, and more.
 
-Deliberate differences (not tested here): our ``task_dir`` is always absolute, ``reward_funcs``
-is a list, malformed tasks fail in the constructor, and all ``[metadata]`` keys become columns
-(a superset of the reference's four).
+Code written for the reference runs with only its imports changed. These tests cover, against the
+installed reference where it can be compared directly, what the reference's tests check — the
+public names (``AGENTS`` included), harness resolution by name, class, import path and file path,
+the dataset's rows and columns, ``num_tasks``/``indices``, fresh picklable environments, the reward
+function's type and call signature, a fresh environment's reward without a backend — and what a
+user switching relies on: the same prompt suffix and ``bash`` tool schema, and a custom reward that
+replaces the verifier.
+
+Deliberate differences, each for a reason:
+
+- a task without ``tests/test.sh``, or whose ``[task] name`` Harbor's model rejects, is refused when
+  the spec is built (the reference fails at the rollout's first ``reset``);
+- ``_resolve_agent`` and ``_outcome_reward_func`` are private there; here they are
+  ``trl_harbor.agents.resolve_agent`` and ``trl_harbor.rewards.harbor_reward`` (same behaviour);
+- ``task_dir`` is always absolute, and every ``[metadata]`` key becomes a column (a superset of the
+  reference's four);
+- a command's output past ``max_output_chars`` keeps its start *and its end* (where an error is),
+  with one marker between; the reference keeps the start only;
+- ``HarborSpec`` accepts its selection arguments positionally too (the reference: keyword-only).
 """
 
 from __future__ import annotations
@@ -15,7 +31,8 @@ import pytest
 from trl.experimental import harbor as ref  # noqa: E402
 
 import trl_harbor as ours  # noqa: E402
-from trl_harbor.agents import AGENTS  # noqa: E402
+from trl_harbor.agents import resolve_agent  # noqa: E402
+from trl_harbor.rewards import harbor_reward  # noqa: E402
 
 REF_COLUMNS = ["prompt", "task_dir", "task_index", "gold_answer", "reward_mode", "difficulty_level", "kaggle_dataset"]
 
@@ -28,10 +45,10 @@ def _params(fn) -> dict[str, object]:
     }
 
 
-def test_same_public_names() -> None:
-    for name in ("HarborSpec", "HarborEnv", "HarborBashEnv"):
+def test_every_public_name_of_the_reference_is_importable_from_trl_harbor() -> None:
+    for name in ref.__all__:
         assert hasattr(ours, name), name
-    assert sorted(AGENTS) == sorted(ref.AGENTS)
+    assert sorted(ours.AGENTS) == sorted(ref.AGENTS) and ours.AGENTS["bash"] is ours.HarborBashEnv
 
 
 def test_constructor_parameters_and_defaults_are_kept() -> None:
@@ -40,6 +57,26 @@ def test_constructor_parameters_and_defaults_are_kept() -> None:
         for name, default in ref_params.items():
             assert name in our_params, (our_cls, name)
             assert our_params[name] == default, (our_cls, name)
+
+
+def test_harness_resolution(tmp_path: Path) -> None:
+    assert resolve_agent("bash") is ours.HarborBashEnv
+    assert resolve_agent(ours.HarborBashEnv) is ours.HarborBashEnv
+    assert resolve_agent("trl_harbor:HarborBashEnv") is ours.HarborBashEnv
+    harness = tmp_path / "my_harness.py"
+    harness.write_text(
+        "from trl_harbor import HarborEnv\n"
+        "class MyEnv(HarborEnv):\n"
+        "    def run_cmd(self, command: str) -> str:\n"
+        "        'Run a command.\\n\\nArgs:\\n    command: The command.'\n"
+        "        return self._exec(command)\n"
+    )
+    cls = resolve_agent(f"{harness}:MyEnv")
+    assert issubclass(cls, ours.HarborEnv) and cls.__name__ == "MyEnv"
+    with pytest.raises(ValueError):
+        resolve_agent("not-a-harness")
+    with pytest.raises(TypeError):
+        resolve_agent("trl_harbor:HarborSpec")  # not a HarborEnv subclass
 
 
 @pytest.mark.parametrize("selection", [{}, {"num_tasks": 5}, {"indices": [9, 0, 4]}])
@@ -51,6 +88,7 @@ def test_same_rows_and_columns(bundled_suite: Path, selection: dict) -> None:
     assert set(REF_COLUMNS) <= set(our_ds.column_names)
     for column in REF_COLUMNS:
         assert our_ds[column] == ref_ds[column], column
+    assert our_ds[0]["prompt"] == [{"role": "user", "content": ""}]  # reset supplies the instruction
 
 
 def test_parent_folder_with_tasks_subtree(bundled_suite: Path) -> None:
@@ -85,22 +123,46 @@ def test_factory_and_reward_behave_alike(bundled_suite: Path) -> None:
     our_env = pickle.loads(pickle.dumps(our_spec.environment_factory))()
     assert type(ref_env).__name__ == type(our_env).__name__ == "HarborBashEnv"
     assert ref_env._environment_type == our_env._environment_type == "e2b"
+    assert our_spec.environment_factory() is not our_spec.environment_factory()  # fresh environments
     assert ref_env.reward == our_env.reward == 0.0  # never reset: no backend touched
 
-    ref_reward = ref_spec.reward_funcs
-    our_reward = our_spec.reward_funcs
-    assert ref_reward(environment_reward=[1, 0.25]) == our_reward(completions=[], environment_reward=[1, 0.25])
-    assert ref_reward(environments=[ref_env]) == our_reward(completions=["x"], environments=[our_env]) == [0.0]
+    ref_reward, our_reward = ref_spec.reward_funcs, our_spec.reward_funcs
+    assert callable(our_reward) and not isinstance(our_reward, list)  # one function, as the reference's
+    assert our_reward is harbor_reward
+    assert ref_reward(environment_reward=[1, 0.25]) == our_reward(environment_reward=[1, 0.25]) == [1.0, 0.25]
+    assert ref_reward(environments=[ref_env]) == our_reward(environments=[our_env]) == [0.0]
+
+    class Scored:  # any environment with a `reward`, passed positionally as the reference allows
+        def __init__(self, reward: float) -> None:
+            self.reward = reward
+
+    assert ref_reward([Scored(1.0), Scored(0.0)]) == our_reward([Scored(1.0), Scored(0.0)]) == [1.0, 0.0]
 
 
-def test_bash_tool_schema_matches(bundled_suite: Path) -> None:
+def test_a_fresh_environment_lists_its_tools_and_scores_zero_without_a_backend() -> None:
+    # TRL lists tools with inspect.getmembers, which evaluates properties on an instance.
+    env = ours.HarborBashEnv()
+    names = {n for n, _ in inspect.getmembers(env, predicate=inspect.ismethod)}
+    assert {"bash", "reset"} <= names
+    assert env.reward == 0.0
+
+
+def test_the_prompt_and_the_bash_tool_are_the_references_word_for_word() -> None:
     from transformers.utils import get_json_schema
 
-    ref_schema = get_json_schema(ref.HarborBashEnv.bash)["function"]["parameters"]
-    our_schema = get_json_schema(ours.HarborBashEnv.bash)["function"]["parameters"]
-    assert our_schema["required"] == ref_schema["required"] == ["command"]
-    assert our_schema["properties"].keys() == ref_schema["properties"].keys()
-    assert "/workdir/answer.txt" in ours.HarborBashEnv.PROMPT_SUFFIX
+    assert ours.HarborBashEnv.PROMPT_SUFFIX == ref.HarborBashEnv.PROMPT_SUFFIX
+    assert get_json_schema(ours.HarborBashEnv.bash) == get_json_schema(ref.HarborBashEnv.bash)
+
+
+def test_a_custom_reward_replaces_the_verifier_as_in_the_reference() -> None:
+    """No ``get_reward`` on the environment: TRL adds no second reward source (the reference has none)."""
+    for module in (ref, ours):
+        members = dict(inspect.getmembers(module.HarborBashEnv, predicate=inspect.isfunction))
+        assert "get_reward" not in members, module
+    owning = ours.HarborSpec(str(Path(__file__).parents[1] / "examples" / "tasks"), reward_source="environment")
+    env = owning.environment_factory()
+    assert callable(env.get_reward) and owning.reward_funcs == []  # asked for: the harness owns its reward
+    assert type(env).__name__ == "HarborBashEnv" and env.get_reward() == 0.0
 
 
 REFERENCE_STYLE_HARNESS = '''

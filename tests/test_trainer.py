@@ -199,13 +199,13 @@ def _tool_messages(outcome: dict[str, Any]) -> list[str]:
     return [m["content"] for c in outcome["completion"] for m in c if m["role"] == "tool"]
 
 
-def _gold_spec(agent: Any, tmp_path: Path, exec_latency: float = 0.0) -> HarborSpec:
+def _gold_spec(agent: Any, tmp_path: Path, exec_latency: float = 0.0, **spec_kwargs: Any) -> HarborSpec:
     """The gold task on the local sandbox (with ``exec_latency`` added to every command)."""
     suite = tmp_path / "suite"
     if not (suite / GOLD_TASK).exists():
         shutil.copytree(BUNDLED_SUITE / GOLD_TASK, suite / GOLD_TASK)
     if not exec_latency:
-        return HarborSpec(suite, agent=agent, environment_type="local")
+        return HarborSpec(suite, agent=agent, environment_type="local", **spec_kwargs)
     kwargs = {"backend_options": {"exec_latency_sec": exec_latency}}
     return HarborSpec(suite, agent=agent, environment_type=LATENCY, env_kwargs=kwargs)
 
@@ -409,8 +409,9 @@ def test_environments_driven_from_a_thread_pool_like_async_grpo(tmp_path: Path, 
     environment from a pool (a new one only when the pool is empty), resetting it, calling its
     tools and reading ``get_reward`` through ``run_in_executor`` on a shared thread pool, then
     returning it to the pool — 12 rollouts in flight, 36 in all, so environments are reset again
-    from other threads while their neighbours run."""
-    spec = _gold_spec(agent, tmp_path)
+    from other threads while their neighbours run. The harness owns its reward
+    (``reward_source="environment"``), as ``AsyncGRPOTrainer`` needs."""
+    spec = _gold_spec(agent, tmp_path, reward_source="environment")
     [row] = spec.train_dataset.to_list()
     before = COUNTERS.infra_failures()
     pool: list[Any] = []

@@ -8,7 +8,8 @@ The state of a rollout is its :class:`~trl_harbor.rollout.Episode`.
 
 TRL turns every public method of the class into a tool (:mod:`trl_harbor.tools`), so besides
 ``reset`` every helper here is private: a model must never be handed a tool that stops its own
-sandbox. A harness runs commands with ``self._exec(command)`` (text for the model) or ``await
+sandbox. The reward comes from ``reward_funcs``, as in ``trl.experimental.harbor``; a harness owns
+it (``get_reward``, which TRL reads from the environment) only with :class:`EnvironmentReward`. A harness runs commands with ``self._exec(command)`` (text for the model) or ``await
 self._aexec(...)`` (Harbor's ``ExecResult``) and prepares its sandbox in ``async _setup()``;
 ``self._environment``, ``self._task`` and the reference integration's ``self._env``,
 ``self._paths`` and ``self._run`` are there too. Stopping environments is :func:`release` and
@@ -24,6 +25,7 @@ import asyncio
 import atexit
 import contextlib
 import contextvars
+import functools
 import os
 import shutil
 import sys
@@ -44,7 +46,17 @@ if TYPE_CHECKING:
 
     from trl_harbor.backends import Backend
 
-__all__ = ["HarborBashEnv", "HarborBashStepsEnv", "HarborEnv", "StepsMixin", "close_all", "release", "verify_all"]
+__all__ = [
+    "EnvironmentReward",
+    "HarborBashEnv",
+    "HarborBashStepsEnv",
+    "HarborEnv",
+    "StepsMixin",
+    "close_all",
+    "release",
+    "verify_all",
+    "with_environment_reward",
+]
 
 #: The episode whose ``_setup`` is running: setup runs in the background after ``reset`` returned,
 #: so ``self._episode`` may already belong to a newer episode.
@@ -168,20 +180,6 @@ class HarborEnv:
         """Why the current episode was lost to the infrastructure, or ``None`` (not the policy's fault)."""
         failure = None if self._episode is None else self._episode.failure
         return failure.reason if failure is not None and failure.cause.infra else None
-
-    def get_reward(self) -> float | None:
-        """The episode's reward, for trainers that read it from the environment.
-
-        TRL adds ``get_reward`` as an extra reward source next to ``reward_funcs``. When the reward
-        was already handed out this episode (``spec.reward_funcs`` reads :attr:`reward` first),
-        this returns ``None`` — which TRL ignores — so the verifier is never counted twice.
-
-        Returns:
-            The reward, or ``None`` when it was already reported for this episode.
-        """
-        if self._episode is not None and self._reward_reported:
-            return None
-        return self.reward
 
     # ── the harness's helpers (private: TRL makes every public method a tool) ─────────
 
@@ -374,13 +372,59 @@ def verify_all(environments: Sequence[HarborEnv]) -> list[float | None]:
 
 # ── the built-in harnesses ──────────────────────────────────────────────────────────
 
+
+class EnvironmentReward:
+    """Makes a harness own its reward: adds ``get_reward``, which TRL reads from the environment.
+
+    Without it (the default, as in ``trl.experimental.harbor``), the reward comes from
+    ``reward_funcs``: ``spec.reward_funcs`` verifies a whole batch at once, and a custom reward
+    function passed alone replaces the verifier. With it, TRL (``GRPOTrainer``, and
+    ``AsyncGRPOTrainer``, whose rollout worker reads rewards from its environments) adds the
+    verifier's score as a reward source of its own, named after the harness class, with weight 1.
+    ``HarborSpec(..., reward_source="environment")`` builds the harness with this mixin.
+    """
+
+    def get_reward(self) -> float | None:
+        """The episode's reward, read by trainers from the environment (TRL calls it; not a tool).
+
+        When the reward was already handed out this episode (a ``reward_funcs`` that read
+        :attr:`HarborEnv.reward`), this returns ``None`` — which TRL ignores — so the verifier is
+        never counted twice.
+
+        Returns:
+            The reward, or ``None`` when it was already reported for this episode.
+        """
+        if self._episode is not None and self._reward_reported:  # type: ignore[attr-defined]
+            return None
+        return self.reward  # type: ignore[attr-defined]
+
+
+@functools.cache
+def with_environment_reward(cls: type[HarborEnv]) -> type[HarborEnv]:
+    """The harness ``cls`` owning its reward (:class:`EnvironmentReward` mixed in; same name, same tools).
+
+    Args:
+        cls: The harness.
+
+    Returns:
+        The subclass (one per harness class; ``cls`` itself when it already has ``get_reward``).
+    """
+    if callable(getattr(cls, "get_reward", None)):
+        return cls
+    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    return type(cls.__name__, (EnvironmentReward, cls), namespace)
+
+
+#: The reference integration's prompt suffix and ``bash`` tool description, kept word for word (a
+#: model trained with ``trl.experimental.harbor`` sees the same prompt and the same tool schema;
+#: ``tests/test_reference_parity.py`` compares them with the installed reference). A harness that
+#: wants other words sets its own ``PROMPT_SUFFIX`` and docstring.
 _BASH_PROMPT_SUFFIX = (
-    "\n\nYou have one tool, `bash`: it runs a shell command in the task's sandbox and returns "
-    "its stdout and stderr. The shell keeps no state between calls. Explore the files "
-    '(`ls`, `head`, `cat`), run Python with `python3 -c "..."`, and **submit your final '
-    "answer by writing it to /workdir/answer.txt with the `bash` tool**, e.g. "
-    '`echo -n "<value>" > /workdir/answer.txt`. An answer stated only in prose is not '
-    "submitted. Keep the answer short, and do not end your turn before submitting."
+    "\n\nYou have a single `bash` tool: run a shell command in the sandbox and get its stdout+stderr. "
+    "The dataset files are in /home/user/input/. Python 3 + pandas + numpy + scikit-learn are "
+    "preinstalled. **Submit your final answer by writing it to /workdir/answer.txt via the `bash` "
+    'tool**, e.g. `echo -n "<value>" > /workdir/answer.txt`. Stating the answer in prose does NOT submit '
+    "it; only writing the file counts. Keep the answer short, and do not end your turn without submitting."
 )
 
 
@@ -390,10 +434,10 @@ class HarborBashEnv(HarborEnv):
     PROMPT_SUFFIX = _BASH_PROMPT_SUFFIX
 
     def bash(self, command: str) -> str:
-        """Run a shell command in the sandbox and return its combined stdout and stderr.
-
-        The shell keeps no state between calls. Use it to explore files (ls, head, cat), run
-        Python (python3 -c "..."), and submit the answer (echo -n "<value>" > /workdir/answer.txt).
+        """
+        Run a shell command in the sandbox and return its combined stdout+stderr. The shell is non-stateful between
+        calls. Use it to explore files (ls, head, cat), run Python (`python3 -c "..."`), and submit the answer (`echo
+        -n "<value>" > /workdir/answer.txt`).
 
         Args:
             command: The shell command to run.

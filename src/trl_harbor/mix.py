@@ -491,9 +491,9 @@ class HarborMix:
 
 
 def harbor_mix_reward(
-    completions: Sequence[Any] | None = None,
     environments: Sequence[Any] | None = None,
     environment_reward: Sequence[float | None] | None = None,
+    *,
     suite: Sequence[str] | None = None,
     log_metric: Callable[[str, float], None] | None = None,
     log_extra: Callable[[str, list], None] | None = None,
@@ -509,7 +509,6 @@ def harbor_mix_reward(
     infrastructure failure) and ``harbor/suite/<suite>/rollouts``.
 
     Args:
-        completions: The completions (unused; part of TRL's reward-function signature).
         environments: The rollouts' environments (passed by ``GRPOTrainer``).
         environment_reward: Per-rollout rewards computed elsewhere; used as given.
         suite: The rows' ``suite`` column (TRL passes dataset columns as keyword arguments).
@@ -525,7 +524,6 @@ def harbor_mix_reward(
             ``suite`` column does not have one entry per rollout.
     """
     rewards = harbor_reward(
-        completions=completions,
         environments=environments,
         environment_reward=environment_reward,
         log_metric=log_metric,

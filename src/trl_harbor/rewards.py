@@ -19,9 +19,9 @@ __all__ = ["batch_metrics", "harbor_reward"]
 
 
 def harbor_reward(
-    completions: Sequence[Any] | None = None,
     environments: Sequence[Any] | None = None,
     environment_reward: Sequence[float | None] | None = None,
+    *,
     log_metric: Callable[[str, float], None] | None = None,
     log_extra: Callable[[str, list], None] | None = None,
     **kwargs: Any,
@@ -38,13 +38,15 @@ def harbor_reward(
     whole batch (or the options' ``infra_stop_fraction`` of it) was lost to the infrastructure,
     the run stops (:func:`trl_harbor.preflight.check_batch`).
 
+    The signature is the reference integration's (``environments`` first, then
+    ``environment_reward``); TRL passes everything by keyword.
+
     Args:
-        completions: The completions (unused; part of TRL's reward-function signature).
         environments: The rollouts' environments, in completion order.
         environment_reward: Per-rollout rewards computed elsewhere; used as given.
         log_metric: TRL's metric logger (passed by ``GRPOTrainer``).
         log_extra: TRL's completions-table logger (passed by ``GRPOTrainer``).
-        **kwargs: Other columns TRL passes (ignored).
+        **kwargs: What else TRL passes (``prompts``, ``completions``, the dataset's columns): ignored.
 
     Returns:
         One reward per rollout.

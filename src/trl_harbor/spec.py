@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from trl_harbor.agents import resolve_agent
 from trl_harbor.backends import Backend, resolve_backend
-from trl_harbor.env import HarborEnv
+from trl_harbor.env import HarborEnv, with_environment_reward
 from trl_harbor.options import OPTION_NAMES, HarborOptions
 from trl_harbor.preflight import check_backend, check_task_configs, preflight_enabled
 from trl_harbor.rewards import harbor_reward
@@ -95,7 +95,9 @@ class EnvironmentFactory:
 
     Holds what the spec resolved once: the harness class, the backend and the options. A harness
     loaded from a file (``"path/to/env.py:MyEnv"``) is pickled by its selector and loaded again in
-    the worker process that unpickles the factory.
+    the worker process that unpickles the factory. ``transforms`` (module-level functions, pickled
+    by reference) derive the class actually built, e.g. the harness owning its reward
+    (:func:`trl_harbor.env.with_environment_reward`) or recording its tool calls.
 
     Args:
         agent: The harness selector (see :func:`trl_harbor.agents.resolve_agent`) or class.
@@ -103,6 +105,7 @@ class EnvironmentFactory:
         options: The rollout options.
         harness_kwargs: Further keyword arguments of the harness's constructor.
         cls: The resolved harness class (default: resolved from ``agent``).
+        transforms: Functions ``class -> class`` applied, in order, to ``cls``.
     """
 
     def __init__(
@@ -112,17 +115,27 @@ class EnvironmentFactory:
         options: HarborOptions,
         harness_kwargs: dict[str, Any] | None = None,
         cls: type[HarborEnv] | None = None,
+        transforms: Sequence[Callable[[type], type]] = (),
     ) -> None:
         self.agent = agent
         self.backend = backend
         self.options = options
         self.harness_kwargs = dict(harness_kwargs or {})
         self.cls = cls or resolve_agent(agent)
+        self.transforms = tuple(transforms)
 
     @property
     def environment_type(self) -> str:
         """The ``environment_type`` the backend was resolved from."""
         return self.backend.name
+
+    @property
+    def built_class(self) -> type[HarborEnv]:
+        """The class :meth:`__call__` builds (the harness, transformed)."""
+        built = self.cls
+        for transform in self.transforms:
+            built = transform(built)
+        return built
 
     def __call__(self) -> HarborEnv:
         """Build a new environment.
@@ -130,13 +143,15 @@ class EnvironmentFactory:
         Returns:
             A fresh, not yet reset, harness instance.
         """
-        env = self.cls(environment_type=self.backend.name, options=self.options, **self.harness_kwargs)
+        env = self.built_class(environment_type=self.backend.name, options=self.options, **self.harness_kwargs)
         env._backend = self.backend
         return env
 
-    def with_class(self, cls: type[HarborEnv]) -> EnvironmentFactory:
-        """The same factory building ``cls`` (e.g. a recording subclass of the harness)."""
-        return EnvironmentFactory(cls, self.backend, self.options, self.harness_kwargs, cls)
+    def transformed(self, transform: Callable[[type], type]) -> EnvironmentFactory:
+        """The same factory with one more class transform (e.g. a recording subclass of the harness)."""
+        return EnvironmentFactory(
+            self.agent, self.backend, self.options, self.harness_kwargs, self.cls, (*self.transforms, transform)
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -176,6 +191,12 @@ class HarborSpec:
         env_kwargs: Keyword arguments for every environment: :class:`~trl_harbor.HarborOptions`
             fields (``{"command_timeout_sec": 60}``) override ``options``; the rest go to the
             harness's constructor.
+        reward_source: Where the trainer gets the verifier's reward: ``"function"`` (default, as in
+            ``trl.experimental.harbor``): from :attr:`reward_funcs`, a batch verified at once, and
+            a custom reward function passed instead replaces the verifier; ``"environment"``: the
+            harness owns it (``get_reward``, :class:`~trl_harbor.env.EnvironmentReward`), which
+            ``AsyncGRPOTrainer`` needs (its rollout worker reads rewards from its environments);
+            :attr:`reward_funcs` is then an empty list.
         preflight: Check now that the backend can start sandboxes here (e.g. that Docker's
             daemon answers); ``None``: unless ``TRL_HARBOR_PREFLIGHT=0``. See
             :mod:`trl_harbor.preflight`.
@@ -205,10 +226,14 @@ class HarborSpec:
         *,
         options: HarborOptions | None = None,
         env_kwargs: dict[str, Any] | None = None,
+        reward_source: str = "function",
         preflight: bool | None = None,
     ) -> None:
         if num_tasks is not None and indices is not None:
             raise ValueError("Provide num_tasks or indices, not both.")
+        if reward_source not in ("function", "environment"):
+            raise ValueError(f"reward_source must be 'function' or 'environment', got {reward_source!r}")
+        self.reward_source = reward_source
         self._dataset = dataset
         self._agent = agent
         self._include_metadata = include_metadata
@@ -228,7 +253,8 @@ class HarborSpec:
         check_task_configs(self.tasks, self.suite.root)
         if preflight_enabled(preflight):
             check_backend(self.backend)
-        self._factory = EnvironmentFactory(agent, self.backend, self.options, harness_kwargs, self.env_cls)
+        transforms = (with_environment_reward,) if reward_source == "environment" else ()
+        self._factory = EnvironmentFactory(agent, self.backend, self.options, harness_kwargs, self.env_cls, transforms)
 
     @property
     def environment_type(self) -> str:
@@ -270,13 +296,15 @@ class HarborSpec:
         return self._factory
 
     @property
-    def reward_funcs(self) -> Callable[..., list[float | None]]:
+    def reward_funcs(self) -> Callable[..., list[float | None]] | list:
         """The outcome reward (:func:`trl_harbor.rewards.harbor_reward`): each rollout's verifier scalar.
 
         A single function, as in ``trl.experimental.harbor``: pass it as ``reward_funcs=``, or in a
-        list with your own (``reward_funcs=[spec.reward_funcs, format_reward]``).
+        list with your own (``reward_funcs=[spec.reward_funcs, format_reward]``). With
+        ``reward_source="environment"`` the harness owns the reward and this is ``[]`` (TRL then
+        needs no reward function).
         """
-        return harbor_reward
+        return [] if self.reward_source == "environment" else harbor_reward
 
     def __repr__(self) -> str:
         return (

@@ -172,7 +172,7 @@ class TrajectoryLog:
         def recording(one: Any) -> EnvironmentFactory:
             if not isinstance(one, EnvironmentFactory):
                 raise TypeError(f"TrajectoryLog records the environments of a HarborSpec's factory, not {one!r}")
-            return one.with_class(recording_class(one.cls))
+            return one.transformed(recording_class)
 
         if isinstance(factory, dict):
             return {name: recording(f) for name, f in factory.items()}
