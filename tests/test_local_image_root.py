@@ -323,6 +323,26 @@ def test_layered_fingerprints_see_what_a_walk_of_the_merged_root_sees(loopback_r
     run(scenario())
 
 
+@pytest.mark.parametrize("root", ["image", "host"])
+def test_a_failed_build_on_either_root_is_the_local_image_build_error(loopback_registry, cache_dir, tmp_path, root):  # noqa: F811
+    """Issue #18: ``except local.ImageBuildError`` missed buildah's failures (another class, of oci.py)."""
+    from trl_harbor.sandboxes import local
+
+    task = _task(tmp_path, f"FROM {loopback_registry.base}\nRUN echo boom-marker >&2 && exit 3\n")
+    env = open_env(task, tmp_path, root=root, cache_dir=cache_dir)
+    try:
+        with pytest.raises(local.ImageBuildError, match="boom-marker") as raised:
+            run(env.start(force_build=False))
+        assert type(raised.value) is local.ImageBuildError and isinstance(raised.value, local.SandboxError)
+    finally:
+        run(env.stop(delete=True))
+    if root == "image":  # an unpullable base is one too
+        missing = make_task(tmp_path / "more", dockerfile=f"FROM {loopback_registry.address}/nothing/here:1\n")
+        with pytest.raises(local.ImageBuildError) as raised:
+            run(open_env(missing, tmp_path, root=root, cache_dir=cache_dir).start(force_build=False))
+        assert isinstance(raised.value, local.BaseImageUnavailableError)
+
+
 def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_registry, cache_dir, tmp_path):  # noqa: F811
     """The image's listing is shared by its sandboxes (and threads): none may see it half made."""
     from trl_harbor.sandboxes import local

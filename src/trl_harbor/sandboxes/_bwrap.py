@@ -44,6 +44,13 @@ from pathlib import Path
 from typing import Literal
 
 from trl_harbor.sandboxes import _storage
+from trl_harbor.sandboxes.errors import (
+    SandboxCommandError,
+    SandboxError,
+    SandboxStartError,
+    SandboxTimeoutError,
+    SandboxUnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +73,6 @@ SANDBOX_CAPS = (
 NetworkMode = Literal["none", "user", "host"]
 #: Size of ``/dev/shm`` in a box with a storage bound (Docker's default ``--shm-size``).
 DEV_SHM_BYTES = 64 << 20
-
-
-class SandboxError(RuntimeError):
-    """Base class of the local sandbox's errors."""
-
-
-class SandboxUnavailableError(SandboxError):
-    """bubblewrap (or another host tool the sandbox needs) is missing or unusable."""
-
-
-class SandboxStartError(SandboxError):
-    """The sandbox could not be started."""
-
-
-class SandboxCommandError(SandboxError):
-    """The sandbox's supervisor did not answer a command (the sandbox died or was stopped)."""
-
-
-class SandboxTimeoutError(SandboxError, TimeoutError):
-    """A command ran past its timeout; its whole process tree was killed."""
 
 
 def _which(tool: str) -> str | None:

@@ -49,6 +49,7 @@ from trl_harbor.sandboxes._bwrap import (
     sandbox_python,
     state_root,
 )
+from trl_harbor.sandboxes.errors import ImageBuildError
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +63,6 @@ _BUILD_PASSTHROUGH = (
 )  # fmt: skip
 _IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "HEALTHCHECK", "STOPSIGNAL", "VOLUME", "ONBUILD"}
 _APT_WORDS = {"apt-get", "apt"}
-
-
-class ImageBuildError(RuntimeError):
-    """A task's Dockerfile cannot be built for the local sandbox.
-
-    The message names the Dockerfile, the line and what to do instead.
-    """
 
 
 @dataclass

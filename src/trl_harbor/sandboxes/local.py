@@ -51,11 +51,6 @@ from trl_harbor.sandboxes._bwrap import (
     SYSTEM_PATH,
     Box,
     BoxConfig,
-    SandboxCommandError,
-    SandboxError,
-    SandboxStartError,
-    SandboxTimeoutError,
-    SandboxUnavailableError,
     bwrap_path,
     mount_overlay,
     new_box_name,
@@ -64,10 +59,19 @@ from trl_harbor.sandboxes._bwrap import (
     static_binary,
     sweep_stale,
 )
-from trl_harbor.sandboxes.image import Image, ImageBuilder, ImageBuildError
+from trl_harbor.sandboxes.errors import (
+    BaseImageUnavailableError,
+    ImageBuildError,
+    SandboxCommandError,
+    SandboxError,
+    SandboxStartError,
+    SandboxTimeoutError,
+    SandboxUnavailableError,
+    SandboxUserError,
+)
+from trl_harbor.sandboxes.image import Image, ImageBuilder
 from trl_harbor.sandboxes.oci import (
     HOST_CA_BUNDLE,
-    BaseImageUnavailableError,
     BuiltImage,
     ImageStore,
     buildah_path,
@@ -92,10 +96,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _ROOT_USERS = (None, 0, "0", "root")
-
-
-class SandboxUserError(SandboxError, ValueError):
-    """A command asked for a non-root user, which the host-rooted local sandbox cannot provide."""
 
 
 #: ``docker run``'s PATH when the image sets none.

@@ -49,7 +49,8 @@ from pydantic import BaseModel, Field
 
 from trl_harbor.sandboxes import _hostfs
 from trl_harbor.sandboxes._aio import KeyedLocks
-from trl_harbor.sandboxes._bwrap import SYSTEM_PATH, SandboxUnavailableError, _unmount_under, remove_tree
+from trl_harbor.sandboxes._bwrap import SYSTEM_PATH, _unmount_under, remove_tree
+from trl_harbor.sandboxes.errors import BaseImageUnavailableError, ImageBuildError, ImageError, SandboxUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +62,6 @@ PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "FTP_PROXY", "NO_PROXY", "ALL_PR
 HOST_CA_BUNDLE = "/run/trl-harbor/host-ca.crt"
 _DEFAULT_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 _EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
-
-
-class ImageError(RuntimeError):
-    """Base class of the image errors."""
-
-
-class ImageBuildError(ImageError):
-    """A task's Dockerfile failed to build; the message names the Dockerfile and holds the builder's output."""
-
-
-class BaseImageUnavailableError(ImageBuildError):
-    """A ``FROM`` image could not be pulled; the message names the image, the registries tried and the fixes."""
 
 
 class ImageConfig(BaseModel):
