@@ -17,7 +17,7 @@ import pytest
 from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import count_processes_cmd, make_task, open_env, run
-from trl_harbor.sandboxes._bwrap import state_root
+from trl_harbor.sandboxes._lifetime import state_root
 from trl_harbor.sandboxes.oci import ImageStore
 
 pytestmark = pytest.mark.local

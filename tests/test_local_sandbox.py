@@ -24,7 +24,7 @@ from sandbox_helpers import (
     unprivileged_test,
     wait_until,
 )
-from trl_harbor.sandboxes._bwrap import state_root
+from trl_harbor.sandboxes._lifetime import state_root
 from trl_harbor.sandboxes.local import SandboxCommandError, SandboxTimeoutError, SandboxUserError
 
 
@@ -36,14 +36,14 @@ def task(tmp_path: Path) -> Path:
 @pytest.fixture(params=["c", "python"])
 def supervisor(request, monkeypatch):
     """Run the test with the compiled supervisor and with its Python fallback."""
-    from trl_harbor.sandboxes import _bwrap
+    from trl_harbor.sandboxes import _binaries
 
     if request.param == "python":
         monkeypatch.setenv("TRL_HARBOR_SUPERVISOR", "python")
-    _bwrap.supervisor_binary.cache_clear()
-    assert (_bwrap.supervisor_binary() is None) == (request.param == "python")
+    _binaries.supervisor_binary.cache_clear()
+    assert (_binaries.supervisor_binary() is None) == (request.param == "python")
     yield request.param
-    _bwrap.supervisor_binary.cache_clear()
+    _binaries.supervisor_binary.cache_clear()
 
 
 def test_exec_runs_commands_with_cwd_env_and_exit_code(task: Path, tmp_path: Path, supervisor: str) -> None:
@@ -487,7 +487,8 @@ def test_a_killed_owner_leaves_no_user_network_behind(tmp_path: Path) -> None:
 
 def test_the_sweep_kills_a_bubblewrap_left_holding_a_dead_owners_box(tmp_path: Path) -> None:
     """A bubblewrap process whose owner died (e.g. killed mid-start) is killed by the next run's sweep."""
-    from trl_harbor.sandboxes._bwrap import bwrap_path, sweep_stale
+    from trl_harbor.sandboxes._binaries import bwrap_path
+    from trl_harbor.sandboxes._lifetime import sweep_stale
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # a process that has exited: the box's owner

@@ -37,18 +37,11 @@ from pathlib import Path, PurePosixPath
 
 from trl_harbor.sandboxes import _hostfs
 from trl_harbor.sandboxes._aio import KeyedLocks
-from trl_harbor.sandboxes._bwrap import (
-    LAYER_VENV,
-    SANDBOX_VENV,
-    SYSTEM_PATH,
-    Box,
-    BoxConfig,
-    new_box_name,
-    prepare_rootfs,
-    remove_tree,
-    sandbox_python,
-    state_root,
-)
+from trl_harbor.sandboxes._binaries import SYSTEM_PATH, sandbox_python
+from trl_harbor.sandboxes._box import Box, BoxConfig
+from trl_harbor.sandboxes._hostfs import remove_tree
+from trl_harbor.sandboxes._lifetime import new_box_name, state_root
+from trl_harbor.sandboxes._mounts import LAYER_VENV, SANDBOX_VENV, prepare_rootfs
 from trl_harbor.sandboxes.errors import ImageBuildError
 
 logger = logging.getLogger(__name__)
@@ -380,7 +373,7 @@ class ImageBuilder:
             **state.env,
         }
         logger.info("building: RUN %s", command)
-        result = await box.run(
+        result = await box.supervisor.run(
             "set -e\n" + command if not argv else command, cwd=state.workdir, env=env, timeout=3600,
             output_cap=64 * 1024,
         )  # fmt: skip

@@ -44,21 +44,11 @@ from harbor.models.task.config import NetworkMode
 from pydantic import Field
 
 from trl_harbor.sandboxes import _hostfs
-from trl_harbor.sandboxes._bwrap import (
-    LAYER_VENV,
-    SANDBOX_VENV,
-    SYSTEM_MOUNTS,
-    SYSTEM_PATH,
-    Box,
-    BoxConfig,
-    bwrap_path,
-    mount_overlay,
-    new_box_name,
-    remove_tree,
-    state_root,
-    static_binary,
-    sweep_stale,
-)
+from trl_harbor.sandboxes._binaries import SYSTEM_PATH, bwrap_path, static_binary
+from trl_harbor.sandboxes._box import Box, BoxConfig
+from trl_harbor.sandboxes._hostfs import remove_tree
+from trl_harbor.sandboxes._lifetime import new_box_name, state_root, sweep_stale, sweep_stale_once
+from trl_harbor.sandboxes._mounts import LAYER_VENV, SANDBOX_VENV, SYSTEM_MOUNTS, mount_overlay
 from trl_harbor.sandboxes.errors import (
     BaseImageUnavailableError,
     ImageBuildError,
@@ -160,9 +150,6 @@ def _builder(cache_dir: str | None) -> ImageBuilder:
 sweep_stale_sandboxes = sweep_stale
 
 
-_SWEPT = False
-
-
 class LocalEnvironment(BaseEnvironment):
     """Runs a Harbor task in a bubblewrap sandbox on this machine (see the module docstring).
 
@@ -255,10 +242,7 @@ class LocalEnvironment(BaseEnvironment):
             ImageBuildError: If the Dockerfile cannot be built here.
             SandboxStartError: If the sandbox cannot start.
         """
-        global _SWEPT
-        if not _SWEPT:
-            _SWEPT = True
-            await asyncio.to_thread(sweep_stale_sandboxes)
+        await sweep_stale_once()
         if self.local_options.root == "image":
             await self._start_on_image(force_build)
             return
@@ -428,7 +412,7 @@ class LocalEnvironment(BaseEnvironment):
         if not (user in ("root", "0") or user.startswith(("root:", "0:"))):
             # "$0" is the shell the supervisor chose (bash, else sh): the same one runs the command.
             command = f'exec {RUNAS} {shlex.quote(user)} "$0" -c {shlex.quote(command)}'
-        return await self._box.run(
+        return await self._box.supervisor.run(
             command,
             cwd=cwd or self.workdir,
             env=self._image_env(user, env),
@@ -491,7 +475,7 @@ class LocalEnvironment(BaseEnvironment):
             )
         if self._box is None:
             raise SandboxCommandError("the sandbox is not running (call start() first)")
-        result = await self._box.run(
+        result = await self._box.supervisor.run(
             command,
             cwd=cwd or self.workdir,
             env=self._command_env(env),
@@ -528,7 +512,7 @@ class LocalEnvironment(BaseEnvironment):
         Raises:
             SandboxCommandError: If the sandbox is not running.
         """
-        return await self._running_box().list_processes()
+        return await self._running_box().supervisor.list_processes()
 
     async def kill_processes(self, keep: Sequence[str] = ()) -> int:
         """Kill every process in the sandbox but its supervisor and ``keep`` (before verification).
@@ -545,7 +529,7 @@ class LocalEnvironment(BaseEnvironment):
         Raises:
             SandboxCommandError: If the sandbox is not running.
         """
-        return await self._running_box().kill_processes(keep)
+        return await self._running_box().supervisor.kill_processes(keep)
 
     def _running_box(self) -> Box:
         if self._box is None:

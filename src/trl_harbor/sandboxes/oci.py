@@ -49,7 +49,9 @@ from pydantic import BaseModel, Field
 
 from trl_harbor.sandboxes import _hostfs
 from trl_harbor.sandboxes._aio import KeyedLocks
-from trl_harbor.sandboxes._bwrap import SYSTEM_PATH, _unmount_under, remove_tree
+from trl_harbor.sandboxes._binaries import SYSTEM_PATH, default_cache_dir
+from trl_harbor.sandboxes._hostfs import remove_tree
+from trl_harbor.sandboxes._mounts import unmount_under
 from trl_harbor.sandboxes.errors import BaseImageUnavailableError, ImageBuildError, ImageError, SandboxUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -132,12 +134,6 @@ class BuiltImage:
 
     def __repr__(self) -> str:
         return f"BuiltImage({self.path}, bases={self.record.bases})"
-
-
-def default_cache_dir() -> Path:
-    """``$TRL_HARBOR_CACHE_DIR``, else ``~/.cache/trl-harbor``."""
-    configured = os.environ.get("TRL_HARBOR_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "trl-harbor"
 
 
 @cache
@@ -617,7 +613,7 @@ class ImageStore:
     def release_mounts(self) -> None:
         """Detach what buildah's storage keeps mounted (e.g. before deleting the cache folder)."""
         subprocess.run([*self._buildah(), "umount", "--all"], capture_output=True, check=False)
-        _unmount_under(self.storage_dir)
+        unmount_under(self.storage_dir)
 
     async def prune_bases(self) -> None:
         """Remove base images no longer needed from buildah's storage."""
