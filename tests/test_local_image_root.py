@@ -17,6 +17,7 @@ import pytest
 from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import count_processes_cmd, make_task, open_env, run
+from trl_harbor.sandboxes._cache import CACHE
 from trl_harbor.sandboxes._lifetime import state_root
 from trl_harbor.sandboxes.oci import ImageStore
 
@@ -345,8 +346,6 @@ def test_a_failed_build_on_either_root_is_the_local_image_build_error(loopback_r
 
 def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_registry, cache_dir, tmp_path):  # noqa: F811
     """The image's listing is shared by its sandboxes (and threads): none may see it half made."""
-    from trl_harbor.sandboxes import local
-
     task = _task(tmp_path, f"FROM {loopback_registry.base}\nWORKDIR /workdir\n")
     watched = [("/usr/lib/python3*", None), ("/usr/bin", 1), ("/etc/profile", 0)]
 
@@ -355,7 +354,7 @@ def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_regi
         await asyncio.gather(*(env.start(force_build=False) for env in envs))
         try:
             for _ in range(3):
-                local._IMAGE_LISTINGS.clear()  # as in a new process: every sandbox lists the image at once
+                CACHE.clear()  # as in a new process: every sandbox lists the image at once
                 seen = await asyncio.gather(*(env.file_fingerprints(watched) for env in envs))
                 assert len(seen[0]) > 500 and all(other == seen[0] for other in seen[1:])
         finally:

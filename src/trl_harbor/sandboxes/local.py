@@ -46,6 +46,7 @@ from pydantic import Field
 from trl_harbor.sandboxes import _hostfs
 from trl_harbor.sandboxes._binaries import SYSTEM_PATH, bwrap_path, static_binary
 from trl_harbor.sandboxes._box import Box, BoxConfig
+from trl_harbor.sandboxes._cache import CACHE
 from trl_harbor.sandboxes._hostfs import remove_tree
 from trl_harbor.sandboxes._lifetime import new_box_name, state_root, sweep_stale, sweep_stale_once
 from trl_harbor.sandboxes._mounts import LAYER_VENV, SANDBOX_VENV, SYSTEM_MOUNTS, mount_overlay
@@ -122,27 +123,6 @@ class LocalEnvironmentOptions(EnvironmentOptions):
     cache_dir: str | None = None
     root: Literal["host", "image"] = "image"
     host_trust: bool = True
-
-
-_BUILDERS: dict[str | None, ImageBuilder] = {}
-#: Fingerprints of read-only mounts, by (host path, sandbox path, entry only): see ``_walk``.
-_READ_ONLY_LISTINGS: dict[tuple[str, str, bool], dict[str, str]] = {}
-#: Fingerprints of image roots, by (image root, sandbox path, depth): see ``_walk_layers``.
-_IMAGE_LISTINGS: dict[tuple[str, str, int | None], dict[str, str]] = {}
-_STORES: dict[tuple[str | None, bool], ImageStore] = {}
-
-
-def _store(cache_dir: str | None, host_trust: bool) -> ImageStore:
-    key = (cache_dir, host_trust)
-    if key not in _STORES:
-        _STORES[key] = ImageStore(Path(cache_dir) if cache_dir else None, host_trust=host_trust)
-    return _STORES[key]
-
-
-def _builder(cache_dir: str | None) -> ImageBuilder:
-    if cache_dir not in _BUILDERS:
-        _BUILDERS[cache_dir] = ImageBuilder(Path(cache_dir) if cache_dir else None)
-    return _BUILDERS[cache_dir]
 
 
 #: Remove the sandbox trees and cgroups of processes that died without stopping them (their
@@ -246,12 +226,8 @@ class LocalEnvironment(BaseEnvironment):
         if self.local_options.root == "image":
             await self._start_on_image(force_build)
             return
-        builder = _builder(self.local_options.cache_dir)
-        if force_build:
-            key = await asyncio.to_thread(builder.content_key, self.environment_dir)
-            remove_tree(builder.cache_dir / "layers" / key)
-            builder._memo.clear()
-        self._image = await builder.get(self.environment_dir, self.environment_name)
+        builder = CACHE.builder(ImageBuilder, self.local_options.cache_dir)
+        self._image = await builder.get(self.environment_dir, self.environment_name, force=force_build)
         self._dir = state_root() / new_box_name(self.session_id or self.environment_name)
         await asyncio.to_thread(self._make_root)
         cpus = self._effective_cpus
@@ -283,7 +259,7 @@ class LocalEnvironment(BaseEnvironment):
         return self._effective_storage_mb or self.local_options.default_storage_mb
 
     async def _start_on_image(self, force_build: bool) -> None:
-        store = _store(self.local_options.cache_dir, self.local_options.host_trust)
+        store = CACHE.builder(ImageStore, self.local_options.cache_dir, host_trust=self.local_options.host_trust)
         context = self.environment_dir
         if not (context / "Dockerfile").is_file() and self.task_env_config.docker_image:
             # A prebuilt image ([environment] docker_image) with no Dockerfile: FROM it.
@@ -604,14 +580,14 @@ class LocalEnvironment(BaseEnvironment):
                 image_visible = False  # a folder the sandbox replaced whole hides the image's below it
         entries: dict[str, str] = {}
         if image_visible:
-            key = (str(lower), path, depth)
-            listed = _IMAGE_LISTINGS.get(key)
-            if listed is None:  # published once complete: sandboxes fingerprint in several threads at once
-                listed = {}
+
+            def make() -> dict[str, str]:
+                listed: dict[str, str] = {}
                 if all(_layer_entry(lower / "/".join(parts[:i])) == "dir" for i in range(1, len(parts))):
                     _walk_tree(lower, path, depth, listed)  # not under a link of the image
-                _IMAGE_LISTINGS[key] = listed
-            entries.update(listed)
+                return listed
+
+            entries.update(CACHE.listing(("image", str(lower), path, depth), make))
         _lay_upper(upper, path, depth, entries)
         found.update(entries)
 
@@ -638,13 +614,12 @@ class LocalEnvironment(BaseEnvironment):
         if read_only and cache:
             # A read-only mount (the host's /usr and /etc, the shared layer) cannot change while
             # sandboxes run: listed once per process, not at every start and every grading.
-            key = (str(host), path, depth == 0)
-            listed = _READ_ONLY_LISTINGS.get(key)
-            if listed is None:
-                listed = {}
+            def make() -> dict[str, str]:
+                listed: dict[str, str] = {}
                 self._walk(path, depth, listed, cache=False)
-                _READ_ONLY_LISTINGS[key] = listed
-            found.update(listed)
+                return listed
+
+            found.update(CACHE.listing(("host", str(host), path, depth == 0), make))
             return
         try:
             info = os.lstat(host)
