@@ -18,7 +18,8 @@ from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import count_processes_cmd, make_task, open_env, run
 from trl_harbor.sandboxes._cache import CACHE
-from trl_harbor.sandboxes._lifetime import state_root
+from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
+from trl_harbor.sandboxes._roots import walk_tree
 from trl_harbor.sandboxes.oci import ImageStore
 
 pytestmark = pytest.mark.local
@@ -97,7 +98,7 @@ def test_writes_are_private_to_each_sandbox(loopback_registry, cache_dir, tmp_pa
         try:
             await first.exec("echo mine > /etc/hostname-note && rm /etc/debian_version")
             seen = await second.exec("cat /etc/hostname-note; cat /etc/debian_version")
-            image = first._oci
+            image = first._sandbox.image
             assert image is not None
             assert (image.rootfs / "etc" / "debian_version").exists(), "the image root must never change"
             return seen
@@ -298,7 +299,7 @@ def test_layered_fingerprints_see_what_a_walk_of_the_merged_root_sees(loopback_r
     def merged(env) -> dict[str, str]:  # the reference: every entry of the merged root, read each time
         found: dict[str, str] = {}
         for path, depth in watched:
-            env._walk(path, depth, found)
+            walk_tree(env._sandbox.rootfs, path, depth, found)
         return found
 
     def changed(before: dict[str, str], after: dict[str, str]) -> set[str]:
@@ -405,7 +406,7 @@ def test_sandbox_of_a_killed_process_is_unmounted_and_swept(loopback_registry, c
             env = open_env(Path({str(task)!r}), Path({str(tmp_path)!r}), root="image", cache_dir={cache_dir!r})
             await env.start(force_build=False)
             await env.exec("echo agent-data > /etc/agent-note")
-            print(env._dir, flush=True)
+            print(env._sandbox.dir, flush=True)
             await asyncio.sleep(60)
         asyncio.run(main())
         """
@@ -416,9 +417,7 @@ def test_sandbox_of_a_killed_process_is_unmounted_and_swept(loopback_registry, c
     child.send_signal(signal.SIGKILL)
     child.wait()
     assert f"{box_dir}/rootfs " in Path("/proc/self/mounts").read_text()
-    from trl_harbor.sandboxes.local import sweep_stale_sandboxes
-
-    sweep_stale_sandboxes()
+    sweep_stale()
     assert f"{box_dir}/rootfs " not in Path("/proc/self/mounts").read_text()
     assert not box_dir.exists()
 

@@ -114,7 +114,7 @@ def test_many_files_past_the_bound_kill_that_sandbox_alone(task: Path, tmp_path:
         hog = open_env(task, tmp_path, default_storage_mb=BOUND_MB, root=root)
         neighbour = open_env(task, tmp_path, default_storage_mb=BOUND_MB, root=root)
         await asyncio.gather(hog.start(force_build=False), neighbour.start(force_build=False))
-        hog_tree = hog._dir
+        hog_tree = hog._sandbox.dir
         filling = True
 
         async def fill() -> None:

@@ -116,7 +116,7 @@ def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
             raise SandboxStartError(f"{path}: paths with ',', ':' or '\\' cannot be overlay layers")
     # redirect_dir and metacopy off (the defaults of most kernels, said here for all): every change
     # the sandbox makes is then a plain entry, a whiteout or an opaque folder in ``upper``, which is
-    # what the seal's fingerprints read (LocalEnvironment._walk_layers).
+    # what the seal's fingerprints read (ImageRoot.walk in _roots.py).
     options = f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,metacopy=off".encode()
     if _libc().mount(b"overlay", str(target).encode(), b"overlay", 0, options) != 0:
         code = ctypes.get_errno()

@@ -5,7 +5,7 @@ daemonless builder packaged by Debian, Ubuntu and Fedora, exactly as ``docker bu
 would build it: base images pulled from OCI registries, multi-stage builds,
 ``COPY --from``, ``USER``, ``ARG``/``ENV`` substitution, ``.dockerignore``. The result's
 root, mounted once by buildah (the *image root*), is what every sandbox of the task
-mounts read-only under its own copy-on-write layer (see ``local.py``).
+mounts read-only under its own copy-on-write layer (see ``_roots.py``).
 
 Registries are found the way every containers tool finds them: ``registries.conf``
 (mirrors, insecure registries, short-name aliases; ``CONTAINERS_REGISTRIES_CONF``
