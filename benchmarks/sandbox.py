@@ -72,9 +72,9 @@ async def measure(runs: int, concurrent: int, base: str | None = None) -> list[t
     cold = time.perf_counter() - t
     await warm.stop(delete=True)
     if base is not None:
-        from trl_harbor.sandboxes import local
+        from trl_harbor.sandboxes._cache import CACHE
 
-        local._STORES.clear()  # a new process's view: the image is on disk, nothing in memory
+        CACHE.clear()  # a new process's view: the image is on disk, nothing in memory
         again = bench.env()
         t = time.perf_counter()
         await again.start(force_build=False)

@@ -67,7 +67,7 @@ async def cost(task: Path, scratch: Path, count: int, runs: int, root: str, guar
         cpu = await _idle_cpu(10.0)
         started = time.perf_counter()
         for box in boxes:
-            _storage.tree_bytes(box._dir)
+            _storage.tree_bytes(box._sandbox.dir)
         full = (time.perf_counter() - started) * 1000
         return {
             "median": statistics.median(times),

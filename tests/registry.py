@@ -185,10 +185,10 @@ def loopback_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop
     At the end of the session, what buildah left mounted under the session's temporary folders
     (image caches made by tests) is detached, so those folders can be deleted.
     """
-    from trl_harbor.sandboxes._bwrap import _unmount_under
+    from trl_harbor.sandboxes._mounts import unmount_under
 
     try:
         with serve_loopback_registry(tmp_path_factory.mktemp("registry")) as registry:
             yield registry
     finally:
-        _unmount_under(tmp_path_factory.getbasetemp())
+        unmount_under(tmp_path_factory.getbasetemp())

@@ -23,7 +23,7 @@ import pytest
 from conftest import BUNDLED_SUITE, requires_local
 
 from sandbox_helpers import as_a_foreground_job
-from trl_harbor.sandboxes._bwrap import state_root, sweep_stale
+from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
 
 BATCH = 8  # rollouts per step (4 tasks x 2 generations)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import REPO, requires_local
 
 from trl_harbor.env import _alive
-from trl_harbor.sandboxes._bwrap import state_root
+from trl_harbor.sandboxes._lifetime import state_root
 
 
 @requires_local

@@ -17,7 +17,9 @@ import pytest
 from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import count_processes_cmd, make_task, open_env, run
-from trl_harbor.sandboxes._bwrap import state_root
+from trl_harbor.sandboxes._cache import CACHE
+from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
+from trl_harbor.sandboxes._roots import walk_tree
 from trl_harbor.sandboxes.oci import ImageStore
 
 pytestmark = pytest.mark.local
@@ -96,7 +98,7 @@ def test_writes_are_private_to_each_sandbox(loopback_registry, cache_dir, tmp_pa
         try:
             await first.exec("echo mine > /etc/hostname-note && rm /etc/debian_version")
             seen = await second.exec("cat /etc/hostname-note; cat /etc/debian_version")
-            image = first._oci
+            image = first._sandbox.image
             assert image is not None
             assert (image.rootfs / "etc" / "debian_version").exists(), "the image root must never change"
             return seen
@@ -297,7 +299,7 @@ def test_layered_fingerprints_see_what_a_walk_of_the_merged_root_sees(loopback_r
     def merged(env) -> dict[str, str]:  # the reference: every entry of the merged root, read each time
         found: dict[str, str] = {}
         for path, depth in watched:
-            env._walk(path, depth, found)
+            walk_tree(env._sandbox.rootfs, path, depth, found)
         return found
 
     def changed(before: dict[str, str], after: dict[str, str]) -> set[str]:
@@ -323,10 +325,28 @@ def test_layered_fingerprints_see_what_a_walk_of_the_merged_root_sees(loopback_r
     run(scenario())
 
 
-def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_registry, cache_dir, tmp_path):  # noqa: F811
-    """The image's listing is shared by its sandboxes (and threads): none may see it half made."""
+@pytest.mark.parametrize("root", ["image", "host"])
+def test_a_failed_build_on_either_root_is_the_local_image_build_error(loopback_registry, cache_dir, tmp_path, root):  # noqa: F811
+    """Issue #18: ``except local.ImageBuildError`` missed buildah's failures (another class, of oci.py)."""
     from trl_harbor.sandboxes import local
 
+    task = _task(tmp_path, f"FROM {loopback_registry.base}\nRUN echo boom-marker >&2 && exit 3\n")
+    env = open_env(task, tmp_path, root=root, cache_dir=cache_dir)
+    try:
+        with pytest.raises(local.ImageBuildError, match="boom-marker") as raised:
+            run(env.start(force_build=False))
+        assert type(raised.value) is local.ImageBuildError and isinstance(raised.value, local.SandboxError)
+    finally:
+        run(env.stop(delete=True))
+    if root == "image":  # an unpullable base is one too
+        missing = make_task(tmp_path / "more", dockerfile=f"FROM {loopback_registry.address}/nothing/here:1\n")
+        with pytest.raises(local.ImageBuildError) as raised:
+            run(open_env(missing, tmp_path, root=root, cache_dir=cache_dir).start(force_build=False))
+        assert isinstance(raised.value, local.BaseImageUnavailableError)
+
+
+def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """The image's listing is shared by its sandboxes (and threads): none may see it half made."""
     task = _task(tmp_path, f"FROM {loopback_registry.base}\nWORKDIR /workdir\n")
     watched = [("/usr/lib/python3*", None), ("/usr/bin", 1), ("/etc/profile", 0)]
 
@@ -335,7 +355,7 @@ def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_regi
         await asyncio.gather(*(env.start(force_build=False) for env in envs))
         try:
             for _ in range(3):
-                local._IMAGE_LISTINGS.clear()  # as in a new process: every sandbox lists the image at once
+                CACHE.clear()  # as in a new process: every sandbox lists the image at once
                 seen = await asyncio.gather(*(env.file_fingerprints(watched) for env in envs))
                 assert len(seen[0]) > 500 and all(other == seen[0] for other in seen[1:])
         finally:
@@ -388,7 +408,7 @@ def test_sandbox_of_a_killed_process_is_unmounted_and_swept(loopback_registry, c
             env = open_env(Path({str(task)!r}), Path({str(tmp_path)!r}), root="image", cache_dir={cache_dir!r})
             await env.start(force_build=False)
             await env.exec("echo agent-data > /etc/agent-note")
-            print(env._dir, flush=True)
+            print(env._sandbox.dir, flush=True)
             await asyncio.sleep(60)
         asyncio.run(main())
         """
@@ -399,9 +419,7 @@ def test_sandbox_of_a_killed_process_is_unmounted_and_swept(loopback_registry, c
     child.send_signal(signal.SIGKILL)
     child.wait()
     assert f"{box_dir}/rootfs " in Path("/proc/self/mounts").read_text()
-    from trl_harbor.sandboxes.local import sweep_stale_sandboxes
-
-    sweep_stale_sandboxes()
+    sweep_stale()
     assert f"{box_dir}/rootfs " not in Path("/proc/self/mounts").read_text()
     assert not box_dir.exists()
 

@@ -24,7 +24,7 @@ from sandbox_helpers import (
     unprivileged_test,
     wait_until,
 )
-from trl_harbor.sandboxes._bwrap import state_root
+from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
 from trl_harbor.sandboxes.local import SandboxCommandError, SandboxTimeoutError, SandboxUserError
 
 
@@ -36,14 +36,14 @@ def task(tmp_path: Path) -> Path:
 @pytest.fixture(params=["c", "python"])
 def supervisor(request, monkeypatch):
     """Run the test with the compiled supervisor and with its Python fallback."""
-    from trl_harbor.sandboxes import _bwrap
+    from trl_harbor.sandboxes import _binaries
 
     if request.param == "python":
         monkeypatch.setenv("TRL_HARBOR_SUPERVISOR", "python")
-    _bwrap.supervisor_binary.cache_clear()
-    assert (_bwrap.supervisor_binary() is None) == (request.param == "python")
+    _binaries.supervisor_binary.cache_clear()
+    assert (_binaries.supervisor_binary() is None) == (request.param == "python")
     yield request.param
-    _bwrap.supervisor_binary.cache_clear()
+    _binaries.supervisor_binary.cache_clear()
 
 
 def test_exec_runs_commands_with_cwd_env_and_exit_code(task: Path, tmp_path: Path, supervisor: str) -> None:
@@ -297,7 +297,7 @@ def test_stop_leaves_no_process_directory_or_cgroup(task: Path, tmp_path: Path, 
     async def scenario():
         env = open_env(task, tmp_path)
         await env.start(force_build=False)
-        box_dir = env._dir
+        box_dir = env._sandbox.dir
         await env.exec(f"setsid nohup {marker} >/dev/null 2>&1 & ( {marker} & ) ; echo ok")
         assert len(live_processes_with(marker)) == 2
         await env.stop(delete=True)
@@ -321,7 +321,7 @@ def test_sandboxes_die_with_their_parent_process(task: Path, tmp_path: Path) -> 
             env = open_env(Path({str(task)!r}), Path({str(tmp_path)!r}))
             await env.start(force_build=False)
             await env.exec("nohup {marker} >/dev/null 2>&1 &")
-            print(env._dir, flush=True)
+            print(env._sandbox.dir, flush=True)
             await asyncio.sleep(60)
         asyncio.run(main())
         """
@@ -333,10 +333,8 @@ def test_sandboxes_die_with_their_parent_process(task: Path, tmp_path: Path) -> 
     child.wait()
     assert wait_until(lambda: not live_processes_with(marker)), "sandbox outlived its parent"
     # What the dead process left on disk is swept by the next process that starts a sandbox.
-    from trl_harbor.sandboxes.local import sweep_stale_sandboxes
-
     assert box_dir.exists()
-    sweep_stale_sandboxes()
+    sweep_stale()
     assert not box_dir.exists()
     assert not [p for p in Path("/sys/fs/cgroup").glob(f"*/trl-harbor/{box_dir.name}")]
 
@@ -487,7 +485,7 @@ def test_a_killed_owner_leaves_no_user_network_behind(tmp_path: Path) -> None:
 
 def test_the_sweep_kills_a_bubblewrap_left_holding_a_dead_owners_box(tmp_path: Path) -> None:
     """A bubblewrap process whose owner died (e.g. killed mid-start) is killed by the next run's sweep."""
-    from trl_harbor.sandboxes._bwrap import bwrap_path, sweep_stale
+    from trl_harbor.sandboxes._binaries import bwrap_path
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # a process that has exited: the box's owner

@@ -36,14 +36,14 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes on task ima
 )
 def root(request, monkeypatch) -> str:
     """The sandbox's root, with the compiled supervisor and (host root) its Python fallback."""
-    from trl_harbor.sandboxes import _bwrap
+    from trl_harbor.sandboxes import _binaries
 
     kind, supervisor = request.param
     if supervisor == "python":
         monkeypatch.setenv("TRL_HARBOR_SUPERVISOR", "python")
-    _bwrap.supervisor_binary.cache_clear()
+    _binaries.supervisor_binary.cache_clear()
     yield kind
-    _bwrap.supervisor_binary.cache_clear()
+    _binaries.supervisor_binary.cache_clear()
 
 
 def test_one_file_stops_at_the_bound_and_the_sandbox_lives(task: Path, tmp_path: Path, root: str) -> None:
@@ -114,7 +114,7 @@ def test_many_files_past_the_bound_kill_that_sandbox_alone(task: Path, tmp_path:
         hog = open_env(task, tmp_path, default_storage_mb=BOUND_MB, root=root)
         neighbour = open_env(task, tmp_path, default_storage_mb=BOUND_MB, root=root)
         await asyncio.gather(hog.start(force_build=False), neighbour.start(force_build=False))
-        hog_tree = hog._dir
+        hog_tree = hog._sandbox.dir
         filling = True
 
         async def fill() -> None:

@@ -35,7 +35,7 @@ from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
 from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborBashEnv, HarborSpec, close_all
 from trl_harbor.rollout import COUNTERS
-from trl_harbor.sandboxes._bwrap import state_root
+from trl_harbor.sandboxes._lifetime import state_root
 
 EXPLOSION = "sandbox API down"
 GOOD = f"echo -n {GOLD_ANSWER} > /workdir/answer.txt"

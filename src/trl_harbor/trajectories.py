@@ -243,8 +243,11 @@ class TrajectoryLog:
                 "infra_error": infra_error,
             }
             if verification is not None:
+                cause = getattr(verification, "cause", None)
                 line["verification"] = {
+                    "cause": None if cause is None else str(cause),
                     "reason": getattr(verification, "reason", ""),
+                    "concealed": list(getattr(verification, "concealed", ())),
                     "tampered": list(getattr(verification, "tampered", ())),
                     "killed": getattr(verification, "killed", 0),
                 }

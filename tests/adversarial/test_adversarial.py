@@ -146,7 +146,7 @@ class Arena:
             f"(nohup bash -c 'exec -a {self.neighbour_canary} sleep 900' >/dev/null 2>&1 &) && echo ok"
         )
         assert out.strip() == "ok", out
-        self.neighbour_root = str(self.neighbour._episode.environment._root)
+        self.neighbour_root = str(self.neighbour._episode.environment._sandbox.rootfs)
         seen = self.neighbour.bash("sha256sum /etc/passwd /etc/hostname /usr/bin/env /usr/bin/python3 2>/dev/null")
         if self.inside is None:  # what every sandbox of this root sees, before the corpus
             self.inside = seen

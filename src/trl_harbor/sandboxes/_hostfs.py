@@ -1,14 +1,15 @@
-"""Copying files in and out of a sandbox's tree from the host, safe against links.
+"""Copying files in and out of a sandbox's tree from the host (and removing it), safe against links.
 
 The sandbox's writable root is a directory on the host that the agent controls. Any
 component of a path inside it may be a symbolic link the agent planted to point at a
-host file. Every function here therefore walks paths one component at a time with
-``O_NOFOLLOW`` relative to an open directory descriptor, never resolving a link:
-nothing outside the sandbox's own tree is ever read or written.
+host file. Every copy therefore walks paths one component at a time with ``O_NOFOLLOW``
+relative to an open directory descriptor (and :func:`shutil.rmtree` removes links, never
+following them): nothing outside the sandbox's own tree is ever read or written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -253,3 +254,18 @@ def hash_tree(digest: Any, directory: Path) -> None:
         else:
             digest.update(oct(path.stat().st_mode & 0o777).encode())
             digest.update(hashlib.sha256(path.read_bytes()).digest())
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a sandbox's private tree, even parts the agent made read-only."""
+
+    def _retry(func, target, _exc):
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(target), 0o700)
+            if os.path.isdir(target) and not os.path.islink(target):
+                os.chmod(target, 0o700)
+        with contextlib.suppress(FileNotFoundError):
+            func(target)
+
+    if path.exists():
+        shutil.rmtree(path, onexc=_retry)

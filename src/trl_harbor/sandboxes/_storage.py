@@ -62,14 +62,7 @@ def enabled() -> bool:
 
 
 def host_reserve(total_bytes: int) -> int:
-    """The free space kept for the host on a file system of ``total_bytes``.
-
-    Args:
-        total_bytes: The file system's size.
-
-    Returns:
-        The reserve in bytes.
-    """
+    """The free space in bytes kept for the host on a file system of ``total_bytes``."""
     return min(int(total_bytes * HOST_RESERVE_FRACTION), HOST_RESERVE_MAX_BYTES)
 
 

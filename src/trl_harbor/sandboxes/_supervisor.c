@@ -3,7 +3,7 @@
  *
  * Same protocol and behaviour as _supervisor.py, which is the fallback when no C
  * compiler is available; this one starts in about a millisecond instead of fifteen.
- * See _supervisor.py for the protocol. Compiled on first use by _bwrap.py and
+ * See _supervisor.py for the protocol. Compiled on first use by _binaries.py and
  * cached by source hash; it is passed to bubblewrap as an open file descriptor, so
  * it appears nowhere in the sandbox's file system.
  *

@@ -258,6 +258,46 @@ def _serve_unforked(conn, error):
         _failure(conn, "fork", error)
 
 
+def _pump(conn, pid, streams, open_fds, deadline):
+    """Read the command's output until it exited and its pipes drained: ``(status, timed out)``, or
+    ``None`` when the host hung up (a cancelled exec); both that and a timeout kill its whole tree."""
+    pidfd = os.pidfd_open(pid)
+    status = None
+    exited_at = 0.0
+    while True:
+        if status is not None and (not open_fds or time.monotonic() - exited_at > DRAIN_GRACE_SEC):
+            return status, False
+        wait = 0.5
+        if deadline is not None and status is None:
+            wait = min(wait, max(0.0, deadline - time.monotonic()))
+        if status is not None:
+            wait = max(0.0, exited_at + DRAIN_GRACE_SEC - time.monotonic())
+        watched = list(open_fds) + [conn] + ([pidfd] if status is None else [])
+        ready, _, _ = select.select(watched, [], [], wait)
+        for fd in ready:
+            if fd == pidfd:
+                _, raw = os.waitpid(pid, 0)
+                status = os.waitstatus_to_exitcode(raw)
+                exited_at = time.monotonic()
+            elif fd == conn:
+                # The host never sends more than the request: readable means it
+                # hung up (a cancelled exec).
+                _kill_tree()
+                return None
+            else:
+                data = os.read(fd, 1 << 16)
+                if data:
+                    streams[fd].add(data)
+                    if status is not None:
+                        exited_at = time.monotonic()
+                else:
+                    open_fds.discard(fd)
+                    os.close(fd)
+        if status is None and deadline is not None and time.monotonic() >= deadline:
+            _kill_tree()
+            return -_signal.SIGKILL, True
+
+
 def _handle(conn):
     _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
     if _LIBC is not None:
@@ -283,47 +323,12 @@ def _handle(conn):
         return
     os.close(out_w)
     os.close(err_w)
-    pidfd = os.pidfd_open(pid)
     streams = {out_r: _Bounded(max(cap, 64)), err_r: _Bounded(max(cap, 64))}
     open_fds = {out_r, err_r}
-    status = None
-    exited_at = 0.0
-    timed_out = False
-    while True:
-        if status is not None and (not open_fds or time.monotonic() - exited_at > DRAIN_GRACE_SEC):
-            break
-        wait = 0.5
-        if deadline is not None and status is None:
-            wait = min(wait, max(0.0, deadline - time.monotonic()))
-        if status is not None:
-            wait = max(0.0, exited_at + DRAIN_GRACE_SEC - time.monotonic())
-        watched = list(open_fds) + [conn] + ([pidfd] if status is None else [])
-        ready, _, _ = select.select(watched, [], [], wait)
-        for fd in ready:
-            if fd == pidfd:
-                _, raw = os.waitpid(pid, 0)
-                status = os.waitstatus_to_exitcode(raw)
-                exited_at = time.monotonic()
-            elif fd == conn:
-                # The host never sends more than the request: readable means it
-                # hung up (a cancelled exec).
-                _kill_tree()
-                return
-            else:
-                data = os.read(fd, 1 << 16)
-                if data:
-                    streams[fd].add(data)
-                    if status is not None:
-                        exited_at = time.monotonic()
-                else:
-                    open_fds.discard(fd)
-                    os.close(fd)
-        if status is None and deadline is not None and time.monotonic() >= deadline:
-            timed_out = True
-            _kill_tree()
-            break
-    if status is None:
-        status = -_signal.SIGKILL
+    outcome = _pump(conn, pid, streams, open_fds, deadline)
+    if outcome is None:  # the host hung up: the command's tree is killed, nobody to answer
+        return
+    status, timed_out = outcome
     rc = status if status >= 0 else 128 - status
     answer = rc.to_bytes(4, "little", signed=True) + (1 if timed_out else 0).to_bytes(4, "little")
     answer += streams[out_r].encode() + streams[err_r].encode()

@@ -1,28 +1,16 @@
-"""Building a task's Dockerfile into a layer the local sandbox can start from.
+"""Building a task's Dockerfile into a layer the host root (``root="host"``) can start from.
 
-A host-rooted sandbox cannot honour ``FROM``: the host's ``/usr`` *is* the base
-image. Everything else that matters for data and coding tasks is honoured:
-
-* ``WORKDIR``, ``ENV``, ``ARG`` (its default, or a build argument), ``SHELL``;
-* ``COPY`` / ``ADD`` from the build context (``environment/``);
-* ``RUN``, executed once per distinct environment in a build sandbox that has the
-  host's network (as ``docker build`` does). ``pip install`` works: it installs into
-  the layer's virtual environment (``/opt/venv-layer``), which every sandbox of the
-  environment then shares read-only. ``apt-get install`` of packages the host already
-  has is accepted as a no-op; of missing ones, it fails the build with a clear error.
-
-The result is cached by content hash under ``$TRL_HARBOR_CACHE_DIR`` (default
-``~/.cache/trl-harbor``). A layer is a directory with ``rootfs/`` (copied into each
-sandbox at start: it must be writable there), ``venv/`` (shared read-only) and
-``image.json`` (working directory, environment variables).
+The host's ``/usr`` *is* the base image, so ``FROM`` is not honoured; ``WORKDIR``, ``ENV``,
+``ARG``, ``SHELL``, ``COPY``/``ADD`` from the context and ``RUN`` are. ``RUN`` runs once per
+distinct environment in a build box with the host's network; ``pip install`` goes to the layer's
+venv (``/opt/venv-layer``), shared read-only by its sandboxes; ``apt-get install`` of packages the
+host has is a no-op, of others a clear build error. A layer, cached by content hash (``_cache.py``),
+is ``rootfs/`` (copied into each sandbox at start), ``venv/`` and ``image.json``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -30,25 +18,19 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import tarfile
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path, PurePosixPath
 
 from trl_harbor.sandboxes import _hostfs
-from trl_harbor.sandboxes._aio import KeyedLocks
-from trl_harbor.sandboxes._bwrap import (
-    LAYER_VENV,
-    SANDBOX_VENV,
-    SYSTEM_PATH,
-    Box,
-    BoxConfig,
-    new_box_name,
-    prepare_rootfs,
-    remove_tree,
-    sandbox_python,
-    state_root,
-)
+from trl_harbor.sandboxes._binaries import SYSTEM_PATH, default_cache_dir, sandbox_python
+from trl_harbor.sandboxes._box import Box, BoxConfig
+from trl_harbor.sandboxes._cache import BuildCache
+from trl_harbor.sandboxes._hostfs import remove_tree
+from trl_harbor.sandboxes._lifetime import new_box_name, state_root
+from trl_harbor.sandboxes._mounts import LAYER_VENV, SANDBOX_VENV, prepare_rootfs
+from trl_harbor.sandboxes.errors import ImageBuildError
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +44,6 @@ _BUILD_PASSTHROUGH = (
 )  # fmt: skip
 _IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "HEALTHCHECK", "STOPSIGNAL", "VOLUME", "ONBUILD"}
 _APT_WORDS = {"apt-get", "apt"}
-
-
-class ImageBuildError(RuntimeError):
-    """A task's Dockerfile cannot be built for the local sandbox.
-
-    The message names the Dockerfile, the line and what to do instead.
-    """
 
 
 @dataclass
@@ -178,8 +153,8 @@ class _BuildState:
     workdir_set: bool = False
 
 
-class ImageBuilder:
-    """Builds and caches layers for task environments (one per process is enough).
+class ImageBuilder(BuildCache[Image]):
+    """Builds and caches layers for task environments (one per process is enough: ``_cache.CACHE``).
 
     Args:
         cache_dir: Where layers are kept; defaults to ``$TRL_HARBOR_CACHE_DIR`` or
@@ -188,85 +163,21 @@ class ImageBuilder:
     """
 
     def __init__(self, cache_dir: Path | None = None, build_args: dict[str, str] | None = None):
-        self.cache_dir = Path(
-            cache_dir or os.environ.get("TRL_HARBOR_CACHE_DIR") or Path.home() / ".cache" / "trl-harbor"
-        )
-        self.build_args = dict(build_args or {})
-        self._memo: dict[tuple, Image] = {}
-        self._locks = KeyedLocks()
+        super().__init__(build_args)
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
 
-    # -- keys ------------------------------------------------------------------
+    def _salt(self) -> str:  # the builder and the host Python a layer's venvs use
+        return f"builder={BUILDER_VERSION};python={_python_version()};"
 
-    def _signature(self, environment_dir: Path) -> tuple:
-        entries = []
-        for path in sorted(environment_dir.rglob("*")):
-            with contextlib.suppress(OSError):
-                st = path.lstat()
-                entries.append((str(path), st.st_size, st.st_mtime_ns, st.st_mode))
-        return (str(environment_dir.resolve()), tuple(entries), tuple(sorted(self.build_args.items())))
+    def _folder(self, key: str) -> Path:
+        return self.cache_dir / "layers" / key
 
-    def content_key(self, environment_dir: Path) -> str:
-        """Hash of everything a build depends on: the context, the host Python, the builder."""
-        digest = hashlib.sha256()
-        digest.update(f"builder={BUILDER_VERSION};python={_python_version()};".encode())
-        digest.update(json.dumps(sorted(self.build_args.items())).encode())
-        _hostfs.hash_tree(digest, environment_dir)
-        return digest.hexdigest()[:24]
-
-    # -- public ----------------------------------------------------------------
-
-    async def get(self, environment_dir: Path, task_name: str = "task") -> Image:
-        """Return the layer for ``environment_dir``, building it on first use.
-
-        Concurrent callers (in this process or others) share one build.
-
-        Args:
-            environment_dir: The task's ``environment/`` folder.
-            task_name: Used in error messages.
-
-        Returns:
-            The built image.
-
-        Raises:
-            ImageBuildError: If an instruction cannot be honoured or a ``RUN`` fails.
-        """
-        environment_dir = Path(environment_dir)
-        signature = self._signature(environment_dir)
-        if signature in self._memo:
-            return self._memo[signature]
-        key = await asyncio.to_thread(self.content_key, environment_dir)
-        lock = self._locks(key)
-        async with lock:
-            if signature in self._memo:
-                return self._memo[signature]
-            final = self.cache_dir / "layers" / key
-            if not (final / "image.json").exists():
-                await self._build_locked(environment_dir, final, task_name)
-            image = _load_image(final)
-            self._memo[signature] = image
-            return image
-
-    async def _build_locked(self, environment_dir: Path, final: Path, task_name: str) -> None:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        lock_file = open(final.parent / f"{final.name}.lock", "w")  # noqa: SIM115 - held across awaits
-        try:
-            await asyncio.to_thread(fcntl.flock, lock_file, fcntl.LOCK_EX)
-            if (final / "image.json").exists():  # another process built it meanwhile
-                return
-            staging = final.parent / f".build-{final.name}-{os.getpid()}"
-            remove_tree(staging)
-            try:
-                await self._build(environment_dir, staging, task_name)
-                remove_tree(final)
-                staging.rename(final)
-            finally:
-                remove_tree(staging)
-        finally:
-            lock_file.close()
+    async def _load(self, environment_dir: Path, final: Path, task_name: str) -> Image:
+        return _load_image(final)
 
     # -- the build -------------------------------------------------------------
 
-    async def _build(self, environment_dir: Path, out: Path, task_name: str) -> None:
+    async def _build(self, environment_dir: Path, out: Path, key: str, task_name: str) -> None:
         dockerfile = environment_dir / "Dockerfile"
         rootfs, venv = out / "rootfs", out / "venv"
         rootfs.mkdir(parents=True)
@@ -386,7 +297,7 @@ class ImageBuilder:
             **state.env,
         }
         logger.info("building: RUN %s", command)
-        result = await box.run(
+        result = await box.supervisor.run(
             "set -e\n" + command if not argv else command, cwd=state.workdir, env=env, timeout=3600,
             output_cap=64 * 1024,
         )  # fmt: skip
@@ -449,17 +360,13 @@ def _python_version() -> str:
     return os.path.realpath(sandbox_python()) + ":" + _sandbox_python_version()
 
 
-_VERSION_CACHE: dict[str, str] = {}
-
-
+@cache
 def _sandbox_python_version() -> str:
-    if "v" not in _VERSION_CACHE:
-        out = subprocess.run(
-            [sandbox_python(), "-I", "-S", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        _VERSION_CACHE["v"] = out.stdout.strip()
-    return _VERSION_CACHE["v"]
+    out = subprocess.run(
+        [sandbox_python(), "-I", "-S", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return out.stdout.strip()
 
 
 def make_venv(path: Path, location: str, layer: str | None = None) -> None:
@@ -497,12 +404,3 @@ def make_venv(path: Path, location: str, layer: str | None = None) -> None:
 def _load_image(path: Path) -> Image:
     meta = json.loads((path / "image.json").read_text())
     return Image(path=path, workdir=meta.get("workdir"), env=meta.get("env") or {})
-
-
-def main() -> None:  # pragma: no cover - debugging aid: python -m trl_harbor.sandboxes.image DIR
-    image = asyncio.run(ImageBuilder().get(Path(sys.argv[1])))
-    print(image)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -5,7 +5,7 @@ daemonless builder packaged by Debian, Ubuntu and Fedora, exactly as ``docker bu
 would build it: base images pulled from OCI registries, multi-stage builds,
 ``COPY --from``, ``USER``, ``ARG``/``ENV`` substitution, ``.dockerignore``. The result's
 root, mounted once by buildah (the *image root*), is what every sandbox of the task
-mounts read-only under its own copy-on-write layer (see ``local.py``).
+mounts read-only under its own copy-on-write layer (see ``_roots.py``).
 
 Registries are found the way every containers tool finds them: ``registries.conf``
 (mirrors, insecure registries, short-name aliases; ``CONTAINERS_REGISTRIES_CONF``
@@ -42,14 +42,17 @@ import re
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from trl_harbor.sandboxes import _hostfs
-from trl_harbor.sandboxes._aio import KeyedLocks
-from trl_harbor.sandboxes._bwrap import SYSTEM_PATH, SandboxUnavailableError, _unmount_under, remove_tree
+from trl_harbor.sandboxes._binaries import SYSTEM_PATH, default_cache_dir, which
+from trl_harbor.sandboxes._cache import BuildCache, KeyedLocks
+from trl_harbor.sandboxes._hostfs import remove_tree
+from trl_harbor.sandboxes._mounts import unmount_under
+from trl_harbor.sandboxes.errors import BaseImageUnavailableError, ImageBuildError, ImageError, SandboxUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +64,6 @@ PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "FTP_PROXY", "NO_PROXY", "ALL_PR
 HOST_CA_BUNDLE = "/run/trl-harbor/host-ca.crt"
 _DEFAULT_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 _EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
-
-
-class ImageError(RuntimeError):
-    """Base class of the image errors."""
-
-
-class ImageBuildError(ImageError):
-    """A task's Dockerfile failed to build; the message names the Dockerfile and holds the builder's output."""
-
-
-class BaseImageUnavailableError(ImageBuildError):
-    """A ``FROM`` image could not be pulled; the message names the image, the registries tried and the fixes."""
 
 
 class ImageConfig(BaseModel):
@@ -117,13 +108,13 @@ class ImageRecord(BaseModel):
     config: ImageConfig = Field(default_factory=ImageConfig)
 
 
+@dataclass(eq=False)
 class BuiltImage:
     """A built image: its folder, record and (once :meth:`ImageStore.get` mounted it) root."""
 
-    def __init__(self, path: Path, record: ImageRecord):
-        self.path = path
-        self.record = record
-        self.mountpoint: Path | None = None
+    path: Path
+    record: ImageRecord
+    mountpoint: Path | None = None
 
     @property
     def rootfs(self) -> Path:
@@ -141,15 +132,6 @@ class BuiltImage:
         """The image's run configuration."""
         return self.record.config
 
-    def __repr__(self) -> str:
-        return f"BuiltImage({self.path}, bases={self.record.bases})"
-
-
-def default_cache_dir() -> Path:
-    """``$TRL_HARBOR_CACHE_DIR``, else ``~/.cache/trl-harbor``."""
-    configured = os.environ.get("TRL_HARBOR_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "trl-harbor"
-
 
 @cache
 def buildah_path() -> str:
@@ -158,7 +140,7 @@ def buildah_path() -> str:
     Raises:
         SandboxUnavailableError: If buildah is not installed.
     """
-    found = shutil.which("buildah", path=os.environ.get("PATH", "") + ":" + SYSTEM_PATH)
+    found = which("buildah")
     if not found:
         raise SandboxUnavailableError(
             "Building task images for the local sandbox needs buildah, which is not installed. "
@@ -262,100 +244,31 @@ def base_images(dockerfile_text: str) -> list[str]:
     return images
 
 
-# -- the store ---------------------------------------------------------------------
+# -- buildah ---------------------------------------------------------------------
 
 
-class ImageStore:
-    """Builds task images with buildah and caches their roots by content.
+class Buildah:
+    """buildah on one storage folder: its commands, and the base images in it. With ``debian_bootstrap``, a
+    ``debian:<suite>`` base that cannot be pulled is made from Debian's packages by ``mmdebstrap``, with a warning."""
 
-    Concurrent requests for one image (in this process or others) share one build, and
-    concurrent builds share each base image's pull.
-
-    Args:
-        cache_dir: Cache root (default: :func:`default_cache_dir`).
-        build_args: ``--build-arg`` values for every build.
-        host_trust: Forward the host's proxy settings and CA certificates to builds.
-        debian_bootstrap: When a ``debian:<suite>`` base cannot be pulled, make it from
-            Debian's packages with ``mmdebstrap`` (a machine that reaches a Debian mirror
-            but no registry), with a warning.
-    """
-
-    def __init__(
-        self,
-        cache_dir: Path | None = None,
-        build_args: dict[str, str] | None = None,
-        host_trust: bool = True,
-        debian_bootstrap: bool = True,
-    ):
+    def __init__(self, storage_dir: Path, cache_dir: Path, debian_bootstrap: bool = True):
+        self.storage_dir = storage_dir
+        self.cache_dir = cache_dir
         self.debian_bootstrap = debian_bootstrap
-        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-        self.images_dir = self.cache_dir / "images"
-        self.storage_dir = self.cache_dir / "containers"
-        self.build_args = dict(build_args or {})
-        self.host_trust = host_trust
-        self._memo: dict[tuple, BuiltImage] = {}
         self._locks = KeyedLocks()
 
-    # -- keys --------------------------------------------------------------------
-
-    def content_key(self, environment_dir: Path) -> str:
-        """Hash of everything a build depends on: the Dockerfile, the context, the arguments.
-
-        Args:
-            environment_dir: The task's ``environment/`` folder (the build context).
-
-        Returns:
-            A 24-hex-digit key.
-        """
-        digest = hashlib.sha256()
-        digest.update(f"{BUILDER_VERSION};trust={self.host_trust};".encode())
-        digest.update(json.dumps(sorted(self.build_args.items())).encode())
-        _hostfs.hash_tree(digest, environment_dir)
-        return digest.hexdigest()[:24]
-
-    def _signature(self, environment_dir: Path) -> tuple:
-        entries = []
-        for path in sorted(environment_dir.rglob("*")):
-            with contextlib.suppress(OSError):
-                st = path.lstat()
-                entries.append((str(path), st.st_size, st.st_mtime_ns, st.st_mode))
-        return (str(environment_dir.resolve()), tuple(entries))
-
-    def prebuilt_context(self, ref: str) -> Path:
-        """A build context whose Dockerfile is ``FROM ref`` (for tasks that name a prebuilt image).
-
-        Args:
-            ref: The image reference.
-
-        Returns:
-            The context folder (made once, under the cache).
-        """
-        folder = self.cache_dir / "contexts" / hashlib.sha256(ref.encode()).hexdigest()[:16]
-        if not (folder / "Dockerfile").is_file():
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = folder / f".Dockerfile-{os.getpid()}"
-            partial.write_text(f"FROM {ref}\n")
-            partial.replace(folder / "Dockerfile")
-        return folder
-
-    def cached(self, environment_dir: Path) -> BuiltImage | None:
-        """The cached image for ``environment_dir``, or ``None`` if it is not built."""
-        final = self.images_dir / self.content_key(Path(environment_dir))
-        return load_image(final) if (final / "image.json").exists() else None
-
-    # -- buildah -------------------------------------------------------------------
-
-    def _buildah(self) -> list[str]:
+    def _argv(self) -> list[str]:
         return [
             buildah_path(),
             "--root", str(self.storage_dir / "storage"),
             "--runroot", str(self.storage_dir / "run"),
         ]  # fmt: skip
 
-    async def _run_buildah(self, *args: str, timeout: float = 3600) -> tuple[int, str, str]:
+    async def run(self, *args: str, timeout: float = 3600) -> tuple[int, str, str]:
+        """Run ``buildah ARGS`` on this storage: its exit code, stdout and stderr (killed if cancelled or late)."""
         env = {k: v for k, v in os.environ.items() if k != "BUILDAH_ISOLATION"}
         proc = await asyncio.create_subprocess_exec(
-            *self._buildah(), *args,
+            *self._argv(), *args,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -371,10 +284,19 @@ class ImageStore:
             raise
         return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
 
-    # -- pulls ---------------------------------------------------------------------
+    def run_sync(self, *args: str) -> None:
+        """Run ``buildah ARGS`` on this storage, blocking, for clean-ups whose failure does not matter."""
+        subprocess.run([*self._argv(), *args], capture_output=True, check=False)
+
+    async def inspect(self, image_id: str) -> ImageConfig:
+        """``docker run``'s settings of a built image (``ImageBuildError`` if buildah cannot inspect it)."""
+        rc, stdout, stderr = await self.run("inspect", "--type", "image", image_id)
+        if rc != 0:
+            raise ImageBuildError(f"buildah could not inspect the built image {image_id}: {stderr.strip()}")
+        return image_config(json.loads(stdout))
 
     async def pull(self, ref: str) -> None:
-        """Pull ``ref`` into the store unless it is there; concurrent callers share one pull.
+        """Pull ``ref`` into the storage unless it is there; concurrent callers share one pull.
 
         Args:
             ref: The image reference, as written after ``FROM``.
@@ -384,13 +306,13 @@ class ImageStore:
         """
         lock = self._locks(f"pull:{ref}")
         async with lock:
-            self._private_dirs()
+            _private(self.storage_dir)
             lock_dir = self.storage_dir / "locks"
             lock_dir.mkdir(parents=True, exist_ok=True)
             name = hashlib.sha256(ref.encode()).hexdigest()[:16]
             with open(lock_dir / f"pull-{name}.lock", "w") as lock_file:
                 await asyncio.to_thread(fcntl.flock, lock_file, fcntl.LOCK_EX)
-                rc, _, err = await self._run_buildah("pull", "--quiet", "--policy", "missing", ref)
+                rc, _, err = await self.run("pull", "--quiet", "--policy", "missing", ref)
                 if rc == 0:
                     return
                 suite = debian_suite(ref)
@@ -420,7 +342,7 @@ class ImageStore:
                     + f"\nBootstrapping Debian {suite} with mmdebstrap failed too:\n"
                     + err.decode(errors="replace")[-1500:]
                 )
-            rc, container, err_text = await self._run_buildah("from", "--quiet", "scratch")
+            rc, container, err_text = await self.run("from", "--quiet", "scratch")
             if rc != 0:
                 raise ImageBuildError(f"buildah could not start the Debian image: {err_text.strip()}")
             container = container.strip()
@@ -430,87 +352,117 @@ class ImageStore:
                     ["config", "--env", f"PATH={SYSTEM_PATH}", "--cmd", "bash", container],
                     ["commit", "--quiet", "--rm", container, _qualified(ref)],
                 ):
-                    rc, _, err_text = await self._run_buildah(*step)
+                    rc, _, err_text = await self.run(*step)
                     if rc != 0:
                         raise ImageBuildError(f"making the Debian {suite} image failed: {err_text.strip()}")
             finally:
-                await self._run_buildah("rm", container)
+                await self.run("rm", container)
         finally:
             await asyncio.to_thread(remove_tree, scratch)
 
+    async def load_archive(self, archive: Path, ref: str) -> None:
+        """Load a base image from an archive and name it ``ref`` (see :meth:`ImageStore.load_archive`)."""
+        errors = []
+        for transport in ("oci-archive", "docker-archive"):
+            rc, stdout, stderr = await self.run("pull", "--quiet", f"{transport}:{archive}")
+            if rc == 0:
+                image_id = stdout.strip().splitlines()[-1]
+                for name in {ref, _qualified(ref)}:
+                    rc, _, stderr = await self.run("tag", image_id, name)
+                    if rc != 0:
+                        raise ImageError(f"could not name the loaded image {ref}: {stderr.strip()}")
+                return
+            errors.append(f"{transport}: {stderr.strip()}")
+        raise ImageError(f"{archive} is neither an OCI nor a Docker archive buildah can read:\n" + "\n".join(errors))
+
+
+def _private(*folders: Path) -> None:
+    # Image roots hold the image's setuid programs, owned by the host's root: like
+    # /var/lib/docker, nobody else on the host may reach them.
+    for path in folders:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o700)
+
+
+# -- the store ---------------------------------------------------------------------
+
+
+class ImageStore(BuildCache[BuiltImage]):
+    """Builds task images with buildah and caches their roots by content.
+
+    Concurrent requests for one image (in this process or others) share one build, and
+    concurrent builds share each base image's pull.
+
+    Args:
+        cache_dir: Cache root (default: :func:`default_cache_dir`).
+        build_args: ``--build-arg`` values for every build.
+        host_trust: Forward the host's proxy settings and CA certificates to builds.
+        debian_bootstrap: When a ``debian:<suite>`` base cannot be pulled, make it from
+            Debian's packages with ``mmdebstrap`` (see :class:`Buildah`).
+    """
+
+    def __init__(
+        self,
+        cache_dir: Path | None = None,
+        build_args: dict[str, str] | None = None,
+        host_trust: bool = True,
+        debian_bootstrap: bool = True,
+    ):
+        super().__init__(build_args)
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.images_dir = self.cache_dir / "images"
+        self.storage_dir = self.cache_dir / "containers"
+        self.host_trust = host_trust
+        #: buildah on this store's storage: base images, builds, containers.
+        self.buildah = Buildah(self.storage_dir, self.cache_dir, debian_bootstrap=debian_bootstrap)
+
+    def prebuilt_context(self, ref: str) -> Path:
+        """A build context (made once, under the cache) whose Dockerfile is ``FROM ref``, for a prebuilt image."""
+        folder = self.cache_dir / "contexts" / hashlib.sha256(ref.encode()).hexdigest()[:16]
+        if not (folder / "Dockerfile").is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f".Dockerfile-{os.getpid()}"
+            partial.write_text(f"FROM {ref}\n")
+            partial.replace(folder / "Dockerfile")
+        return folder
+
+    def cached(self, environment_dir: Path) -> BuiltImage | None:
+        """The cached image for ``environment_dir``, or ``None`` if it is not built."""
+        final = self.images_dir / self.content_key(Path(environment_dir))
+        return load_image(final) if (final / "image.json").exists() else None
+
     # -- builds --------------------------------------------------------------------
 
-    async def get(self, environment_dir: Path, task_name: str = "task", force: bool = False) -> BuiltImage:
-        """Return the image for ``environment_dir``, building it on first use.
+    def _salt(self) -> str:
+        return f"{BUILDER_VERSION};trust={self.host_trust};"
 
-        Args:
-            environment_dir: The task's ``environment/`` folder (with its ``Dockerfile``).
-            task_name: Used in error messages.
-            force: Rebuild even if a cached image exists.
+    def _folder(self, key: str) -> Path:
+        return self.images_dir / key
 
-        Returns:
-            The built image.
-
-        Raises:
-            ImageBuildError: If the build fails (the message holds the builder's output).
-            BaseImageUnavailableError: If a ``FROM`` image cannot be pulled.
-        """
-        environment_dir = Path(environment_dir)
-        signature = self._signature(environment_dir)
-        if not force and signature in self._memo:
-            return self._memo[signature]
-        key = await asyncio.to_thread(self.content_key, environment_dir)
-        lock = self._locks(key)
-        async with lock:
-            if not force and signature in self._memo:
-                return self._memo[signature]
-            final = self.images_dir / key
-            await self._build_locked(environment_dir, final, task_name, force)
+    async def _load(self, environment_dir: Path, final: Path, task_name: str) -> BuiltImage:
+        image = load_image(final)
+        if not await self._mount(image):
+            # Its container is gone (removed with buildah, or the storage was reset): rebuild.
+            logger.warning("the image of task %r lost its container; rebuilding it", task_name)
+            await self._build_locked(environment_dir, final, task_name, True)
             image = load_image(final)
             if not await self._mount(image):
-                # Its container is gone (removed with buildah, or the storage was reset): rebuild.
-                logger.warning("the image of task %r lost its container; rebuilding it", task_name)
-                await self._build_locked(environment_dir, final, task_name, True)
-                image = load_image(final)
-                if not await self._mount(image):
-                    raise ImageBuildError(f"task {task_name!r}: buildah could not mount the image it built")
-            self._memo[signature] = image
-            return image
+                raise ImageBuildError(f"task {task_name!r}: buildah could not mount the image it built")
+        return image
 
     async def _mount(self, image: BuiltImage) -> bool:
         if not image.record.container:
             return False
-        rc, stdout, _ = await self._run_buildah("mount", image.record.container)
+        rc, stdout, _ = await self.buildah.run("mount", image.record.container)
         path = Path(stdout.strip().splitlines()[-1]) if rc == 0 and stdout.strip() else None
         if path is None or not path.is_dir():
             return False
         image.mountpoint = path
         return True
 
-    def _private_dirs(self) -> None:
-        # Image roots hold the image's setuid programs, owned by the host's root: like
-        # /var/lib/docker, nobody else on the host may reach them.
-        for path in (self.images_dir, self.storage_dir):
-            path.mkdir(parents=True, exist_ok=True)
-            path.chmod(0o700)
-
     async def _build_locked(self, environment_dir: Path, final: Path, task_name: str, force: bool) -> None:
-        self._private_dirs()
-        with open(final.parent / f"{final.name}.lock", "w") as lock_file:
-            await asyncio.to_thread(fcntl.flock, lock_file, fcntl.LOCK_EX)
-            if (final / "image.json").exists() and not force:
-                return
-            staging = final.parent / f".build-{final.name}-{os.getpid()}"
-            await asyncio.to_thread(remove_tree, staging)
-            try:
-                await self._build(environment_dir, staging, final.name, task_name)
-                old = final.parent / f".old-{final.name}-{os.getpid()}"
-                if final.exists():
-                    final.rename(old)
-                staging.rename(final)
-                await asyncio.to_thread(remove_tree, old)
-            finally:
-                await asyncio.to_thread(remove_tree, staging)
+        _private(self.images_dir, self.storage_dir)
+        await super()._build_locked(environment_dir, final, task_name, force)
 
     async def _build(self, environment_dir: Path, out: Path, key: str, task_name: str) -> None:
         dockerfile = environment_dir / "Dockerfile"
@@ -518,7 +470,7 @@ class ImageStore:
             raise ImageBuildError(f"task {task_name!r}: {dockerfile} does not exist (every task needs one)")
         started = time.monotonic()
         bases = base_images(dockerfile.read_text())
-        await asyncio.gather(*(self.pull(ref) for ref in bases))
+        await asyncio.gather(*(self.buildah.pull(ref) for ref in bases))
         out.mkdir(parents=True)
         args = [
             # --layers: steps shared by tasks (same parent, same instruction, same files) are built once.
@@ -536,7 +488,7 @@ class ImageStore:
                 args += ["-v", f"{source}:{target}:ro"]
         args.append(str(environment_dir))
         logger.info("building the image of task %r (%s)", task_name, environment_dir)
-        rc, stdout, stderr = await self._run_buildah(*args)
+        rc, stdout, stderr = await self.buildah.run(*args)
         if rc != 0:
             output = (stdout + stderr).strip()
             pull = re.search(r"(initializing source|pinging container registry|reading manifest|"
@@ -550,14 +502,14 @@ class ImageStore:
                 f"Its last output:\n{output[-4000:]}"
             )
         image_id = (out / "iid").read_text().strip()
-        config = await self._inspect(image_id)
+        config = await self.buildah.inspect(image_id)
         # The image's root is a buildah container's mounted root: no copy, layers shared.
         container = f"trl-harbor-{key}"
-        await self._run_buildah("rm", container)  # left by an earlier build of this key, if any
-        rc, _, stderr = await self._run_buildah("from", "--quiet", "--pull=false", "--name", container, image_id)
+        await self.buildah.run("rm", container)  # left by an earlier build of this key, if any
+        rc, _, stderr = await self.buildah.run("from", "--quiet", "--pull=false", "--name", container, image_id)
         if rc != 0:
             raise ImageBuildError(f"task {task_name!r}: buildah could not use the image it built: {stderr.strip()}")
-        rc, stdout, stderr = await self._run_buildah("mount", container)
+        rc, stdout, stderr = await self.buildah.run("mount", container)
         if rc != 0:
             raise ImageBuildError(f"task {task_name!r}: buildah could not mount the image it built: {stderr.strip()}")
         prepare_image_root(Path(stdout.strip().splitlines()[-1]), config.workdir)
@@ -572,12 +524,6 @@ class ImageStore:
             config=config,
         )
         (out / "image.json").write_text(record.model_dump_json(indent=2))
-
-    async def _inspect(self, image_id: str) -> ImageConfig:
-        rc, stdout, stderr = await self._run_buildah("inspect", "--type", "image", image_id)
-        if rc != 0:
-            raise ImageBuildError(f"buildah could not inspect the built image {image_id}: {stderr.strip()}")
-        return image_config(json.loads(stdout))
 
     # -- maintenance ------------------------------------------------------------------
 
@@ -594,9 +540,9 @@ class ImageStore:
     def remove(self, image: BuiltImage) -> None:
         """Delete a built image: its container, its own layers and its record (not while sandboxes use it)."""
         if image.record.container:
-            subprocess.run([*self._buildah(), "rm", image.record.container], capture_output=True, check=False)
+            self.buildah.run_sync("rm", image.record.container)
         if image.record.image_id:
-            subprocess.run([*self._buildah(), "rmi", image.record.image_id], capture_output=True, check=False)
+            self.buildah.run_sync("rmi", image.record.image_id)
         remove_tree(image.path)
         self._memo = {k: v for k, v in self._memo.items() if v.path != image.path}
 
@@ -611,28 +557,17 @@ class ImageStore:
         Raises:
             ImageError: If buildah cannot read the archive.
         """
-        self._private_dirs()
-        errors = []
-        for transport in ("oci-archive", "docker-archive"):
-            rc, stdout, stderr = await self._run_buildah("pull", "--quiet", f"{transport}:{archive}")
-            if rc == 0:
-                image_id = stdout.strip().splitlines()[-1]
-                for name in {ref, _qualified(ref)}:
-                    rc, _, stderr = await self._run_buildah("tag", image_id, name)
-                    if rc != 0:
-                        raise ImageError(f"could not name the loaded image {ref}: {stderr.strip()}")
-                return
-            errors.append(f"{transport}: {stderr.strip()}")
-        raise ImageError(f"{archive} is neither an OCI nor a Docker archive buildah can read:\n" + "\n".join(errors))
+        _private(self.images_dir, self.storage_dir)
+        await self.buildah.load_archive(archive, ref)
 
     def release_mounts(self) -> None:
         """Detach what buildah's storage keeps mounted (e.g. before deleting the cache folder)."""
-        subprocess.run([*self._buildah(), "umount", "--all"], capture_output=True, check=False)
-        _unmount_under(self.storage_dir)
+        self.buildah.run_sync("umount", "--all")
+        unmount_under(self.storage_dir)
 
     async def prune_bases(self) -> None:
         """Remove base images no longer needed from buildah's storage."""
-        await self._run_buildah("rmi", "--prune")
+        await self.buildah.run("rmi", "--prune")
 
 
 #: Folders every image root gets, as ``docker run`` provides them: mount points, and
@@ -702,14 +637,7 @@ def _qualified(ref: str) -> str:
 
 
 def image_config(inspect: dict) -> ImageConfig:
-    """Read ``docker run``'s settings from ``buildah inspect --type image`` output.
-
-    Args:
-        inspect: The parsed JSON.
-
-    Returns:
-        The image's configuration.
-    """
+    """``docker run``'s settings of an image, from the parsed ``buildah inspect --type image`` output."""
     config = (inspect.get("OCIv1") or {}).get("config") or {}
     env: dict[str, str] = {}
     for item in config.get("Env") or []:

@@ -1,0 +1,143 @@
+"""The programs a box runs: host tools (bubblewrap, ``setpriv``, Python) and this package's C
+helpers (``_supervisor.c``, ``_runas.c``), compiled on first use and cached by source hash."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from trl_harbor.sandboxes.errors import SandboxUnavailableError
+
+logger = logging.getLogger(__name__)
+
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def default_cache_dir() -> Path:
+    """``$TRL_HARBOR_CACHE_DIR``, else ``~/.cache/trl-harbor`` (layers, images, compiled helpers)."""
+    configured = os.environ.get("TRL_HARBOR_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "trl-harbor"
+
+
+def which(tool: str) -> str | None:
+    """``tool``'s path on ``PATH`` or in the system folders, or ``None``."""
+    return shutil.which(tool, path=os.environ.get("PATH", "") + ":" + SYSTEM_PATH)
+
+
+@cache
+def bwrap_path() -> str:
+    """Return the path of the ``bwrap`` executable.
+
+    Raises:
+        SandboxUnavailableError: If bubblewrap is not installed.
+    """
+    found = which("bwrap")
+    if not found:
+        raise SandboxUnavailableError(
+            "The local sandbox needs bubblewrap, which is not installed. Install it with "
+            "`apt-get install bubblewrap` (Debian/Ubuntu), `dnf install bubblewrap` (Fedora) "
+            "or your distribution's package, or use another environment_type (e.g. 'docker')."
+        )
+    return found
+
+
+@cache
+def pdeathsig_prefix() -> tuple[str, ...]:
+    """``setpriv --pdeathsig KILL --`` (util-linux), where it exists, to start bubblewrap with.
+
+    bubblewrap's ``--die-with-parent`` arms itself only part-way through setting up the sandbox;
+    an owner that dies (``kill -9``) before that left the bubblewrap process waiting forever.
+    Armed before ``exec``, the signal covers bubblewrap's whole life.
+    """
+    tool = which("setpriv")
+    if tool is None:
+        return ()
+    try:
+        usage = subprocess.run([tool, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return (tool, "--pdeathsig", "KILL", "--") if "--pdeathsig" in usage else ()
+
+
+@cache
+def sandbox_python() -> str:
+    """The host Python that runs inside sandboxes (a system interpreter under ``/usr``)."""
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(candidate):
+            return candidate
+    raise SandboxUnavailableError(
+        "The local sandbox runs Python from the host's /usr (it is the sandbox's base "
+        "image), but /usr/bin/python3 does not exist. Install python3 (`apt-get install "
+        "python3 python3-venv`)."
+    )
+
+
+@cache
+def supervisor_source() -> bytes:
+    """The Python supervisor's source (piped to the box's Python when there is no C compiler)."""
+    return resources.files("trl_harbor.sandboxes").joinpath("_supervisor.py").read_bytes()
+
+
+def _compile(name: str, static: bool) -> tuple[str | None, str]:
+    """Compile ``_<name>.c`` of this package once: ``(binary or None, why not)``."""
+    source = resources.files("trl_harbor.sandboxes").joinpath(f"_{name}.c").read_bytes()
+    bin_dir = default_cache_dir() / "bin"
+    binary = bin_dir / f"{name}{'-static' if static else ''}-{hashlib.sha256(source).hexdigest()[:16]}"
+    if binary.exists():
+        return str(binary), ""
+    compiler = which(os.environ.get("CC", "cc")) or which("gcc") or which("clang")
+    if compiler is None:
+        return None, "no C compiler found"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=bin_dir) as scratch:
+        src, out = Path(scratch) / f"{name}.c", Path(scratch) / name
+        src.write_bytes(source)
+        flags = ["-O2", *(["-static"] if static else [])]
+        result = subprocess.run([compiler, *flags, "-o", str(out), str(src)], capture_output=True, text=True)
+        if result.returncode != 0:
+            return None, result.stderr.strip()
+        out.replace(binary)  # atomic: concurrent builders race harmlessly
+    return str(binary), ""
+
+
+@cache
+def supervisor_binary() -> str | None:
+    """The compiled C supervisor, built on first use and cached by source hash.
+
+    Returns ``None`` (the Python supervisor is used) when ``TRL_HARBOR_SUPERVISOR=python``
+    or no C compiler is available.
+    """
+    if os.environ.get("TRL_HARBOR_SUPERVISOR", "").lower() == "python":
+        return None
+    binary, error = _compile("supervisor", static=False)
+    if binary is None and error == "no C compiler found":
+        logger.info("no C compiler found: the local sandbox uses its Python supervisor (slower start)")
+    elif binary is None:
+        logger.warning("compiling the sandbox supervisor failed, using the Python one: %s", error[-2000:])
+    return binary
+
+
+@cache
+def static_binary(name: str) -> str:
+    """The path of ``_<name>.c`` (``"supervisor"``, ``"runas"``) compiled statically, once.
+
+    Image roots have their own C library, or none: what runs in them must not depend on the host's.
+
+    Raises:
+        SandboxUnavailableError: If no C compiler can link statically.
+    """
+    binary, error = _compile(name, static=True)
+    if binary is None:
+        raise SandboxUnavailableError(
+            "Sandboxes on task images run a small statically linked supervisor, which could not be "
+            f"compiled ({error[-1500:]}). Install a C compiler and the static C library (`apt-get install gcc "
+            "libc6-dev`), or run tasks on the host root (environment kwarg root='host')."
+        )
+    return binary

@@ -1,0 +1,606 @@
+"""One bubblewrap sandbox: a long-lived set of namespaces and the commands run in it.
+
+``Box`` is the mechanism under both roots of the local Harbor environment and the host root's
+layer builder. It knows nothing of Harbor: it mounts a root directory at ``/``, starts
+bubblewrap once with a supervisor as the box's init (``_supervisor.py``), runs commands through
+it over a Unix socket (:class:`SupervisorClient`), and tears everything down on ``kill``.
+
+Its :class:`BoxConfig` says what it gets: its namespaces (all its own today, set up from the
+config by :func:`namespace_args` and :func:`map_ids` alone, so a box that joins another's has one
+place to say so), its mounts (``_mounts.py``), its network (none, or :class:`UserNetwork`), its
+limits (``_cgroups.py`` as root, else rlimits; the storage guard of ``_storage.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from trl_harbor.sandboxes import _lifetime, _storage
+from trl_harbor.sandboxes._binaries import (
+    SYSTEM_PATH,
+    bwrap_path,
+    pdeathsig_prefix,
+    sandbox_python,
+    static_binary,
+    supervisor_binary,
+    supervisor_source,
+    which,
+)
+from trl_harbor.sandboxes._cgroups import Cgroups
+from trl_harbor.sandboxes._hostfs import remove_tree
+from trl_harbor.sandboxes._mounts import LAYER_VENV, host_system_args, kernel_fs_args, prepare_rootfs, unmount
+from trl_harbor.sandboxes.errors import SandboxCommandError, SandboxError, SandboxStartError, SandboxTimeoutError
+
+NetworkMode = Literal["none", "user", "host"]
+#: uids and gids an image-rooted box maps (identity: the image root's owners are kept).
+ID_MAP_RANGE = 65536
+#: The user-mode stack's DNS forwarder, as seen from the box.
+SLIRP_GATEWAY_DNS = "10.0.2.3"
+# What the sandbox's root may do: Docker's default capability set. Notably absent:
+# CAP_SYS_ADMIN (no mounts, so nothing can be hidden under a mount before the
+# verifier runs), CAP_SYS_PTRACE (the supervisor cannot be traced) and
+# CAP_LINUX_IMMUTABLE (no file the verifier must replace can be made immutable).
+SANDBOX_CAPS = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+)  # fmt: skip
+
+
+def namespace_args(*, network: NetworkMode, switchable: bool, hostname: str, block_fd: int | None) -> list[str]:
+    """bubblewrap's namespace, capability and process options for a box (see ``BoxConfig``); with
+    ``block_fd``, it waits on it while the host maps the box's ids (:func:`map_ids`), else maps uid 0."""
+    args = [
+        "--unshare-user", "--uid", "0", "--gid", "0",
+        *(("--userns-block-fd", str(block_fd)) if block_fd is not None else ()),
+        "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--die-with-parent", "--new-session",
+        "--cap-drop", "ALL", *(arg for cap in SANDBOX_CAPS for arg in ("--cap-add", cap)),
+        "--hostname", hostname,
+    ]  # fmt: skip
+    if network != "host":
+        args.append("--unshare-net")
+    if network != "user" and not switchable and block_fd is None:
+        # (Mapped ids: bubblewrap cannot combine this with --userns-block-fd; map_ids
+        # sets the same limit from the host.)
+        # No nested user namespaces (their root would regain every capability in
+        # them). Not with slirp4netns: it must join the box's own user namespace to
+        # reach its network, which the nesting hides.
+        args.append("--disable-userns")
+    return args
+
+
+async def map_ids(info_fd: int, block_fd: int) -> int:
+    """Map uids and gids ``0..ID_MAP_RANGE-1`` of the box to the same host ids (root only), return its init's PID.
+
+    bubblewrap waits on ``block_fd`` meanwhile. Then nested user namespaces are forbidden in the
+    box (their root would regain every capability in them), as ``--disable-userns`` does for
+    host-rooted boxes: ``user.max_user_namespaces = 0``, set from inside it by ``nsenter``.
+    """
+    pid = await asyncio.to_thread(read_child_pid, info_fd)
+    try:
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{name}", "w") as handle:
+                handle.write(f"0 0 {ID_MAP_RANGE}\n")
+    except OSError as error:
+        raise SandboxStartError(f"could not map the image's users into the sandbox: {error}") from error
+    result = subprocess.run(
+        [which("nsenter") or "nsenter", f"--user=/proc/{pid}/ns/user", "--", "/bin/sh", "-c",
+         "echo 0 > /proc/sys/user/max_user_namespaces"],
+        capture_output=True, text=True, env={"PATH": SYSTEM_PATH},
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise SandboxStartError(f"could not forbid nested user namespaces in the sandbox: {result.stderr.strip()}")
+    os.write(block_fd, b"1")
+    return pid
+
+
+def read_child_pid(fd: int) -> int:
+    """The host PID of the box's init, from bubblewrap's ``--info-fd`` (blocking)."""
+    data = b""
+    while b"}" not in data:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return int(json.loads(data[: data.index(b"}") + 1])["child-pid"])
+    except (ValueError, KeyError) as error:
+        raise SandboxStartError(f"bubblewrap did not report its child process: {data!r}") from error
+
+
+@dataclass
+class BoxConfig:
+    """How to build one box.
+
+    Attributes:
+        rootfs: Host directory mounted writable at ``/`` inside the box.
+        layer_venv: Host directory mounted at ``/opt/venv-layer`` (the shared Python layer).
+        layer_writable: Mount the layer read-write (only while building it).
+        network: ``"none"`` (own empty network namespace), ``"user"`` (own namespace
+            with a user-mode stack, no access to the host's loopback) or ``"host"``
+            (the host's network; used for image builds, like ``docker build``).
+        memory_mb: Memory limit, or ``None``.
+        cpus: CPU limit, or ``None``.
+        pids_max: Limit on the number of processes, or ``None``.
+        hostname: The box's host name.
+        extra_ro_binds: More ``(host path, box path)`` read-only mounts.
+        image_root: ``rootfs`` is a complete image root (its own ``/usr``, ``/etc``):
+            nothing of the host is mounted, the supervisor is linked statically, and
+            the box's user namespace maps uids and gids 0-65535 (needs root), so the
+            image's users, ``chown`` and ``useradd`` work.
+        network_switchable: The network may be switched between ``"none"`` and ``"user"``
+            while the box runs (:meth:`Box.set_network`), e.g. no network for the agent and
+            the task's network for its verifier.
+        storage_mb: Bound on what the box writes to its tree, or ``None``: each of its files
+            (``RLIMIT_FSIZE``) and, polled by the host's storage guard (``_storage.py``), their
+            total; a box past it is killed. Boxes with a bound are also killed when the host's
+            free space falls under its reserve and they wrote the most. Their ``/dev`` is
+            read-only but for ``/dev/shm``, a tmpfs of ``_mounts.DEV_SHM_BYTES``.
+    """
+
+    rootfs: Path
+    layer_venv: Path | None = None
+    layer_writable: bool = False
+    network: NetworkMode = "none"
+    memory_mb: int | None = None
+    cpus: float | None = None
+    pids_max: int | None = 4096
+    hostname: str = "sandbox"
+    extra_ro_binds: list[tuple[str, str]] = field(default_factory=list)
+    image_root: bool = False
+    network_switchable: bool = False
+    storage_mb: int | None = None
+
+
+def _bwrap_command(c: BoxConfig, state_dir: Path, info_fd: int | None, block_fd: int | None) -> list[str]:
+    """bubblewrap's command line for a box, up to the supervisor: its namespaces, then its mounts in order."""
+    args = [
+        bwrap_path(),
+        *namespace_args(network=c.network, switchable=c.network_switchable, hostname=c.hostname, block_fd=block_fd),
+        "--bind", str(c.rootfs), "/",
+        *(() if c.image_root else host_system_args()),
+    ]  # fmt: skip
+    if c.network == "user" or c.network_switchable:
+        resolv = state_dir / "resolv.conf"
+        resolv.write_text(f"nameserver {SLIRP_GATEWAY_DNS}\n")
+        args += ["--ro-bind", str(resolv), "/etc/resolv.conf"]
+    args += kernel_fs_args(storage_bound=bool(c.storage_mb))
+    if c.layer_venv is not None:
+        args += ["--bind" if c.layer_writable else "--ro-bind", str(c.layer_venv), LAYER_VENV]
+    for source, target in c.extra_ro_binds:
+        args += ["--ro-bind", source, target]
+    if info_fd is not None:
+        args += ["--info-fd", str(info_fd)]
+    return args + ["--chdir", "/", "--clearenv"]
+
+
+def _rlimits(config: BoxConfig, cgroups: bool) -> list[int]:
+    """The address-space, file-size and process rlimits the supervisor sets for every command (0: none)."""
+    # No writable cgroups (not root): each process's address space is bounded instead, and the
+    # processes by RLIMIT_NPROC, which counts a uid's processes in its own user namespace
+    # (Linux >= 5.14), i.e. this box's. Host root is exempt from it, but the pids cgroup bounds it.
+    address_space = 0 if cgroups or not config.memory_mb else config.memory_mb * 1024 * 1024 * 2
+    processes = 0 if cgroups or not config.pids_max else config.pids_max
+    return [address_space, (config.storage_mb or 0) * 1024 * 1024, processes]
+
+
+def _supervisor(config: BoxConfig) -> str | None:
+    """The supervisor binary a box runs (``None``: the Python one), once its root is ready for it."""
+    if not config.image_root:
+        prepare_rootfs(config.rootfs)
+        return supervisor_binary()
+    if os.geteuid() != 0:
+        raise SandboxStartError(
+            "sandboxes on task images need root for now (the image's users are mapped "
+            "into the sandbox, and its copy-on-write root is mounted on the host); run as "
+            "root, or run tasks on the host root (environment kwarg root='host')"
+        )
+    return static_binary("supervisor")
+
+
+class Box:
+    """A running bubblewrap sandbox; its commands go through :attr:`supervisor`.
+
+    ``state_dir`` holds its socket; ``name`` (default: ``state_dir``'s) names its cgroups;
+    ``owned_dir`` goes with it, also at exit."""
+
+    def __init__(self, config: BoxConfig, state_dir: Path, name: str | None = None, owned_dir: Path | None = None):
+        self.config = config
+        self.owned_dir = owned_dir
+        self.state_dir = state_dir
+        #: Runs commands in the box, lists and kills its processes.
+        self.supervisor = SupervisorClient(state_dir / "supervisor.sock")
+        self._proc: asyncio.subprocess.Process | None = None
+        self._network = UserNetwork()
+        self._child_pid: int | None = None
+        self._cgroups = Cgroups(name or state_dir.name, config.memory_mb, config.cpus, config.pids_max)
+        #: Host mounts (the copy-on-write root) to detach when the box goes.
+        self.mounts: list[Path] = []
+        #: Why the storage guard killed the box (see ``_storage.py``), or ``None``.
+        self.storage_reason: str | None = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the box is stopped (or being stopped): it takes no more commands."""
+        return self.supervisor.closed
+
+    async def start(self) -> None:
+        """Start bubblewrap and the supervisor, and wait until it accepts commands (``SandboxStartError``)."""
+        if _lifetime.EXITING:
+            raise SandboxStartError("this process is exiting: no new sandbox starts")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        binary = _supervisor(self.config)
+        self._cgroups.create()
+        info_r, block_w = await self._spawn(binary)
+        try:
+            if _lifetime.EXITING:  # the exit's sweep may have run while bubblewrap was being started
+                self.kill_now()
+                raise SandboxStartError("this process is exiting: no new sandbox starts")
+            await self._until_ready(binary, info_r, block_w)
+        except BaseException:
+            await self.kill()
+            raise
+        finally:
+            for fd in (info_r, block_w):
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+
+    async def _spawn(self, binary: str | None) -> tuple[int | None, int | None]:
+        """Run bubblewrap with the supervisor as the box's init; return the host's ends of its info and block pipes."""
+        info_r = info_w = block_r = block_w = exe_fd = None
+        if self.config.network == "user" or self.config.network_switchable or self.config.image_root:
+            info_r, info_w = os.pipe()
+        if self.config.image_root:
+            block_r, block_w = os.pipe()
+        if binary is not None:
+            # Executed through its descriptor: the binary appears nowhere in the box.
+            exe_fd = os.open(binary, os.O_RDONLY)
+        supervisor = [f"/proc/self/fd/{exe_fd}"] if exe_fd is not None else [sandbox_python(), "-I", "-S", "-"]
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.supervisor.socket_path))
+        listener.listen(128)
+        limits = _rlimits(self.config, bool(self._cgroups.paths))
+        command = [*_bwrap_command(self.config, self.state_dir, info_w, block_r), *supervisor]
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *pdeathsig_prefix(), *command, str(listener.fileno()), *map(str, limits),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=[listener.fileno(), *(fd for fd in (info_w, exe_fd, block_r) if fd is not None)],
+                env={"PATH": SYSTEM_PATH},  # /proc/1/environ in the box shows nothing of ours
+                cwd="/",
+                start_new_session=True,
+            )  # fmt: skip
+        except OSError as error:
+            self._cleanup_files()
+            for fd in (info_r, block_w):
+                if fd is not None:
+                    os.close(fd)
+            raise SandboxStartError(f"could not run bubblewrap: {error}") from error
+        finally:
+            listener.close()
+            for fd in (info_w, exe_fd, block_r):
+                if fd is not None:
+                    os.close(fd)
+        _lifetime.LIVE.add(self)
+        return info_r, block_w
+
+    async def _until_ready(self, binary: str | None, info_r: int | None, block_w: int | None) -> None:
+        """Finish the box's namespaces, wait for its supervisor's "ready", then bound and connect it."""
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        child_pid = None if block_w is None or info_r is None else await map_ids(info_r, block_w)
+        if binary is None:
+            proc.stdin.write(supervisor_source())
+        proc.stdin.close()
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
+        if line.strip() != b"ready":
+            stderr = b""
+            with contextlib.suppress(asyncio.TimeoutError):
+                stderr = await asyncio.wait_for(proc.stderr.read(), timeout=2)
+            why = stderr.decode(errors="replace").strip() or "no error output"
+            raise SandboxStartError(f"bubblewrap failed to start the sandbox: {why}")
+        if self._cgroups.paths:
+            # The box's processes so far (bwrap and the supervisor) join its cgroups before any
+            # command runs; every later process is forked from them and so is counted too.
+            self._cgroups.join(_process_tree(proc.pid))
+        if info_r is not None and child_pid is None:
+            child_pid = await asyncio.to_thread(read_child_pid, info_r)
+        self._child_pid = child_pid
+        if self.config.network == "user" and child_pid is not None:
+            # Only once bubblewrap has finished setting up the namespace's loopback:
+            # configuring it concurrently races on netlink.
+            await self._network.attach(child_pid)
+        if self.config.storage_mb:
+            # What the box holds now (the task's files) is its baseline: its bound counts what it writes.
+            tree = self.owned_dir or self.config.rootfs
+            await asyncio.to_thread(_storage.GUARD.watch, self, tree, self.config.storage_mb * 1024 * 1024)
+
+    async def set_network(self, network: NetworkMode) -> None:
+        """Attach (``"user"``) or detach (``"none"``) the box's user-mode network; open connections break.
+
+        Raises:
+            SandboxError: If the box was not started with ``network_switchable`` (or is stopped).
+        """
+        if network == ("user" if self._network.proc is not None else "none"):
+            return
+        switchable = self.config.network_switchable or self.config.network == "user"
+        if self.closed or self._child_pid is None or not switchable:
+            raise SandboxError("this sandbox's network cannot be switched (start it with network_switchable=True)")
+        if network == "user":
+            await self._network.attach(self._child_pid)
+        else:
+            await self._network.detach()
+
+    def resource_exhaustion(self) -> str | None:
+        """Which of its limits the box ran into, or ``None``.
+
+        Memory and processes from its cgroups' event counters (as root only), storage from the
+        storage guard (with or without root)."""
+        found = [reason for reason in (self.storage_reason, self._cgroups.exhaustion()) if reason]
+        return "; ".join(found) or None
+
+    def storage_exhausted(self, reason: str) -> None:
+        """Kill the box, which wrote past its storage bound or into the host's reserve, and free its tree now.
+
+        ``reason`` (the storage guard's) is what :meth:`resource_exhaustion` reports.
+        """
+        self.storage_reason = reason
+        pids = self.host_pids()
+        self._signal_all()
+        # Its tree cannot be removed while the dying box still has it mounted (EBUSY).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.005)
+        self.kill_now()
+
+    def host_pids(self) -> list[int]:
+        """Host PIDs of the box's processes (bubblewrap and its descendants); empty once stopped."""
+        if self.closed or self._proc is None:
+            return []
+        return _process_tree(self._proc.pid)
+
+    def kill_now(self) -> None:
+        """Kill every process of the box and remove its state, synchronously (idempotent; safe at exit)."""
+        if not self._closing():
+            return
+        self._signal_all()
+        self._release()
+        if self.owned_dir is not None:
+            with contextlib.suppress(OSError):
+                remove_tree(self.owned_dir)
+
+    async def kill(self) -> None:
+        """Kill every process of the box, wait for bubblewrap, and remove its state."""
+        if not self._closing():
+            return
+        died_before = self._proc is not None and self._proc.returncode is not None
+        self._signal_all()
+        for proc in (self._network.proc, self._proc):
+            if proc is not None:
+                with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
+                    await asyncio.wait_for(proc.wait(), timeout=10)
+        if died_before:
+            # bubblewrap was killed from outside (or crashed), perhaps before its sandbox-side
+            # half armed --die-with-parent: that half, in its own session, would wait forever.
+            await asyncio.to_thread(_lifetime.kill_bubblewraps_of, self._cgroups.name)
+        self._release()
+
+    def unmount(self) -> None:
+        """Detach the box's host mounts (idempotent)."""
+        while self.mounts:
+            with contextlib.suppress(OSError):
+                unmount(self.mounts.pop())
+
+    def _closing(self) -> bool:
+        """Mark the box stopped (no more commands, no more storage polls); ``False`` if it already was."""
+        if self.closed:
+            return False
+        self.supervisor.closed = True
+        _storage.GUARD.forget(self)
+        return True
+
+    def _signal_all(self) -> None:
+        for proc in (self._network.proc, self._proc):
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    # bwrap runs in its own session: kill the whole process group;
+                    # the box's PID namespace dies with its init (--die-with-parent).
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+    def _release(self) -> None:
+        # Usually empty by now; anything that escaped the namespace's death is killed here.
+        self._cgroups.kill_and_remove()
+        self._cleanup_files()
+        self.unmount()
+        _lifetime.LIVE.discard(self)
+
+    def _cleanup_files(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.supervisor.socket_path.unlink()
+        self._network.close()
+
+
+class UserNetwork:
+    """A user-mode network stack (slirp4netns) in a box's network namespace, not reaching the host's loopback.
+
+    It exits when its exit pipe closes, whose write end only this process holds: with it, however it dies."""
+
+    def __init__(self) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+        self._exit_w: int | None = None
+
+    async def attach(self, child_pid: int) -> None:
+        """Attach a stack to the network namespace of ``child_pid`` (the box's init; ``SandboxStartError``)."""
+        tool = which("slirp4netns")
+        if tool is None:
+            raise SandboxStartError(
+                "this task allows network access, which the local sandbox provides through "
+                "slirp4netns (never the host's own network); install it with `apt-get install "
+                "slirp4netns`, or set the task's network policy to no-network"
+            )
+        ready_r, ready_w = os.pipe()
+        exit_r, exit_w = os.pipe()
+        os.set_inheritable(exit_w, False)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                tool, "--configure", "--mtu=65520", "--disable-host-loopback",
+                "--ready-fd", str(ready_w), "--exit-fd", str(exit_r), str(child_pid), "tap0",
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=[ready_w, exit_r],
+                start_new_session=True,
+            )  # fmt: skip
+            os.close(ready_w)
+            ready_w = -1
+            os.close(exit_r)
+            self._exit_w, exit_w = exit_w, -1
+            if await asyncio.to_thread(os.read, ready_r, 1) != b"1":
+                err = await self.proc.stderr.read() if self.proc.stderr else b""
+                raise SandboxStartError(f"slirp4netns failed: {err.decode(errors='replace').strip()}")
+        finally:
+            for fd in (ready_r, ready_w, exit_w):
+                if fd >= 0:
+                    os.close(fd)
+
+    async def detach(self) -> None:
+        """Stop the stack (the namespace keeps its loopback only); connections open at the switch break."""
+        proc, self.proc = self.proc, None
+        self.close()
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                proc.kill()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(proc.wait(), timeout=10)
+
+    def close(self) -> None:
+        """Close the exit pipe: the stack exits by itself (idempotent; safe at exit)."""
+        if self._exit_w is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._exit_w)
+            self._exit_w = None
+
+
+class SupervisorClient:
+    """Requests to one box's supervisor, one per connection to its socket (protocol: ``_supervisor.py``)."""
+
+    def __init__(self, socket_path: Path):
+        self.socket_path = socket_path
+        #: Set when the box is being stopped: every request fails from then on.
+        self.closed = False
+
+    async def run(
+        self,
+        command: str,
+        *,
+        cwd: str = "/",
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        output_cap: int = 1 << 20,
+    ) -> dict:
+        """Run ``command`` with ``bash -c`` and only ``env``: a dict of ``rc``, ``stdout``, ``stderr``, ``timed_out``.
+
+        ``output_cap`` bytes are kept per stream (head and tail), the rest read and dropped; past
+        ``timeout`` its whole process tree is killed (``SandboxTimeoutError``). ``SandboxCommandError``:
+        the box is gone or its supervisor does not answer (as for every request).
+        """
+        fields = [cwd.encode(), command.encode()] + [f"{k}={v}".encode() for k, v in (env or {}).items()]
+        timeout_ms = 0 if not timeout else max(1, int(timeout * 1000))
+        try:
+            return await self._exchange(fields, timeout_ms, output_cap, None if timeout is None else timeout + 30)
+        except TimeoutError:
+            raise SandboxTimeoutError(f"Command timed out after {timeout} seconds") from None
+        except asyncio.IncompleteReadError as error:
+            raise SandboxCommandError(
+                "the sandbox's supervisor closed the connection without an answer "
+                "(the sandbox was stopped, or its processes were killed)"
+            ) from error
+        except OSError as error:
+            raise SandboxCommandError(f"the sandbox's supervisor went away ({error})") from error
+
+    async def list_processes(self) -> list[str]:
+        """The box's live processes but its supervisor, as ``"PID:START"`` (a reused PID gets another entry)."""
+        return (await self._control("ps"))["stdout"].split()
+
+    async def kill_processes(self, keep: Sequence[str] = ()) -> int:
+        """Kill every process of the box's PID namespace but its supervisor and ``keep`` (however they detached).
+
+        Returns how many were killed; the box stays usable.
+        """
+        return int((await self._control("kill", *keep))["rc"])
+
+    async def _control(self, *fields: str) -> dict:
+        """Send a control request (an empty working directory) to the supervisor."""
+        try:
+            answer = await self._exchange([b"", *(f.encode() for f in fields)], 0, 1 << 20, 60)
+        except (TimeoutError, asyncio.IncompleteReadError, OSError) as error:
+            raise SandboxCommandError(f"the sandbox's supervisor did not answer {fields[0]!r} ({error!r})") from error
+        if answer["rc"] < 0:
+            raise SandboxCommandError(f"the sandbox's supervisor refused {fields[0]!r}")
+        return answer
+
+    async def _exchange(self, fields: list[bytes], timeout_ms: int, output_cap: int, wait: float | None) -> dict:
+        """Send one request to the supervisor and read its answer."""
+        if self.closed:
+            raise SandboxCommandError("the sandbox has been stopped")
+        body = struct.pack("<III", timeout_ms, output_cap, len(fields))
+        body += b"".join(struct.pack("<I", len(f)) + f for f in fields)
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+        except OSError as error:
+            raise SandboxCommandError(f"the sandbox is not running ({error})") from error
+        try:
+            writer.write(struct.pack("<I", len(body)) + body)
+            await writer.drain()
+            return await asyncio.wait_for(_read_answer(reader, output_cap), timeout=wait)
+        finally:
+            writer.close()
+
+
+async def _read_answer(reader: asyncio.StreamReader, output_cap: int) -> dict:
+    rc, flags = struct.unpack("<iI", await reader.readexactly(8))
+    streams, dropped = [], 0
+    for _ in range(2):
+        lost, size = struct.unpack("<QI", await reader.readexactly(12))
+        if size > output_cap + 256:  # never trust the box for sizes
+            raise SandboxCommandError(f"the sandbox's supervisor sent {size} bytes for a cap of {output_cap}")
+        streams.append((await reader.readexactly(size)).decode("utf-8", "replace"))
+        dropped += lost
+    return {"rc": rc, "timed_out": bool(flags & 1), "stdout": streams[0], "stderr": streams[1], "dropped": dropped}
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (from /proc's children lists)."""
+    found, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with contextlib.suppress(OSError):
+                    stack += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

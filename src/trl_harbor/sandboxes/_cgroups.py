@@ -1,0 +1,148 @@
+"""A box's limits through cgroup v1 (memory, pids, cpu) or v2, where writable (as root; else rlimits)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path("/sys/fs/cgroup")
+
+
+class Cgroups:
+    """The cgroups of one box, ``trl-harbor/<name>`` in each controller (``None``: no such limit)."""
+
+    def __init__(self, name: str, memory_mb: int | None, cpus: float | None, pids_max: int | None):
+        self.paths: list[Path] = []
+        self.name = name
+        self.limits = {"memory": memory_mb, "cpu": cpus, "pids": pids_max}
+
+    @staticmethod
+    @cache
+    def mode() -> str | None:
+        """``"v1"``, ``"v2"``, or ``None`` where this process cannot write cgroups."""
+        if os.geteuid() != 0:
+            return None
+        if (ROOT / "memory").is_dir() and (ROOT / "pids").is_dir():
+            return "v1"
+        if (ROOT / "cgroup.controllers").exists():
+            return "v2"
+        return None
+
+    def create(self) -> None:
+        """Make the box's cgroups with their limits (none where cgroups are unusable: :attr:`paths` stays empty)."""
+        mode = self.mode()
+        try:
+            if mode == "v1":
+                self._create_v1()
+            elif mode == "v2":
+                self._create_v2()
+        except OSError as error:
+            logger.debug("cgroup limits unavailable (%s); falling back to rlimits", error)
+            self.remove()
+
+    def _create_v1(self) -> None:
+        memory, cpus, pids = self.limits["memory"], self.limits["cpu"], self.limits["pids"]
+        if memory:
+            path = self._mkdir(ROOT / "memory" / "trl-harbor" / self.name)
+            (path / "memory.limit_in_bytes").write_text(str(memory * 1024 * 1024))
+            with contextlib.suppress(OSError):
+                (path / "memory.memsw.limit_in_bytes").write_text(str(memory * 1024 * 1024))
+        if pids:
+            path = self._mkdir(ROOT / "pids" / "trl-harbor" / self.name)
+            (path / "pids.max").write_text(str(pids))
+        if cpus and (ROOT / "cpu").is_dir():
+            with contextlib.suppress(OSError):
+                path = self._mkdir(ROOT / "cpu" / "trl-harbor" / self.name)
+                period = int((path / "cpu.cfs_period_us").read_text())
+                (path / "cpu.cfs_quota_us").write_text(str(max(1000, int(period * cpus))))
+
+    def _create_v2(self) -> None:
+        parent = ROOT / "trl-harbor"
+        if not parent.exists():
+            parent.mkdir()
+            (parent / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+        path = self._mkdir(parent / self.name)
+        memory, cpus, pids = self.limits["memory"], self.limits["cpu"], self.limits["pids"]
+        if memory:
+            (path / "memory.max").write_text(str(memory * 1024 * 1024))
+            with contextlib.suppress(OSError):
+                (path / "memory.swap.max").write_text("0")
+        if pids:
+            (path / "pids.max").write_text(str(pids))
+        if cpus:
+            (path / "cpu.max").write_text(f"{max(1000, int(100000 * cpus))} 100000")
+
+    def _mkdir(self, path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        self.paths.append(path)
+        return path
+
+    def join(self, pids: list[int]) -> None:
+        """Move processes into every cgroup of the box (those that exited meanwhile are skipped)."""
+        for path in self.paths:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    (path / "cgroup.procs").write_text(str(pid))
+
+    def exhaustion(self) -> str | None:
+        """Which limit the box's processes ran into, from the cgroups' event counters (``None``: none)."""
+        found = []
+        for path in self.paths:
+            counters = {}
+            for name in ("memory.events", "memory.oom_control", "pids.events"):  # v2, v1, both
+                with contextlib.suppress(OSError, ValueError):
+                    for line in (path / name).read_text().splitlines():
+                        key, _, value = line.partition(" ")
+                        counters[f"{name.split('.')[0]}.{key}"] = int(value)
+            if counters.get("memory.oom_kill", 0) > 0:
+                found.append(f"its memory limit: {counters['memory.oom_kill']} process(es) killed for memory")
+            if counters.get("pids.max", 0) > 0:
+                found.append(f"its process limit: {counters['pids.max']} fork(s) refused")
+        return "; ".join(dict.fromkeys(found)) or None
+
+    def kill_and_remove(self) -> None:
+        """Kill what is left in the box's cgroups, then remove them."""
+        for path in self.paths:
+            with contextlib.suppress(OSError):
+                for pid in (path / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove the box's cgroups (once their processes have left them)."""
+        for path in self.paths:
+            # Killed processes leave the cgroup a moment after SIGKILL: on a loaded machine, more
+            # than a few tries' worth (a cgroup left behind stays until the next run's sweep).
+            deadline = time.monotonic() + 1
+            while True:
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as error:
+                    if error.errno != errno.EBUSY or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.002)
+        self.paths = []
+
+
+def remove_stale(is_stale: Callable[[str], bool]) -> None:
+    """Kill and remove the cgroups of boxes whose name ``is_stale`` (their owner died without removing them)."""
+    for parent in (*ROOT.glob("*/trl-harbor"), ROOT / "trl-harbor"):
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(parent):
+                if entry.is_dir() and is_stale(entry.name):
+                    stale = Cgroups(entry.name, None, None, None)
+                    stale.paths = [Path(entry.path)]
+                    stale.kill_and_remove()

@@ -1,0 +1,155 @@
+"""Where boxes live on the host, and what makes sure none outlives its owner.
+
+A box's state is a folder of :func:`state_root` named after its owner's PID. This process's
+live boxes are killed when it exits; what a process that died without that left (trees,
+overlay mounts, cgroups, bubblewraps) is removed by the next one's :func:`sweep_stale`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import signal
+import tempfile
+import uuid
+import weakref
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from trl_harbor.sandboxes import _cgroups
+from trl_harbor.sandboxes._hostfs import remove_tree
+from trl_harbor.sandboxes._mounts import unmount_under
+
+
+def state_root() -> Path:
+    """Where sandboxes keep their private trees.
+
+    ``$TRL_HARBOR_STATE_DIR`` if set; else a per-user folder on ``/dev/shm`` when it is
+    a writable tmpfs (creating and removing a sandbox's tree is 40x faster there than
+    on a journaled disk, and what the agent writes counts against the sandbox's own
+    memory limit); else a per-user folder in the temporary directory.
+    """
+    configured = os.environ.get("TRL_HARBOR_STATE_DIR")
+    if configured:
+        base = Path(configured)
+    elif _shm_is_tmpfs():
+        base = Path("/dev/shm") / f"trl-harbor-{os.getuid()}"
+    else:
+        base = Path(tempfile.gettempdir()) / f"trl-harbor-{os.getuid()}"
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base
+
+
+@cache
+def _shm_is_tmpfs() -> bool:
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts) and os.access("/dev/shm", os.W_OK)
+
+
+def new_box_name(prefix: str) -> str:
+    """A unique, sweepable name: the owner's PID first, so stale boxes can be found."""
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in prefix)[:40]
+    return f"{os.getpid()}-{safe}-{uuid.uuid4().hex[:8]}"
+
+
+def _owner_dead(name: str) -> bool:
+    owner = name.split("-", 1)[0]
+    if not owner.isdigit() or int(owner) == os.getpid():
+        return False
+    try:
+        os.kill(int(owner), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+#: This process's started boxes: each one's ``kill_now()`` runs at exit (a box leaves when it is torn down).
+LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Set when this process exits: no box starts after that (the loop thread may still be starting some).
+EXITING = False
+
+
+def _kill_all_at_exit() -> None:
+    global EXITING
+    EXITING = True
+    for box in list(LIVE):
+        box.kill_now()
+    # Boxes started but not yet registered, and bubblewraps whose sandbox-side half has not yet
+    # armed --die-with-parent (it runs in its own session, out of reach of the box's killpg).
+    owner = f"{os.getpid()}-"
+    _kill_bubblewraps(lambda box: box.startswith(owner))
+
+
+atexit.register(_kill_all_at_exit)
+
+
+_SWEPT = False
+
+
+async def sweep_stale_once() -> None:
+    """Run :func:`sweep_stale` once per process (in a thread), at its first sandbox start."""
+    global _SWEPT
+    if not _SWEPT:
+        _SWEPT = True
+        await asyncio.to_thread(sweep_stale)
+
+
+def sweep_stale() -> int:
+    """Remove the trees, mounts, cgroups and bubblewraps of boxes whose owning process is dead.
+
+    Returns:
+        The number of trees removed.
+    """
+    removed = 0
+    _kill_bubblewraps(_owner_dead)
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(state_root()):
+            if _owner_dead(entry.name):
+                unmount_under(Path(entry.path))
+                remove_tree(Path(entry.path))
+                removed += 1
+    _cgroups.remove_stale(_owner_dead)
+    return removed
+
+
+def _bubblewraps() -> Iterator[tuple[int, str]]:
+    """``(pid, box name)`` of the bubblewrap processes on this machine that hold a box folder.
+
+    Also ``setpriv`` about to become one, and bubblewrap's own sandbox-side half before it runs
+    the supervisor (both have bubblewrap's command line).
+    """
+    marker = f"{state_root()}/".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{name}/comm").read_text().strip() not in ("bwrap", "setpriv"):
+                continue
+            args = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for arg in args:
+            if arg.startswith(marker):
+                yield int(name), arg[len(marker) :].split(b"/", 1)[0].decode(errors="replace")
+                break
+
+
+def _kill_bubblewraps(of_box) -> None:
+    for pid, box in _bubblewraps():
+        if of_box(box):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def kill_bubblewraps_of(box_name: str) -> None:
+    """Kill what is left of the bubblewrap of one box (its sandbox-side half, in its own session)."""
+    _kill_bubblewraps(lambda box: box == box_name)

@@ -1,0 +1,143 @@
+"""What a box mounts: the host's ``/usr`` and ``/etc`` read-only, secrets masked (host root only),
+its own ``/proc`` and ``/dev`` hardened as Docker does; and the overlays the host mounts for image roots."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+from functools import cache
+from pathlib import Path
+
+from trl_harbor.sandboxes._hostfs import remove_tree
+from trl_harbor.sandboxes.errors import SandboxStartError
+
+LAYER_VENV = "/opt/venv-layer"
+SANDBOX_VENV = "/opt/venv"
+#: Box paths that are the kernel's, not files of any root.
+KERNEL_MOUNTS = ("/proc", "/dev", "/sys")
+#: Box paths that are host mounts on the host root, not part of its private root.
+SYSTEM_MOUNTS = ("/usr", "/etc", *KERNEL_MOUNTS, LAYER_VENV)
+#: Size of ``/dev/shm`` in a box with a storage bound (Docker's default ``--shm-size``).
+DEV_SHM_BYTES = 64 << 20
+_ETC_MASKED = ("shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "ssh", "security/opasswd")
+_PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+_PROC_MASKED = ("kcore", "keys", "latency_stats", "timer_list", "timer_stats", "sched_debug", "acpi", "scsi")
+_MERGED_USR = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+
+@cache
+def _root_links() -> tuple[tuple[str, str], ...]:
+    """The merged-/usr links at the host's root (``/bin -> usr/bin``, ...)."""
+    return tuple((os.readlink(f"/{name}"), f"/{name}") for name in _MERGED_USR if Path(f"/{name}").is_symlink())
+
+
+@cache
+def _root_dirs() -> tuple[str, ...]:
+    """Host root directories that are real directories and must be mounted (non-merged /usr)."""
+    return tuple(f"/{name}" for name in _MERGED_USR if Path(f"/{name}").is_dir() and not Path(f"/{name}").is_symlink())
+
+
+@cache
+def host_system_args() -> tuple[str, ...]:
+    """bubblewrap arguments mounting the host's ``/usr``, root folders and ``/etc`` read-only, secrets masked."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for directory in _root_dirs():
+        args += ["--ro-bind", directory, directory]
+    args += ["--ro-bind", "/etc", "/etc"]
+    for name in _ETC_MASKED:
+        path = Path("/etc") / name
+        if path.is_dir() and not path.is_symlink():
+            args += ["--tmpfs", str(path), "--remount-ro", str(path)]
+        elif path.exists():
+            args += ["--ro-bind", "/dev/null", str(path)]
+    return tuple(args)
+
+
+def kernel_fs_args(storage_bound: bool) -> list[str]:
+    """bubblewrap arguments for the box's ``/proc`` and ``/dev`` (``storage_bound``: read-only, but ``/dev/shm``)."""
+    args = ["--proc", "/proc", "--dev", "/dev"]
+    if storage_bound:
+        # bubblewrap's /dev is a tmpfs of its own, outside the box's tree and any bound but the
+        # memory cgroup's (as root): writable, its files would bypass the storage bound. So
+        # /dev is read-only, and /dev/shm a bounded tmpfs of Docker's default --shm-size.
+        args += ["--perms", "1777", "--size", str(DEV_SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    # As Docker does: the kernel's global knobs read-only, its leaky files masked. The box's
+    # root is the host's uid 0 (in its own user namespace), which the kernel lets write
+    # /proc/sys and /proc/sysrq-trigger unless they are read-only. /proc/sys, bound from
+    # the host, still shows the box's own namespaced values (network, host name).
+    return args + list(_proc_hardening())
+
+
+@cache
+def _proc_hardening() -> tuple[str, ...]:
+    """bubblewrap arguments making ``/proc``'s global parts read-only and masking the leaky ones."""
+    args: list[str] = []
+    for name in _PROC_READ_ONLY:
+        if os.path.exists(f"/proc/{name}"):
+            args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+    for name in _PROC_MASKED:
+        path = f"/proc/{name}"
+        if os.path.isdir(path):
+            args += ["--tmpfs", path, "--remount-ro", path]
+        elif os.path.exists(path):
+            args += ["--ro-bind", "/dev/null", path]
+    return tuple(args)
+
+
+def prepare_rootfs(root: Path) -> None:
+    """Create the mount points and merged-/usr links every host-rooted box needs, on the host (idempotently)
+    rather than by bubblewrap, so that a root can be mounted again, and copied, without clashing."""
+    for name in ("usr", "etc", "proc", "dev", "tmp", "root", "opt/venv-layer", *(d[1:] for d in _root_dirs())):
+        (root / name).mkdir(parents=True, exist_ok=True)
+    os.chmod(root / "tmp", 0o1777)
+    for target, link in _root_links():
+        path = root / link[1:]
+        if not path.is_symlink():
+            if path.is_dir():
+                remove_tree(path)
+            path.symlink_to(target)
+
+
+@cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
+    """Mount a copy-on-write view of ``lower`` at ``target`` (root only): writes go to ``upper``.
+
+    Raises:
+        SandboxStartError: If the kernel refuses the mount.
+    """
+    for path in (lower, upper, work, target):
+        if any(ch in str(path) for ch in ",:\\"):
+            raise SandboxStartError(f"{path}: paths with ',', ':' or '\\' cannot be overlay layers")
+    # redirect_dir and metacopy off (the defaults of most kernels, said here for all): every change
+    # the sandbox makes is then a plain entry, a whiteout or an opaque folder in ``upper``, which is
+    # what the seal's fingerprints read (ImageRoot.walk in _roots.py).
+    options = f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,metacopy=off".encode()
+    if _libc().mount(b"overlay", str(target).encode(), b"overlay", 0, options) != 0:
+        code = ctypes.get_errno()
+        raise SandboxStartError(f"mounting the sandbox's copy-on-write root failed: {os.strerror(code)}")
+
+
+def unmount(target: Path) -> None:
+    """Detach a mount (lazily: it goes once nothing uses it)."""
+    if _libc().umount2(str(target).encode(), 2) != 0:  # MNT_DETACH
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOENT):
+            raise OSError(code, os.strerror(code), str(target))
+
+
+def unmount_under(path: Path) -> None:
+    """Detach every mount at or below ``path`` (the leftovers of a dead owner's boxes, buildah's storage)."""
+    prefix = str(path).rstrip("/")
+    with contextlib.suppress(OSError):
+        targets = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+        for target in sorted(targets, key=len, reverse=True):
+            target = target.replace("\\040", " ")
+            if target == prefix or target.startswith(prefix + "/"):
+                with contextlib.suppress(OSError):
+                    unmount(Path(target))

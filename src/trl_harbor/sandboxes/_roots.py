@@ -1,0 +1,480 @@
+"""The two things a local sandbox's ``/`` can be, each over one ``_box.Box``.
+
+* :class:`HostRoot` (``root="host"``): the host's ``/usr`` and ``/etc`` read-only, under a
+  private tree the task's layer (``image.py``) is copied into at each start; root only.
+* :class:`ImageRoot` (``root="image"``): the task's image (``oci.py``) under a private overlay
+  the host mounts; its ``ENV``, ``WORKDIR``, ``USER``, ``ENTRYPOINT`` and users as with ``docker run``.
+
+Each owns what differs: making the tree, where a sandbox path is on the host, how the seal's
+fingerprints walk it (never following a link), a command's environment and user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import functools
+import os
+import posixpath
+import shlex
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trl_harbor.sandboxes import _hostfs
+from trl_harbor.sandboxes._binaries import SYSTEM_PATH, static_binary
+from trl_harbor.sandboxes._box import Box, BoxConfig
+from trl_harbor.sandboxes._cache import CACHE
+from trl_harbor.sandboxes._lifetime import new_box_name, state_root
+from trl_harbor.sandboxes._mounts import KERNEL_MOUNTS, LAYER_VENV, SANDBOX_VENV, SYSTEM_MOUNTS, mount_overlay
+from trl_harbor.sandboxes.errors import (
+    SandboxCommandError,
+    SandboxStartError,
+    SandboxUnavailableError,
+    SandboxUserError,
+)
+from trl_harbor.sandboxes.image import Image, ImageBuilder
+from trl_harbor.sandboxes.oci import (
+    HOST_CA_BUNDLE,
+    BuiltImage,
+    ImageStore,
+    buildah_path,
+    host_ca_bundle,
+    host_proxy_env,
+    host_trust_mounts,
+)
+
+_ROOT_USERS = (None, 0, "0", "root")
+#: ``docker run``'s PATH when the image sets none.
+DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: Where the user-switching helper appears inside image-rooted sandboxes.
+RUNAS = "/run/trl-harbor/runas"
+
+
+@dataclass(frozen=True)
+class RootTask:
+    """What a root needs of its task and options (``box_name``: Harbor's session id, else ``name``)."""
+
+    environment_dir: Path
+    name: str
+    box_name: str
+    workdir: str | None
+    docker_image: str | None
+    cache_dir: str | None
+    host_trust: bool
+    output_cap: int
+
+    @property
+    def hostname(self) -> str:
+        """The sandbox's host name: ``name`` as a DNS label."""
+        cleaned = "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in self.name.lower()).strip("-")
+        return (cleaned or "sandbox")[:63]
+
+
+class SandboxRoot:
+    """One sandbox's tree and its box: what both roots share.
+
+    A root defines ``workdir``, ``walk`` (fingerprints), ``_prepare`` (build the image, return its
+    ``BoxConfig`` fields), ``_launch`` (make the tree, start the box) and ``_for_user`` (a command
+    and its environment for a user)."""
+
+    #: Sandbox paths that are not the sandbox's own tree: the host never writes there.
+    read_only_paths: tuple[str, ...] = KERNEL_MOUNTS
+
+    def __init__(self, task: RootTask):
+        self.task = task
+        #: Where a read-only mount of the sandbox comes from on the host, where not at the same path.
+        self.mount_sources: dict[str, str] = {}
+        self.box: Box | None = None
+        #: The sandbox's folder in the state root (its tree, its box's state), once started.
+        self.dir: Path | None = None
+
+    @property
+    def rootfs(self) -> Path:
+        """The sandbox's ``/`` on the host (``SandboxCommandError`` before start)."""
+        if self.dir is None:
+            raise SandboxCommandError("the sandbox has not been started")
+        return self.dir / "rootfs"
+
+    def running_box(self) -> Box:
+        """The sandbox's box (``SandboxCommandError`` when it is not running)."""
+        if self.box is None:
+            raise SandboxCommandError("the sandbox is not running (call start() first)")
+        return self.box
+
+    async def start(self, force_build: bool, **box: Any) -> None:
+        """Build (or reuse) the task's image, make the tree, start the box (``LocalEnvironment.start``).
+
+        ``box`` holds the :class:`BoxConfig` fields both roots set alike (network, limits).
+        """
+        fields = await self._prepare(force_build)
+        self.dir = state_root() / new_box_name(self.task.box_name)
+        config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, **box, **fields)
+        self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
+        try:
+            await self._launch()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        """Kill every process of the sandbox and delete its tree (idempotent)."""
+        if self.box is not None:
+            await self.box.kill()
+            self.box = None
+        if self.dir is not None:
+            await _off_loop(_hostfs.remove_tree, self.dir)
+            self.dir = None
+
+    async def run(
+        self,
+        command: str,
+        *,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        timeout: float | None,
+        user: str | int | None,
+    ) -> dict:
+        """Run ``command`` as ``user`` (``None``: the image's), ``env`` added (``LocalEnvironment.exec``)."""
+        command, env = self._for_user(user, command, env)
+        box = self.running_box()
+        return await box.supervisor.run(
+            command, cwd=cwd or self.workdir, env=env, timeout=timeout, output_cap=self.task.output_cap
+        )
+
+    def host_path(self, path: str) -> tuple[Path | None, bool]:
+        """Where a sandbox path lives on the host (``None``: the kernel's), and whether it is a read-only mount."""
+        mount = _mount_of(path, self.read_only_paths)
+        if mount is None:
+            return self.rootfs / path.lstrip("/"), False
+        if mount in KERNEL_MOUNTS:
+            return None, True
+        return Path(self.mount_sources.get(mount, mount) + path[len(mount) :]), True
+
+    def check_writable(self, path: str) -> None:
+        """Refuse (``UnsafePathError``) a host-side copy to or from a path that is not the sandbox's own."""
+        if _mount_of("/" + str(path).strip("/"), self.read_only_paths) is not None:
+            raise _hostfs.UnsafePathError(
+                1, f"{path!r} is in the host's read-only system directories, not in the sandbox's own tree"
+            )
+
+    def fingerprints(self, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:
+        """Fingerprint sandbox paths from the host (``LocalEnvironment.file_fingerprints``)."""
+        found: dict[str, str] = {}
+        for pattern, depth in patterns:
+            for path in self._glob(posixpath.normpath(pattern)):
+                self.walk(path, depth, found)
+        return found
+
+    def _glob(self, pattern: str) -> list[str]:
+        """The sandbox paths matching ``pattern`` (wildcards per component, listed on the host)."""
+        current = ["/"]
+        for part in pattern.strip("/").split("/"):
+            if not any(ch in part for ch in "*?["):
+                current = [posixpath.join(base, part) for base in current]
+                continue
+            expanded = []
+            for base in current:
+                host, _ = self.host_path(base)
+                if host is None or host.is_symlink() or not host.is_dir():
+                    continue
+                with os.scandir(host) as entries:
+                    expanded += [posixpath.join(base, e.name) for e in entries if fnmatch.fnmatchcase(e.name, part)]
+            current = sorted(expanded)
+        return current
+
+    @classmethod
+    def preflight(cls) -> None:
+        """Check what this root needs on the host besides bubblewrap (``SandboxUnavailableError``)."""
+
+
+class HostRoot(SandboxRoot):
+    """The host's ``/usr`` and ``/etc`` read-only, the task's layer copied into a private tree."""
+
+    read_only_paths = SYSTEM_MOUNTS
+
+    def __init__(self, task: RootTask):
+        super().__init__(task)
+        self.layer: Image | None = None
+
+    async def _prepare(self, force_build: bool) -> dict[str, Any]:
+        builder = CACHE.builder(ImageBuilder, self.task.cache_dir)
+        self.layer = await builder.get(self.task.environment_dir, self.task.name, force=force_build)
+        self.mount_sources[LAYER_VENV] = str(self.layer.venv)
+        return {"layer_venv": self.layer.venv}
+
+    async def _launch(self) -> None:
+        await asyncio.to_thread(self._make_tree)
+        await self.running_box().start()
+
+    def _make_tree(self) -> None:
+        assert self.layer is not None and self.dir is not None
+        self.dir.mkdir(parents=True)
+        # Copy-on-start: every sandbox gets its own writable copy of the layer's files,
+        # which include the private folders (image.PRIVATE_DIRS).
+        _hostfs.copy_tree(self.layer.rootfs, self.rootfs)
+        if self.task.workdir:
+            (self.rootfs / self.task.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+
+    @property
+    def workdir(self) -> str:
+        """The default working directory: the task's, else the Dockerfile's last ``WORKDIR``, else ``/``."""
+        return self.task.workdir or (self.layer.workdir if self.layer else None) or "/"
+
+    def _for_user(self, user: str | int | None, command: str, env: dict[str, str] | None) -> tuple[str, dict[str, str]]:
+        if user not in _ROOT_USERS:
+            raise SandboxUserError(
+                f"the local sandbox runs commands as the sandbox's root only; user={user!r} was "
+                "requested. Remove the task's [agent]/[verifier] user setting, or use "
+                "environment_type='docker' to run as another user."
+            )
+        base = {
+            "PATH": f"{SANDBOX_VENV}/bin:{LAYER_VENV}/bin:{SYSTEM_PATH}",
+            "HOME": "/root",
+            "USER": "root",
+            "LANG": "C.UTF-8",
+            "VIRTUAL_ENV": SANDBOX_VENV,
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "HOSTNAME": self.task.hostname,
+        }
+        return command, {**base, **(self.layer.env if self.layer else {}), **(env or {})}
+
+    def walk(self, path: str, depth: int | None, found: dict[str, str], cache: bool = True) -> None:
+        """Fingerprint ``path`` and ``depth`` levels below it; read-only mounts are listed once per process."""
+        host, read_only = self.host_path(path)
+        if host is None:
+            return
+        if read_only and cache:
+            # A read-only mount (the host's /usr and /etc, the shared layer) cannot change while
+            # sandboxes run: listed once per process, not at every start and every grading.
+            def make() -> dict[str, str]:
+                listed: dict[str, str] = {}
+                self.walk(path, depth, listed, cache=False)
+                return listed
+
+            found.update(CACHE.listing(("host", str(host), path, depth == 0), make))
+            return
+        try:
+            info = os.lstat(host)
+        except OSError:
+            return
+        found[path] = signature(info)
+        if not stat.S_ISDIR(info.st_mode) or depth == 0:
+            return
+        # Read-only: listed for names only (a read-only mount cannot change).
+        below = 0 if read_only else None if depth is None else depth - 1
+        try:
+            names = os.listdir(host)
+        except OSError:
+            return
+        for name in names:
+            self.walk(posixpath.join(path, name), below, found, cache)
+
+
+class ImageRoot(SandboxRoot):
+    """The task's image (built by buildah) under a private copy-on-write layer, with Docker's run semantics."""
+
+    def __init__(self, task: RootTask):
+        super().__init__(task)
+        self.image: BuiltImage | None = None
+
+    @classmethod
+    def preflight(cls) -> None:
+        """Check for buildah, root and a C compiler that links statically (``SandboxUnavailableError``)."""
+        buildah_path()
+        if os.geteuid() != 0:
+            raise SandboxUnavailableError(
+                "the local sandbox runs each task on its own image (root='image', the default), "
+                "which needs root for now; run as root, or choose the host root explicitly: "
+                "env_kwargs={'root': 'host'} (HarborSpec), --ek root=host (trl-harbor, harbor run); "
+                "the host's /usr is then every task's base image and the Dockerfile's FROM is not honoured"
+            )
+        static_binary("supervisor")  # compiled once and cached; its error names the packages
+
+    async def _prepare(self, force_build: bool) -> dict[str, Any]:
+        store = CACHE.builder(ImageStore, self.task.cache_dir, host_trust=self.task.host_trust)
+        context = self.task.environment_dir
+        if not (context / "Dockerfile").is_file() and self.task.docker_image:
+            # A prebuilt image ([environment] docker_image) with no Dockerfile: FROM it.
+            context = await asyncio.to_thread(store.prebuilt_context, self.task.docker_image)
+        self.image = await store.get(context, self.task.name, force=force_build)
+        binds = [(await asyncio.to_thread(static_binary, "runas"), RUNAS)]
+        if self.task.host_trust:
+            mounts = host_trust_mounts(store.storage_dir / "trust")
+            has_pip_conf = os.path.lexists(self.image.rootfs / "etc" / "pip.conf")
+            binds += [m for m in mounts if not (m[1] == "/etc/pip.conf" and has_pip_conf)]
+        return {"extra_ro_binds": binds, "image_root": True}
+
+    async def _launch(self) -> None:
+        assert self.image is not None
+        await asyncio.to_thread(self._mount_tree)
+        await self.running_box().start()
+        if self.image.config.entrypoint:
+            await self._start_entrypoint(self.image.config.entrypoint)
+
+    def _mount_tree(self) -> None:
+        assert self.dir is not None and self.box is not None and self.image is not None
+        for name in ("upper", "work", "rootfs", "run"):
+            (self.dir / name).mkdir(parents=True)
+        mount_overlay(self.image.rootfs, self.dir / "upper", self.dir / "work", self.rootfs)
+        self.box.mounts.append(self.rootfs)
+        if self.task.workdir:
+            # Made without following links (the image's tree is the task author's).
+            os.close(_hostfs._open_dir(self.rootfs, _hostfs._parts(self.task.workdir), create=True))
+
+    async def _start_entrypoint(self, entrypoint: list[str]) -> None:
+        """Run the image's ENTRYPOINT in the background, its arguments Harbor's keep-alive command (as Docker's)."""
+        command = f"{shlex.join([*entrypoint, 'sh', '-c', 'sleep infinity'])} </dev/null >/dev/null 2>&1 &"
+        result = await self.run(command, cwd=None, env=None, timeout=None, user=None)
+        if result["rc"] != 0:
+            raise SandboxStartError(f"the image's ENTRYPOINT {entrypoint} could not start")
+
+    @property
+    def workdir(self) -> str:
+        """The default working directory: the task's, else the image's ``WORKDIR``, else ``/``."""
+        return self.task.workdir or (self.image.config.workdir if self.image else None) or "/"
+
+    def _for_user(self, user: str | int | None, command: str, env: dict[str, str] | None) -> tuple[str, dict[str, str]]:
+        assert self.image is not None
+        name = str(user if user is not None else self.image.config.user or "root")
+        is_root = name in ("root", "0") or name.startswith(("root:", "0:"))
+        if not is_root:
+            # "$0" is the shell the supervisor chose (bash, else sh): the same one runs the command.
+            command = f'exec {RUNAS} {shlex.quote(name)} "$0" -c {shlex.quote(command)}'
+        base = {"PATH": DOCKER_DEFAULT_PATH, "HOSTNAME": self.task.hostname, **({"HOME": "/root"} if is_root else {})}
+        if self.task.host_trust:
+            base.update(self._trust_env)
+        return command, {**base, **self.image.config.env, **(env or {})}
+
+    @functools.cached_property
+    def _trust_env(self) -> dict[str, str]:
+        """The host's proxies, and its CA bundle for tools that ignore the system store (requests)."""
+        found = host_proxy_env()
+        if host_ca_bundle() is not None:
+            found.update({"REQUESTS_CA_BUNDLE": HOST_CA_BUNDLE, "SSL_CERT_FILE": HOST_CA_BUNDLE})
+        return found
+
+    def walk(self, path: str, depth: int | None, found: dict[str, str]) -> None:
+        """Fingerprint a path of an image root: the image's entries under the sandbox's own changes.
+
+        The image never changes, and everything the sandbox changed is in its overlay's upper folder
+        (``redirect_dir`` and ``metacopy`` off: new and changed entries, whiteouts, opaque folders). So
+        the image is listed once per process and each fingerprint walks only what the sandbox wrote,
+        not thousands of unchanged entries (``/usr/lib/python3.*``). Links are never followed.
+        """
+        if self.image is None or self.dir is None or _mount_of(path, KERNEL_MOUNTS) is not None:
+            return
+        lower, upper = self.image.rootfs, self.dir / "upper"
+        parts = [part for part in path.strip("/").split("/") if part]
+        image_visible = True
+        for depth_of_ancestor in range(1, len(parts)):  # what the sandbox did to the path's ancestors
+            kind = layer_entry(upper / "/".join(parts[:depth_of_ancestor]))
+            if kind is None:
+                break  # nothing of the sandbox's own at or below it
+            if kind in ("whiteout", "other"):
+                return  # deleted, or no longer a folder: the path is gone
+            if kind == "opaque":
+                image_visible = False  # a folder the sandbox replaced whole hides the image's below it
+        entries: dict[str, str] = {}
+        if image_visible:
+            entries.update(CACHE.listing(("image", str(lower), path, depth), lambda: _list_image(lower, path, depth)))
+        lay_upper(upper, path, depth, entries)
+        found.update(entries)
+
+
+def _mount_of(path: str, mounts: tuple[str, ...]) -> str | None:
+    """The one of ``mounts`` that ``path`` is at or under, or ``None``."""
+    return next((mount for mount in mounts if path == mount or path.startswith(mount + "/")), None)
+
+
+def _list_image(lower: Path, path: str, depth: int | None) -> dict[str, str]:
+    """Fingerprints of ``path`` in an image root (nothing when it is under a link of the image)."""
+    listed: dict[str, str] = {}
+    parts = [part for part in path.strip("/").split("/") if part]
+    if all(layer_entry(lower / "/".join(parts[:i])) == "dir" for i in range(1, len(parts))):
+        walk_tree(lower, path, depth, listed)
+    return listed
+
+
+def signature(info: os.stat_result) -> str:
+    """What changes when an entry's content, inode, mode or type does (folders: type and mode only)."""
+    mode = stat.S_IMODE(info.st_mode)
+    if stat.S_ISDIR(info.st_mode):
+        return f"d|{mode:o}"
+    kind = "f" if stat.S_ISREG(info.st_mode) else "l" if stat.S_ISLNK(info.st_mode) else "o"
+    return f"{kind}|{mode:o}|{info.st_size}|{info.st_ino}|{info.st_ctime_ns}"
+
+
+def walk_tree(root: Path, path: str, depth: int | None, found: dict[str, str]) -> None:
+    """Fingerprint ``path`` (a sandbox path) of the tree at ``root``, ``depth`` levels down, never following links."""
+    try:
+        info = os.lstat(root / path.lstrip("/"))
+    except OSError:
+        return
+    found[path] = signature(info)
+    if not stat.S_ISDIR(info.st_mode) or depth == 0:
+        return
+    try:
+        names = os.listdir(root / path.lstrip("/"))
+    except OSError:
+        return
+    for name in names:
+        walk_tree(root, posixpath.join(path, name), None if depth is None else depth - 1, found)
+
+
+def layer_entry(host: Path) -> str | None:
+    """What an overlay layer holds at ``host``: ``None`` (nothing), ``"dir"``, ``"opaque"`` (a folder
+    hiding the layers below), ``"whiteout"`` (a deletion) or ``"other"`` (a file or a link)."""
+    try:
+        info = os.lstat(host)
+    except OSError:
+        return None
+    if stat.S_ISCHR(info.st_mode) and info.st_rdev == 0:
+        return "whiteout"
+    if not stat.S_ISDIR(info.st_mode):
+        return "other"
+    try:
+        opaque = os.getxattr(host, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
+    except OSError:
+        opaque = False
+    return "opaque" if opaque else "dir"
+
+
+def lay_upper(upper: Path, path: str, depth: int | None, entries: dict[str, str]) -> None:
+    """Apply what the sandbox's own layer holds at ``path`` to the image's ``entries``."""
+    host = upper / path.lstrip("/")
+    kind = layer_entry(host)
+    if kind is None:
+        return
+    if kind != "dir":  # deleted, replaced by a file or a link, or a folder replaced whole
+        entries.pop(path, None)
+        prefix = path.rstrip("/") + "/"
+        for key in [key for key in entries if key.startswith(prefix)]:
+            del entries[key]
+        if kind == "whiteout":
+            return
+    entries[path] = signature(os.lstat(host))
+    if kind == "other" or depth == 0:
+        return
+    try:
+        names = os.listdir(host)
+    except OSError:
+        return
+    for name in names:
+        lay_upper(upper, posixpath.join(path, name), None if depth is None else depth - 1, entries)
+
+
+async def _off_loop(func, *args) -> None:
+    """Run blocking file work in a thread, or inline at interpreter shutdown (no thread starts then)."""
+    try:
+        await asyncio.to_thread(func, *args)
+    except RuntimeError as error:
+        if "shutdown" not in str(error):
+            raise
+        func(*args)
+
+
+#: The root of each ``root`` option.
+ROOTS: dict[str, type[SandboxRoot]] = {"host": HostRoot, "image": ImageRoot}
