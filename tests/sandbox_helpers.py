@@ -210,7 +210,8 @@ def run_unprivileged(script: str, *, state_mb: int = 256, timeout: float = 300) 
             "TRL_HARBOR_STATE_DIR": f"{work}/state",
             "HARBOR_TELEMETRY": "0",
         }
-        for name in ("TRL_HARBOR_STORAGE_GUARD", "TRL_HARBOR_SUPERVISOR"):
+        # PYTHONPATH too: a run against another checkout than the venv's (a worktree) tests that checkout.
+        for name in ("TRL_HARBOR_STORAGE_GUARD", "TRL_HARBOR_SUPERVISOR", "PYTHONPATH"):
             if name in os.environ:
                 env[name] = os.environ[name]
         command = (
