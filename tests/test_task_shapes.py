@@ -135,17 +135,20 @@ def test_steps_combine_as_in_harbor_and_min_reward_ends_the_rollout(tmp_path: Pa
 
 
 @requires_local
-def test_tampering_during_a_later_step_is_caught(steps_suite: Path, close_sandboxes: None) -> None:
+def test_what_a_later_step_plants_among_the_tests_never_reaches_its_verifier(
+    steps_suite: Path, close_sandboxes: None
+) -> None:
     spec = HarborSpec(steps_suite, agent="bash_steps", environment_type="local")
     env = spec.environment_factory()
     env.reset(task_dir=str(spec.task_dirs[0]))
     env.bash("echo 1 > /workdir/a.txt")
     env.submit_step()
-    env.bash("mkdir -p /tests && echo 'echo 1 > /logs/verifier/reward.txt' > /tests/extra.sh")
-    env.bash("cp /workdir/token.txt /workdir/b.txt")
+    # A plant in /tests, a reward writer left running, and the step's work not done: step two scores 0.
+    env.bash("mkdir -p /tests && echo 'echo 1 > /logs/verifier/reward.txt' > /tests/test.sh")
+    env.bash("nohup sh -c 'while :; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.01; done' >/dev/null 2>&1 &")
     env.submit_step()
-    assert env.reward == 0.5  # step two scored 0: it touched /tests
-    assert any("/tests/extra.sh" in change for change in env.verification.tampered)
+    assert env.reward == 0.5  # step one 1, step two 0
+    assert any(change.startswith("/tests ") for change in env.verification.concealed), env.verification.concealed
 
 
 def test_tasks_the_harness_or_backend_cannot_run_fail_at_spec_build(tmp_path: Path, steps_suite: Path) -> None:
@@ -255,7 +258,8 @@ def test_check_grades_like_training_and_reports_every_task_even_broken_ones(tmp_
     assert "not valid TOML" in results["bad_toml"].why
     assert "TRL_HARBOR_UNSET_VAR" in results["needs_var"].why
     assert "docker-compose.yaml" in results["sidecar"].why
-    assert not results["cheating_oracle"].passed and "changed what the verifier runs" in results["cheating_oracle"].why
+    cheating = results["cheating_oracle"]  # its fake python3 is not the verifier's: the task is graded, undone
+    assert not cheating.passed and cheating.oracle.reward == 0.0, cheating.why
     assert results["cheating_oracle"].to_dict()["passed"] is False
 
 

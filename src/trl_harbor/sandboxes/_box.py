@@ -59,17 +59,25 @@ SANDBOX_CAPS = (
 )  # fmt: skip
 
 
-def namespace_args(*, network: NetworkMode, switchable: bool, hostname: str, block_fd: int | None) -> list[str]:
+def namespace_args(
+    *, network: NetworkMode, switchable: bool, hostname: str, block_fd: int | None, joined: bool = False
+) -> list[str]:
     """bubblewrap's namespace, capability and process options for a box (see ``BoxConfig``); with
-    ``block_fd``, it waits on it while the host maps the box's ids (:func:`map_ids`), else maps uid 0."""
-    args = [
+    ``block_fd``, it waits on it while the host maps the box's ids (:func:`map_ids`), else maps uid 0.
+    A ``joined`` box runs in another box's user and network namespaces (entered before bubblewrap)."""
+    own_user = () if joined else (
         "--unshare-user", "--uid", "0", "--gid", "0",
         *(("--userns-block-fd", str(block_fd)) if block_fd is not None else ()),
+    )  # fmt: skip
+    args = [
+        *own_user,
         "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--die-with-parent", "--new-session",
         "--cap-drop", "ALL", *(arg for cap in SANDBOX_CAPS for arg in ("--cap-add", cap)),
         "--hostname", hostname,
     ]  # fmt: skip
+    if joined:
+        return args  # the joined box's user namespace already forbids nested ones (map_ids)
     if network != "host":
         args.append("--unshare-net")
     if network != "user" and not switchable and block_fd is None:
@@ -149,6 +157,10 @@ class BoxConfig:
             total; a box past it is killed. Boxes with a bound are also killed when the host's
             free space falls under its reserve and they wrote the most. Their ``/dev`` is
             read-only but for ``/dev/shm``, a tmpfs of ``_mounts.DEV_SHM_BYTES``.
+        join: The host PID of another box's init whose user and network namespaces this box
+            shares (its PID, mount, IPC and UTS namespaces are its own): a sibling that reaches
+            the other box's services but that the other box's processes cannot see.
+        extra_binds: More ``(host path, box path)`` writable mounts (e.g. another box's unix sockets).
     """
 
     rootfs: Path
@@ -163,16 +175,29 @@ class BoxConfig:
     image_root: bool = False
     network_switchable: bool = False
     storage_mb: int | None = None
+    join: int | None = None
+    extra_binds: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _bwrap_command(c: BoxConfig, state_dir: Path, info_fd: int | None, block_fd: int | None) -> list[str]:
     """bubblewrap's command line for a box, up to the supervisor: its namespaces, then its mounts in order."""
+    enter = () if c.join is None else (
+        which("nsenter") or "nsenter", f"--user=/proc/{c.join}/ns/user", f"--net=/proc/{c.join}/ns/net",
+        "--preserve-credentials", "--",
+    )  # fmt: skip
+    namespaces = namespace_args(
+        network=c.network, switchable=c.network_switchable, hostname=c.hostname, block_fd=block_fd,
+        joined=c.join is not None,
+    )  # fmt: skip
     args = [
+        *enter,
         bwrap_path(),
-        *namespace_args(network=c.network, switchable=c.network_switchable, hostname=c.hostname, block_fd=block_fd),
-        "--bind", str(c.rootfs), "/",
+        *namespaces,
+        "--bind",
+        str(c.rootfs),
+        "/",
         *(() if c.image_root else host_system_args()),
-    ]  # fmt: skip
+    ]
     if c.network == "user" or c.network_switchable:
         resolv = state_dir / "resolv.conf"
         resolv.write_text(f"nameserver {SLIRP_GATEWAY_DNS}\n")
@@ -182,6 +207,8 @@ def _bwrap_command(c: BoxConfig, state_dir: Path, info_fd: int | None, block_fd:
         args += ["--bind" if c.layer_writable else "--ro-bind", str(c.layer_venv), LAYER_VENV]
     for source, target in c.extra_ro_binds:
         args += ["--ro-bind", source, target]
+    for source, target in c.extra_binds:
+        args += ["--bind", source, target]
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]
     return args + ["--chdir", "/", "--clearenv"]
@@ -233,6 +260,11 @@ class Box:
         self.storage_reason: str | None = None
 
     @property
+    def init_pid(self) -> int | None:
+        """The host PID of the box's init (its supervisor), whose namespaces another box can join."""
+        return self._child_pid
+
+    @property
     def closed(self) -> bool:
         """Whether the box is stopped (or being stopped): it takes no more commands."""
         return self.supervisor.closed
@@ -262,9 +294,10 @@ class Box:
     async def _spawn(self, binary: str | None) -> tuple[int | None, int | None]:
         """Run bubblewrap with the supervisor as the box's init; return the host's ends of its info and block pipes."""
         info_r = info_w = block_r = block_w = exe_fd = None
-        if self.config.network == "user" or self.config.network_switchable or self.config.image_root:
+        own = self.config.join is None  # a joined box has no namespaces of its own to map or network to attach
+        if own and (self.config.network == "user" or self.config.network_switchable or self.config.image_root):
             info_r, info_w = os.pipe()
-        if self.config.image_root:
+        if own and self.config.image_root:
             block_r, block_w = os.pipe()
         if binary is not None:
             # Executed through its descriptor: the binary appears nowhere in the box.
@@ -322,7 +355,7 @@ class Box:
         if info_r is not None and child_pid is None:
             child_pid = await asyncio.to_thread(read_child_pid, info_r)
         self._child_pid = child_pid
-        if self.config.network == "user" and child_pid is not None:
+        if self.config.network == "user" and child_pid is not None and self.config.join is None:
             # Only once bubblewrap has finished setting up the namespace's loopback:
             # configuring it concurrently races on netlink.
             await self._network.attach(child_pid)

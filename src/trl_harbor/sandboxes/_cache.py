@@ -117,6 +117,7 @@ class ImageCache:
     def __init__(self) -> None:
         self._builders: dict[tuple, Any] = {}
         self._listings: dict[tuple, dict[str, str]] = {}
+        self._facts: dict[tuple, Any] = {}
 
     def builder[B](self, kind: type[B], cache_dir: str | None, **settings: Any) -> B:
         """The builder of ``kind`` for ``cache_dir`` (``None``: the default cache) and ``settings``, made once."""
@@ -132,10 +133,23 @@ class ImageCache:
             listed = self._listings[key] = make()
         return listed
 
+    def known(self, key: tuple) -> bool:
+        """Whether a fact about an image (``key``) was remembered (see :meth:`remember`)."""
+        return key in self._facts
+
+    def remember(self, key: tuple, value: Any) -> None:
+        """Keep a fact about an image that never changes (e.g. where its verifier looks code up)."""
+        self._facts[key] = value
+
+    def recall(self, key: tuple) -> Any:
+        """A fact remembered with :meth:`remember`, or ``None``."""
+        return self._facts.get(key)
+
     def clear(self) -> None:
         """Forget everything, as a new process starts (what is built stays on disk)."""
         self._builders.clear()
         self._listings.clear()
+        self._facts.clear()
 
 
 #: This process's image cache.

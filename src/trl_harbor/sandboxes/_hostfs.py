@@ -97,6 +97,23 @@ def _write_into(dir_fd: int, name: str, source: Path) -> None:
         os.close(dst)
 
 
+def write_text(root: Path, target: str, text: str, mode: int = 0o644) -> None:
+    """Write ``text`` to the sandbox path ``target`` under ``root``, replacing (never following) what is there."""
+    parts = _parts(target)
+    parent = _open_dir(root, parts[:-1], create=True)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(parts[-1], dir_fd=parent)
+        fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent)
+        try:
+            os.write(fd, text.encode())
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(parent)
+
+
 def upload_file(root: Path, source: Path, target: str) -> None:
     """Copy the host file ``source`` to the sandbox path ``target`` under ``root``."""
     parts = _parts(target)

@@ -105,15 +105,18 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
-    """Mount a copy-on-write view of ``lower`` at ``target`` (root only): writes go to ``upper``.
+def mount_overlay(lower: Path | list[Path], upper: Path, work: Path, target: Path) -> None:
+    """Mount a copy-on-write view of ``lower`` (or of layers stacked, the first on top) at ``target``
+    (root only): writes go to ``upper``.
 
     Raises:
         SandboxStartError: If the kernel refuses the mount.
     """
-    for path in (lower, upper, work, target):
+    lowers = lower if isinstance(lower, list) else [lower]
+    for path in (*lowers, upper, work, target):
         if any(ch in str(path) for ch in ",:\\"):
             raise SandboxStartError(f"{path}: paths with ',', ':' or '\\' cannot be overlay layers")
+    lower = ":".join(str(path) for path in lowers)
     # redirect_dir and metacopy off (the defaults of most kernels, said here for all): every change
     # the sandbox makes is then a plain entry, a whiteout or an opaque folder in ``upper``, which is
     # what the seal's fingerprints read (ImageRoot.walk in _roots.py).

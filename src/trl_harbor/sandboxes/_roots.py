@@ -12,6 +12,7 @@ fingerprints walk it (never following a link), a command's environment and user.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fnmatch
 import functools
 import os
@@ -29,6 +30,7 @@ from trl_harbor.sandboxes._box import Box, BoxConfig
 from trl_harbor.sandboxes._cache import CACHE
 from trl_harbor.sandboxes._lifetime import new_box_name, state_root
 from trl_harbor.sandboxes._mounts import KERNEL_MOUNTS, LAYER_VENV, SANDBOX_VENV, SYSTEM_MOUNTS, mount_overlay
+from trl_harbor.sandboxes._view import SearchPaths, Snapshot, search_paths, snapshot
 from trl_harbor.sandboxes.errors import (
     SandboxCommandError,
     SandboxStartError,
@@ -47,6 +49,11 @@ from trl_harbor.sandboxes.oci import (
 )
 
 _ROOT_USERS = (None, 0, "0", "root")
+#: Prints the image's Python import path (``sys.path`` and the user site), one directory a line.
+_PYTHON_PATH_PROBE = (
+    "command -v python3 >/dev/null 2>&1 && python3 -c 'import site, sys; "
+    'print("\\n".join([p for p in sys.path if p] + [site.getusersitepackages()]))\''
+)
 #: ``docker run``'s PATH when the image sets none.
 DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Where the user-switching helper appears inside image-rooted sandboxes.
@@ -311,8 +318,27 @@ class ImageRoot(SandboxRoot):
         assert self.image is not None
         await asyncio.to_thread(self._mount_tree)
         await self.running_box().start()
+        await self._probe_search_paths()  # before anything but the image runs in the box
         if self.image.config.entrypoint:
             await self._start_entrypoint(self.image.config.entrypoint)
+
+    async def _probe_search_paths(self) -> None:
+        """Where the image's verifier looks code up (its ``PATH``, its Python's import path), once per image."""
+        assert self.image is not None
+        path = {**{"PATH": DOCKER_DEFAULT_PATH}, **self.image.config.env}["PATH"]
+        key = ("search", str(self.image.rootfs), path)
+        if CACHE.known(key):
+            return
+        result = await self.run(_PYTHON_PATH_PROBE, cwd="/", env=None, timeout=60, user="root")
+        python = [line for line in result["stdout"].splitlines() if line.startswith("/")] if result["rc"] == 0 else []
+        CACHE.remember(key, search_paths(self.image.rootfs, path, python))
+
+    @property
+    def search(self) -> SearchPaths:
+        """Where the image's verifier looks code up (probed at the first start of this image)."""
+        assert self.image is not None
+        path = {**{"PATH": DOCKER_DEFAULT_PATH}, **self.image.config.env}["PATH"]
+        return CACHE.recall(("search", str(self.image.rootfs), path)) or search_paths(self.image.rootfs, path, ())
 
     def _mount_tree(self) -> None:
         assert self.dir is not None and self.box is not None and self.image is not None
@@ -320,6 +346,10 @@ class ImageRoot(SandboxRoot):
             (self.dir / name).mkdir(parents=True)
         mount_overlay(self.image.rootfs, self.dir / "upper", self.dir / "work", self.rootfs)
         self.box.mounts.append(self.rootfs)
+        # As Docker does: the sandbox's own /etc/hosts and /etc/hostname (a client of `localhost` works).
+        hosts = f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{self.task.hostname}\n"
+        _hostfs.write_text(self.rootfs, "/etc/hosts", hosts)
+        _hostfs.write_text(self.rootfs, "/etc/hostname", self.task.hostname + "\n")
         if self.task.workdir:
             # Made without following links (the image's tree is the task author's).
             os.close(_hostfs._open_dir(self.rootfs, _hostfs._parts(self.task.workdir), create=True))
@@ -382,6 +412,56 @@ class ImageRoot(SandboxRoot):
             entries.update(CACHE.listing(("image", str(lower), path, depth), lambda: _list_image(lower, path, depth)))
         lay_upper(upper, path, depth, entries)
         found.update(entries)
+
+
+class VerifierRoot(ImageRoot):
+    """The verifier's view of an image-rooted sandbox (``_view.py``): a sibling box over a filtered snapshot.
+
+    Its box shares the agent's user and network namespaces (the agent's services are on its
+    ``localhost``; their unix sockets are bound in) and has PID, mount, IPC and UTS namespaces of its
+    own, so the agent's processes — still running — cannot see or touch it. Its root is an overlay over
+    the image whose middle layer is the snapshot of the agent's layer, and whose upper layer takes the
+    verifier's own writes.
+    """
+
+    def __init__(self, agent: ImageRoot, allowed: Sequence[str]):
+        super().__init__(agent.task)
+        self.agent = agent
+        self.image = agent.image
+        self.allowed = list(allowed)
+        #: What the snapshot held back, and the agent's sockets it binds (set by :meth:`open`).
+        self.view: Snapshot | None = None
+
+    async def open(self) -> None:
+        """Take the snapshot, mount the view and start its box (``SandboxError``; nothing is left on failure)."""
+        agent_box = self.agent.running_box()
+        if self.image is None or self.agent.dir is None or agent_box.init_pid is None:
+            raise SandboxCommandError("the agent's sandbox is not running")
+        self.dir = self.agent.dir.with_name(self.agent.dir.name + "-verifier")
+        try:
+            await asyncio.to_thread(self._make_view)
+            assert self.view is not None
+            sockets = [(str(self.agent.rootfs / path.lstrip("/")), path) for path in self.view.sockets]
+            config = dataclasses.replace(
+                agent_box.config, rootfs=self.rootfs, join=agent_box.init_pid, extra_binds=sockets,
+                hostname=self.task.hostname,
+            )  # fmt: skip
+            self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
+            self.box.mounts.append(self.rootfs)
+            await self.box.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    def _make_view(self) -> None:
+        assert self.dir is not None and self.agent.dir is not None and self.image is not None
+        for name in ("snapshot", "upper", "work", "rootfs", "run"):
+            (self.dir / name).mkdir(parents=True)
+        self.view = snapshot(
+            self.agent.dir / "upper", self.image.rootfs, self.dir / "snapshot", self.agent.search, self.workdir,
+            self.allowed,
+        )  # fmt: skip
+        mount_overlay([self.dir / "snapshot", self.image.rootfs], self.dir / "upper", self.dir / "work", self.rootfs)
 
 
 def _mount_of(path: str, mounts: tuple[str, ...]) -> str | None:

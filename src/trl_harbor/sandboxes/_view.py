@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot", "snapshot", "stem"]
+__all__ = ["CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot", "search_paths", "snapshot", "stem"]
 
 #: Configuration that decides how code starts (globs; ``~`` is every home folder).
 CODE_CONFIG: tuple[str, ...] = (
@@ -87,6 +87,57 @@ class SearchPaths:
     homes: tuple[str, ...] = ("/root", "/home/*")
 
 
+#: The loader's own search directories (glibc's system directories), besides ``ld.so.conf``'s.
+_SYSTEM_LIBRARY_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64", "/lib32", "/usr/lib32")
+
+
+def search_paths(lower: Path, path: str, python: Sequence[str], homes: Sequence[str] = ()) -> SearchPaths:
+    """Where a verifier on the image at ``lower`` looks code up.
+
+    Args:
+        lower: The image's root.
+        path: The verifier's ``PATH``.
+        python: Its Python's import path (``sys.path`` and the user site, probed on the image).
+        homes: Home folders besides ``/root`` and ``/home/*`` (e.g. from the image's ``/etc/passwd``).
+
+    Returns:
+        The search paths; the loader's directories are the system ones (with the multiarch
+        triplet of the image) and those ``/etc/ld.so.conf`` names, includes followed.
+    """
+    loader = [*_SYSTEM_LIBRARY_DIRS]
+    for base in ("/lib", "/usr/lib"):
+        loader += [posixpath.join(base, n) for n in _listdir(lower, base) if n.endswith("-linux-gnu")]
+    loader += _ld_so_conf(lower, "/etc/ld.so.conf", set())
+    extra = tuple(h for h in homes if h not in ("/root",))
+    return SearchPaths(
+        path=tuple(d for d in path.split(":") if d), python=tuple(python), loader=tuple(dict.fromkeys(loader)),
+        homes=("/root", "/home/*", *extra),
+    )  # fmt: skip
+
+
+def _ld_so_conf(lower: Path, conf: str, seen: set[str]) -> list[str]:
+    """The directories an ``ld.so.conf`` names (``include`` globs followed, in the image's tree)."""
+    if conf in seen:
+        return []
+    seen.add(conf)
+    try:
+        lines = (lower / conf.lstrip("/")).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    found: list[str] = []
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("include"):
+            pattern = line.split(None, 1)[1] if " " in line else ""
+            directory, glob = posixpath.split(pattern)
+            for name in sorted(_listdir(lower, directory)):
+                if fnmatch.fnmatchcase(name, glob):
+                    found += _ld_so_conf(lower, posixpath.join(directory, name), seen)
+        elif line.startswith("/"):
+            found.append(posixpath.normpath(line))
+    return found
+
+
 @dataclass
 class _Names:
     """The names the image ships in each search path (what an addition must not shadow)."""
@@ -119,8 +170,14 @@ class _Rule:
         self.workdir = posixpath.normpath(workdir or "/")
         self.allowed = list(allowed)
         self.path_dirs = [posixpath.normpath(d) for d in search.path if d.startswith("/")]
+        # Every home's user site is an import directory of a verifier running as that user.
+        homes = ["/home/" + name for name in _listdir(lower, "/home")]
+        user_sites = [
+            d.replace("/root/", home + "/", 1) for d in search.python if d.startswith("/root/") for home in homes
+        ]
         self.python_dirs = sorted(
-            {posixpath.normpath(d) for d in (*search.python, *self.path_dirs) if d.startswith("/")}, key=len
+            {posixpath.normpath(d) for d in (*search.python, *user_sites, *self.path_dirs) if d.startswith("/")},
+            key=len,
         )
         self.loader_dirs = sorted({posixpath.normpath(d) for d in search.loader if d.startswith("/")}, key=len)
         self.config = [

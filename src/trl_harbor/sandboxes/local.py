@@ -23,7 +23,9 @@ loopback. See ``docs/local-sandbox.md`` for the details and the limits.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+import copy
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -36,7 +38,7 @@ from pydantic import Field
 from trl_harbor.sandboxes import _hostfs
 from trl_harbor.sandboxes._binaries import bwrap_path
 from trl_harbor.sandboxes._lifetime import sweep_stale_once
-from trl_harbor.sandboxes._roots import ROOTS, RootTask, SandboxRoot
+from trl_harbor.sandboxes._roots import ROOTS, ImageRoot, RootTask, SandboxRoot, VerifierRoot
 from trl_harbor.sandboxes.errors import (
     BaseImageUnavailableError,
     ImageBuildError,
@@ -81,6 +83,10 @@ class LocalEnvironmentOptions(EnvironmentOptions):
             (no image to pull or build; the fastest). Never a fallback of one for the other.
         host_trust: Forward the host's proxy settings and CA certificates to image builds
             and image-rooted sandboxes (for networks that intercept TLS).
+        verifier_isolation: On task images, verify in a sibling of the sandbox that sees the
+            agent's files but runs the image's code, and that the agent's processes cannot reach
+            (:meth:`LocalEnvironment.verifier_view`); off, the verifier runs in the agent's
+            sandbox, as on Docker (for comparisons and measurements).
     """
 
     output_cap_bytes: int = Field(default=1 << 20, ge=1024)
@@ -90,6 +96,7 @@ class LocalEnvironmentOptions(EnvironmentOptions):
     cache_dir: str | None = None
     root: Literal["host", "image"] = "image"
     host_trust: bool = True
+    verifier_isolation: bool = True
 
 
 class LocalEnvironment(BaseEnvironment):
@@ -101,6 +108,8 @@ class LocalEnvironment(BaseEnvironment):
     """
 
     options_model: ClassVar[type[EnvironmentOptions] | None] = LocalEnvironmentOptions
+    #: In a verifier view: what it held back of the agent's changes, and why (see :meth:`verifier_view`).
+    concealed: tuple[str, ...] = ()
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -239,6 +248,57 @@ class LocalEnvironment(BaseEnvironment):
         return ExecResult(stdout=result["stdout"], stderr=result["stderr"], return_code=result["rc"])
 
     # -- what the verifier can trust -------------------------------------------
+
+    @property
+    def isolated_verification(self) -> bool:
+        """Whether grading uses :meth:`verifier_view` (task images, unless ``verifier_isolation=False``)."""
+        return self.local_options.verifier_isolation and type(self._sandbox) is ImageRoot
+
+    async def alive(self) -> bool:
+        """Whether the sandbox still runs: its supervisor (which the agent cannot kill) answers.
+
+        Asked of the backend itself, not of a shell the agent could have broken.
+        """
+        box = self._sandbox.box
+        if box is None or box.closed:
+            return False
+        try:
+            await box.supervisor.list_processes()
+        except SandboxError:
+            return False
+        return True
+
+    @contextlib.asynccontextmanager
+    async def verifier_view(self, allowed_changes: Sequence[str] = ()) -> AsyncIterator[LocalEnvironment]:
+        """The verifier's view of the sandbox, as a Harbor environment of its own, while the context lasts.
+
+        A sibling of the agent's sandbox (its own PID, mount, IPC and UTS namespaces; the agent's
+        user and network namespaces) whose root is the image under a snapshot of the agent's
+        changes, filtered by the rule of ``_view.py``: the agent's work is there, the image's code is
+        the image's, and what the agent's processes do from now on does not reach it. The agent's
+        processes keep running. Its ``concealed`` lists what the view held back, and why.
+
+        Args:
+            allowed_changes: Globs of paths whose agent-made version the view shows whatever they are.
+
+        Yields:
+            The view (exec, uploads and downloads go to the verifier's box).
+
+        Raises:
+            SandboxError: If the sandbox is not running on a task image, or the view cannot be made.
+        """
+        if type(self._sandbox) is not ImageRoot:
+            raise SandboxError("an isolated verifier view needs the sandbox on a task image (root='image')")
+        root = VerifierRoot(self._sandbox, allowed_changes)
+        await root.open()
+        view = copy.copy(self)
+        view._sandbox = root
+        assert root.view is not None
+        view.concealed = tuple(root.view.concealed)
+        try:
+            yield view
+        finally:
+            await root.stop()
 
     async def resource_exhaustion(self) -> str | None:
         """Which of the sandbox's limits its processes ran into (memory, processes, storage), or ``None``.
