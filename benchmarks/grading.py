@@ -1,9 +1,18 @@
-"""What sealing a rollout before grading costs (issue #12), against grading without the seal.
+"""What grading in an isolated view costs (issue #17), against the old seal and against no defence.
 
-Grades N rollouts of one bundled task on the local backend, one at a time and as a batch,
-twice: with the seal (the agent's processes killed, what the verifier runs fingerprinted and
-compared) and with it switched off, in the same run. Prints a table with medians and ratios;
-the machines are noisy, so compare the ratios, not the milliseconds.
+Grades rollouts of one bundled task on the local backend (task images), one at a time and as a
+batch, three ways in the same run:
+
+* **isolated** (the default): the verifier in a sibling box over a filtered snapshot of the agent's
+  layer, the agent's processes left running;
+* **seal**: the verifier in the agent's sandbox after the agent's processes are killed and the
+  fingerprints of what the verifier runs compared (``verifier_isolation=False``,
+  ``agent_processes="kill"``: the previous release's grading);
+* **none**: the verifier in the agent's sandbox, nothing killed or compared (Harbor's shared trial).
+
+Each rollout leaves what an honest agent leaves: its answer, a background process, a ``pip``-sized
+tree of new files. Prints medians and ratios against ``none``; the machines are noisy, so compare
+the ratios, not the milliseconds.
 
     .venv/bin/python benchmarks/grading.py [--rounds 12] [--batch 16]
 """
@@ -20,59 +29,63 @@ from pathlib import Path
 
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
 
-from trl_harbor import HarborBashEnv, close_all  # noqa: E402
+from trl_harbor import HarborBashEnv, HarborOptions, close_all  # noqa: E402
 from trl_harbor.env import verify_all  # noqa: E402
-from trl_harbor.sealing import Seal, SealReport  # noqa: E402
+from trl_harbor.rollout.seal import Baseline, SealReport  # noqa: E402
 
 TASK = Path(__file__).resolve().parents[1] / "examples" / "tasks" / "building_b_humidity"
 ANSWER = "51.46"
+#: What the agent leaves: its answer, a process, and 200 new files of a package it installed.
+WORK = (
+    f"echo {ANSWER} > /workdir/answer.txt; nohup sleep 300 >/dev/null 2>&1 & "
+    "d=/usr/local/lib/python3.11/dist-packages/somepkg; mkdir -p $d; "
+    "for i in $(seq 200); do echo 'x = 1' > $d/m$i.py; done"
+)
+MODES = {
+    "isolated": HarborOptions(),
+    "seal": HarborOptions(agent_processes="kill", backend_options={"verifier_isolation": False}),
+    "none": HarborOptions(backend_options={"verifier_isolation": False}),
+}
 
 
 @contextlib.contextmanager
-def unsealed() -> Iterator[None]:
-    """Grade without the seal: nothing snapshotted, nothing killed, nothing compared."""
-    saved = Seal.apply, Seal.take_files, Seal.take_processes
+def no_tamper_check(active: bool) -> Iterator[None]:
+    """For ``none``: nothing fingerprinted or compared."""
+    if not active:
+        yield
+        return
+    saved = Baseline.apply, Baseline.take_files
 
     async def nothing(self, *args, **kwargs):
         return None
 
-    async def no_report(self, environment, allowed=()):
+    async def no_report(self, environment, kill, allowed=()):
         return SealReport(0)
 
-    Seal.apply, Seal.take_files, Seal.take_processes = no_report, nothing, nothing
+    Baseline.apply, Baseline.take_files = no_report, nothing
     try:
         yield
     finally:
-        Seal.apply, Seal.take_files, Seal.take_processes = saved
+        Baseline.apply, Baseline.take_files = saved
 
 
-def rollouts(count: int) -> list[HarborBashEnv]:
-    envs = [HarborBashEnv(environment_type="local") for _ in range(count)]
+def rollouts(count: int, options: HarborOptions) -> list[HarborBashEnv]:
+    envs = [HarborBashEnv(environment_type="local", options=options) for _ in range(count)]
     for env in envs:
         env.reset(task_dir=str(TASK))
     for env in envs:
-        env.bash(f"echo {ANSWER} > /workdir/answer.txt; nohup sleep 300 >/dev/null 2>&1 &")
+        env.bash(WORK)
     return envs
 
 
-def one_at_a_time(rounds: int) -> list[float]:
+def measure(size: int, rounds: int, options: HarborOptions) -> list[float]:
     times = []
     for _ in range(rounds):
-        (env,) = rollouts(1)
+        envs = rollouts(size, options)
         started = time.perf_counter()
-        assert env.reward == 1.0
+        rewards = verify_all(envs) if size > 1 else [envs[0].reward]
         times.append(time.perf_counter() - started)
-        close_all()
-    return times
-
-
-def batch(size: int, rounds: int) -> list[float]:
-    times = []
-    for _ in range(rounds):
-        envs = rollouts(size)
-        started = time.perf_counter()
-        assert verify_all(envs) == [1.0] * size
-        times.append(time.perf_counter() - started)
+        assert rewards == [1.0] * size, rewards
         close_all()
     return times
 
@@ -82,18 +95,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
-    rows = []
-    for label, measure in (
-        ("grade 1 rollout", lambda: one_at_a_time(args.rounds)),
-        (f"grade a batch of {args.batch}", lambda: batch(args.batch, max(2, args.rounds // 4))),
-    ):
-        sealed = statistics.median(measure())
-        with unsealed():
-            plain = statistics.median(measure())
-        rows.append((label, sealed, plain))
-    print(f"{'phase':<24} {'sealed (ms)':>12} {'unsealed (ms)':>14} {'ratio':>7}")
-    for label, sealed, plain in rows:
-        print(f"{label:<24} {sealed * 1000:>12.1f} {plain * 1000:>14.1f} {sealed / plain:>7.2f}")
+    phases = (
+        ("grade 1 rollout", 1, args.rounds),
+        (f"grade a batch of {args.batch}", args.batch, max(2, args.rounds // 4)),
+    )
+    print(
+        f"{'phase':<24} " + " ".join(f"{m + ' (ms)':>15}" for m in MODES) + f" {'isolated/none':>14} {'seal/none':>10}"
+    )
+    for label, size, rounds in phases:
+        medians = {}
+        for _ in range(2):  # interleaved twice: the machine's load drifts
+            for mode, options in MODES.items():
+                with no_tamper_check(mode == "none"):
+                    medians.setdefault(mode, []).extend(measure(size, rounds // 2 or 1, options))
+        values = {mode: statistics.median(times) for mode, times in medians.items()}
+        print(
+            f"{label:<24} " + " ".join(f"{values[m] * 1000:>15.1f}" for m in MODES)
+            + f" {values['isolated'] / values['none']:>14.2f} {values['seal'] / values['none']:>10.2f}"
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

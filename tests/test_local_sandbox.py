@@ -141,7 +141,7 @@ def test_output_flood_is_bounded(task: Path, tmp_path: Path, supervisor: str) ->
             result = await env.exec("yes | head -c 2G; echo done", timeout_sec=120)
             assert result.return_code == 0
             assert len(result.stdout) < 70 * 1024
-            assert "bytes of output omitted" in result.stdout
+            assert "bytes omitted ...]" in result.stdout
             assert result.stdout.rstrip().endswith("done")  # the tail is kept
         finally:
             await env.stop(delete=True)

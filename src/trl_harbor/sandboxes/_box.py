@@ -157,6 +157,8 @@ class BoxConfig:
             total; a box past it is killed. Boxes with a bound are also killed when the host's
             free space falls under its reserve and they wrote the most. Their ``/dev`` is
             read-only but for ``/dev/shm``, a tmpfs of ``_mounts.DEV_SHM_BYTES``.
+        storage_guard: Whether the host's storage guard polls the box (off when its tree is on a
+            tmpfs of its own that the kernel bounds, ``_mounts.mount_bounded_tmpfs``).
         join: The host PID of another box's init whose user and network namespaces this box
             shares (its PID, mount, IPC and UTS namespaces are its own): a sibling that reaches
             the other box's services but that the other box's processes cannot see.
@@ -175,6 +177,7 @@ class BoxConfig:
     image_root: bool = False
     network_switchable: bool = False
     storage_mb: int | None = None
+    storage_guard: bool = True
     join: int | None = None
     extra_binds: list[tuple[str, str]] = field(default_factory=list)
 
@@ -215,13 +218,16 @@ def _bwrap_command(c: BoxConfig, state_dir: Path, info_fd: int | None, block_fd:
 
 
 def _rlimits(config: BoxConfig, cgroups: bool) -> list[int]:
-    """The address-space, file-size and process rlimits the supervisor sets for every command (0: none)."""
+    """The address-space and process rlimits the supervisor sets for every command (0: none).
+
+    No file-size limit: as under Docker, a sparse file may be larger than the storage bound, which
+    bounds the space used (a tmpfs of its own as root, the storage guard otherwise)."""
     # No writable cgroups (not root): each process's address space is bounded instead, and the
     # processes by RLIMIT_NPROC, which counts a uid's processes in its own user namespace
     # (Linux >= 5.14), i.e. this box's. Host root is exempt from it, but the pids cgroup bounds it.
     address_space = 0 if cgroups or not config.memory_mb else config.memory_mb * 1024 * 1024 * 2
     processes = 0 if cgroups or not config.pids_max else config.pids_max
-    return [address_space, (config.storage_mb or 0) * 1024 * 1024, processes]
+    return [address_space, processes]
 
 
 def _supervisor(config: BoxConfig) -> str | None:
@@ -359,7 +365,7 @@ class Box:
             # Only once bubblewrap has finished setting up the namespace's loopback:
             # configuring it concurrently races on netlink.
             await self._network.attach(child_pid)
-        if self.config.storage_mb:
+        if self.config.storage_mb and self.config.storage_guard:
             # What the box holds now (the task's files) is its baseline: its bound counts what it writes.
             tree = self.owned_dir or self.config.rootfs
             await asyncio.to_thread(_storage.GUARD.watch, self, tree, self.config.storage_mb * 1024 * 1024)

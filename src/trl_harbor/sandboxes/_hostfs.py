@@ -25,6 +25,28 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
 
 
+#: Bytes one download from a sandbox may hold (the data of its files; holes are free).
+DOWNLOAD_CAP_BYTES = 1 << 30
+
+
+class DownloadTooLargeError(OSError):
+    """A download from a sandbox holds more data than its cap: what the sandbox left is not copied."""
+
+    unsafe = True
+
+
+class _Budget:
+    """What is left of a download's cap."""
+
+    def __init__(self, cap: int) -> None:
+        self.left = cap
+
+    def take(self, size: int, where: str) -> None:
+        if size > self.left:
+            raise DownloadTooLargeError(errno.EFBIG, f"{where}: the download holds more than its cap")
+        self.left -= size
+
+
 class UnsafePathError(OSError):
     """A sandbox path crosses a symbolic link or leaves the sandbox's tree."""
 
@@ -63,6 +85,34 @@ def _open_dir(root: Path, parts: list[str], create: bool) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _copy_data(src_fd: int, dst_fd: int, budget: _Budget, where: str) -> None:
+    """Copy a file's data, not its holes (a sparse file stays sparse), within ``budget``."""
+    size = os.fstat(src_fd).st_size
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(src_fd, offset, os.SEEK_DATA)
+        except OSError as error:
+            if error.errno == errno.ENXIO:  # only a hole is left
+                break
+            raise
+        end = os.lseek(src_fd, start, os.SEEK_HOLE)
+        budget.take(end - start, where)
+        os.lseek(src_fd, start, os.SEEK_SET)
+        os.lseek(dst_fd, start, os.SEEK_SET)
+        left = end - start
+        while left > 0:
+            chunk = os.read(src_fd, min(_CHUNK, left))
+            if not chunk:
+                break
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(dst_fd, view) :]
+            left -= len(chunk)
+        offset = end
+    os.ftruncate(dst_fd, size)
 
 
 def _copy_fd(src_fd: int, dst_fd: int) -> None:
@@ -104,7 +154,9 @@ def write_text(root: Path, target: str, text: str, mode: int = 0o644) -> None:
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(parts[-1], dir_fd=parent)
-        fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent)
+        fd = os.open(
+            parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent
+        )
         try:
             os.write(fd, text.encode())
             os.fchmod(fd, mode)
@@ -167,11 +219,12 @@ def upload_dir(root: Path, source: Path, target: str) -> None:
         os.close(fd)
 
 
-def download_file(root: Path, source: str, target: Path) -> None:
-    """Copy the sandbox file ``source`` to the host path ``target``.
+def download_file(root: Path, source: str, target: Path, cap: int = DOWNLOAD_CAP_BYTES) -> None:
+    """Copy the sandbox file ``source`` to the host path ``target`` (its data only, sparse files stay sparse).
 
     Raises:
         UnsafePathError: If any component of ``source`` is a link.
+        DownloadTooLargeError: If the file holds more than ``cap`` bytes of data.
         FileNotFoundError: If ``source`` does not exist.
     """
     parts = _parts(source)
@@ -195,12 +248,12 @@ def download_file(root: Path, source: str, target: Path) -> None:
         if target.is_symlink():
             target.unlink()
         with open(target, "wb") as out:
-            _copy_fd(src, out.fileno())
+            _copy_data(src, out.fileno(), _Budget(cap), source)
     finally:
         os.close(src)
 
 
-def _download_tree(dir_fd: int, target: Path, where: str) -> None:
+def _download_tree(dir_fd: int, target: Path, where: str, budget: _Budget) -> None:
     target.mkdir(parents=True, exist_ok=True)
     for entry in os.scandir(dir_fd):
         info = os.stat(entry.name, dir_fd=dir_fd, follow_symlinks=False)
@@ -208,7 +261,7 @@ def _download_tree(dir_fd: int, target: Path, where: str) -> None:
         if stat.S_ISDIR(info.st_mode):
             child = _open_dir_at(dir_fd, entry.name)
             try:
-                _download_tree(child, path, f"{where}/{entry.name}")
+                _download_tree(child, path, f"{where}/{entry.name}", budget)
             finally:
                 os.close(child)
         elif stat.S_ISREG(info.st_mode):
@@ -217,7 +270,7 @@ def _download_tree(dir_fd: int, target: Path, where: str) -> None:
                 if path.is_symlink() or path.is_dir():
                     shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
                 with open(path, "wb") as out:
-                    _copy_fd(src, out.fileno())
+                    _copy_data(src, out.fileno(), budget, f"{where}/{entry.name}")
             finally:
                 os.close(src)
         else:
@@ -225,15 +278,16 @@ def _download_tree(dir_fd: int, target: Path, where: str) -> None:
             logger.warning("skipping %s/%s: not a regular file or directory", where, entry.name)
 
 
-def download_dir(root: Path, source: str, target: Path) -> None:
+def download_dir(root: Path, source: str, target: Path, cap: int = DOWNLOAD_CAP_BYTES) -> None:
     """Copy the contents of the sandbox directory ``source`` into the host directory ``target``.
 
-    Regular files and directories are copied; links and special files are skipped,
-    so a link the agent planted never makes the host read its own files.
+    Regular files and directories are copied, their data only (sparse files stay sparse), at most
+    ``cap`` bytes in all (``DownloadTooLargeError``); links and special files are skipped, so a
+    link the agent planted never makes the host read its own files.
     """
     fd = _open_dir(root, _parts(source), create=False)
     try:
-        _download_tree(fd, Path(target), source.rstrip("/"))
+        _download_tree(fd, Path(target), source.rstrip("/"), _Budget(cap))
     finally:
         os.close(fd)
 

@@ -126,6 +126,40 @@ def mount_overlay(lower: Path | list[Path], upper: Path, work: Path, target: Pat
         raise SandboxStartError(f"mounting the sandbox's copy-on-write root failed: {os.strerror(code)}")
 
 
+def inode_bound(storage_mb: int) -> int:
+    """The files and folders a sandbox with ``storage_mb`` may make (one per 16 KiB; at least 65,536)."""
+    return max(65536, storage_mb * 64)
+
+
+def mount_bounded_tmpfs(target: Path, size_bytes: int, inodes: int) -> None:
+    """Mount a tmpfs of its own at ``target`` (root only): the kernel bounds its bytes and its inodes.
+
+    A sandbox's tree on it cannot fill the host's ``/dev/shm`` or its inode table, however fast
+    it writes; sparse files cost only what they hold.
+
+    Raises:
+        SandboxStartError: If the kernel refuses the mount.
+    """
+    options = f"size={size_bytes},nr_inodes={inodes},mode=0700".encode()
+    if _libc().mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID, options) != 0:
+        code = ctypes.get_errno()
+        raise SandboxStartError(f"mounting the sandbox's bounded tree failed: {os.strerror(code)}")
+
+
+def grow_tmpfs(target: Path, extra_bytes: int) -> None:
+    """Let a bounded tmpfs hold ``extra_bytes`` more than it holds now (the task's own files are not counted)."""
+    info = os.statvfs(target)
+    used = (info.f_blocks - info.f_bfree) * info.f_frsize
+    options = f"size={used + extra_bytes}".encode()
+    if _libc().mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_REMOUNT | _MS_NOSUID, options) != 0:
+        code = ctypes.get_errno()
+        raise SandboxStartError(f"resizing the sandbox's bounded tree failed: {os.strerror(code)}")
+
+
+_MS_NOSUID = 2
+_MS_REMOUNT = 32
+
+
 def unmount(target: Path) -> None:
     """Detach a mount (lazily: it goes once nothing uses it)."""
     if _libc().umount2(str(target).encode(), 2) != 0:  # MNT_DETACH

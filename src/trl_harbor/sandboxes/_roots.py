@@ -29,7 +29,16 @@ from trl_harbor.sandboxes._binaries import SYSTEM_PATH, static_binary
 from trl_harbor.sandboxes._box import Box, BoxConfig
 from trl_harbor.sandboxes._cache import CACHE
 from trl_harbor.sandboxes._lifetime import new_box_name, state_root
-from trl_harbor.sandboxes._mounts import KERNEL_MOUNTS, LAYER_VENV, SANDBOX_VENV, SYSTEM_MOUNTS, mount_overlay
+from trl_harbor.sandboxes._mounts import (
+    KERNEL_MOUNTS,
+    LAYER_VENV,
+    SANDBOX_VENV,
+    SYSTEM_MOUNTS,
+    grow_tmpfs,
+    inode_bound,
+    mount_bounded_tmpfs,
+    mount_overlay,
+)
 from trl_harbor.sandboxes._view import SearchPaths, Snapshot, search_paths, snapshot
 from trl_harbor.sandboxes.errors import (
     SandboxCommandError,
@@ -49,6 +58,7 @@ from trl_harbor.sandboxes.oci import (
 )
 
 _ROOT_USERS = (None, 0, "0", "root")
+MiB = 1 << 20
 #: Prints the image's Python import path (``sys.path`` and the user site), one directory a line.
 _PYTHON_PATH_PROBE = (
     "command -v python3 >/dev/null 2>&1 && python3 -c 'import site, sys; "
@@ -118,9 +128,15 @@ class SandboxRoot:
         """
         fields = await self._prepare(force_build)
         self.dir = state_root() / new_box_name(self.task.box_name)
-        config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, **box, **fields)
+        bounded = bool(box.get("storage_mb")) and os.geteuid() == 0
+        config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, storage_guard=not bounded, **box, **fields)
         self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
         try:
+            if bounded:  # as root: the kernel bounds the tree's bytes and inodes, exactly
+                self.dir.mkdir()
+                storage = box["storage_mb"] * MiB
+                mount_bounded_tmpfs(self.dir, storage, inode_bound(box["storage_mb"]))
+                self.box.mounts.append(self.dir)  # detached last (the root's overlay is on it)
             await self._launch()
         except BaseException:
             await self.stop()
@@ -217,13 +233,15 @@ class HostRoot(SandboxRoot):
         await self.running_box().start()
 
     def _make_tree(self) -> None:
-        assert self.layer is not None and self.dir is not None
-        self.dir.mkdir(parents=True)
+        assert self.layer is not None and self.dir is not None and self.box is not None
+        self.dir.mkdir(parents=True, exist_ok=True)
         # Copy-on-start: every sandbox gets its own writable copy of the layer's files,
         # which include the private folders (image.PRIVATE_DIRS).
         _hostfs.copy_tree(self.layer.rootfs, self.rootfs)
         if self.task.workdir:
             (self.rootfs / self.task.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        if self.box.mounts and self.box.config.storage_mb:  # bounded: the layer's files are not the agent's writes
+            grow_tmpfs(self.dir, self.box.config.storage_mb * MiB)
 
     @property
     def workdir(self) -> str:
@@ -437,16 +455,17 @@ class VerifierRoot(ImageRoot):
         agent_box = self.agent.running_box()
         if self.image is None or self.agent.dir is None or agent_box.init_pid is None:
             raise SandboxCommandError("the agent's sandbox is not running")
-        self.dir = self.agent.dir.with_name(self.agent.dir.name + "-verifier")
+        self.dir = self.agent.dir / "verifier"  # on the agent's file system (the snapshot links), out of its sight
         try:
             await asyncio.to_thread(self._make_view)
             assert self.view is not None
             sockets = [(str(self.agent.rootfs / path.lstrip("/")), path) for path in self.view.sockets]
             config = dataclasses.replace(
                 agent_box.config, rootfs=self.rootfs, join=agent_box.init_pid, extra_binds=sockets,
-                hostname=self.task.hostname,
+                hostname=self.task.hostname, storage_guard=agent_box.config.storage_guard,
             )  # fmt: skip
-            self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
+            # Named after the agent's box (its cgroups, the sweep of a dead owner's boxes).
+            self.box = Box(config, self.dir / "run", name=f"{self.agent.dir.name}-verifier", owned_dir=self.dir)
             self.box.mounts.append(self.rootfs)
             await self.box.start()
         except BaseException:

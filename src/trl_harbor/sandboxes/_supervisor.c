@@ -7,7 +7,7 @@
  * cached by source hash; it is passed to bubblewrap as an open file descriptor, so
  * it appears nowhere in the sandbox's file system.
  *
- *   usage: supervisor LISTEN_FD AS_LIMIT_BYTES [FSIZE_LIMIT_BYTES]
+ *   usage: supervisor LISTEN_FD AS_LIMIT_BYTES NPROC_LIMIT
  *
  * It runs as PID 1 of the sandbox's PID namespace (bubblewrap --as-pid-1): the
  * kernel never delivers SIGKILL or SIGSTOP to a namespace's init from inside it,
@@ -33,6 +33,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
@@ -117,7 +120,7 @@ static void bounded_add(struct bounded *b, const char *data, size_t len) {
 static int bounded_send(int fd, struct bounded *b) {
     char marker[96] = "";
     if (b->dropped)
-        snprintf(marker, sizeof marker, "\n[... %llu bytes of output omitted ...]\n", (unsigned long long)b->dropped);
+        snprintf(marker, sizeof marker, "\n[... %llu bytes omitted ...]\n", (unsigned long long)b->dropped);
     uint32_t total = (uint32_t)(b->n_head + strlen(marker) + b->n_tail);
     char *out = malloc(total + 1);
     size_t off = 0;
@@ -391,6 +394,10 @@ static void handle(int conn) {
         dup2(devnull, 0);
         dup2(out[1], 1);
         dup2(err[1], 2);
+        /* Nothing of the host reaches a command: no descriptor but its standard streams (the
+         * supervisor's own binary is open in PID 1, bubblewrap may leave others). */
+        if (syscall(SYS_close_range, 3, ~0U, 0) != 0)
+            for (int fd = 3; fd < 65536; fd++) close(fd);
         if (chdir(cwd) != 0) {
             dprintf(2, "cannot enter working directory %s: %s\n", cwd, strerror(errno));
             _exit(126);
@@ -507,28 +514,15 @@ int main(int argc, char **argv) {
         }
     }
     if (argc > 3) {
-        /* The sandbox's storage bound: no single file grows past it, however fast it is
-         * written (the host's storage guard bounds the total by polling). Commands cannot
-         * raise it: they run without CAP_SYS_RESOURCE. */
-        unsigned long long limit = strtoull(argv[3], NULL, 10);
-        if (limit) {
-            struct rlimit rl = {limit, limit};
-            setrlimit(RLIMIT_FSIZE, &rl);
-        }
-    }
-    if (argc > 4) {
         /* Without cgroups (not root), the sandbox's process limit: RLIMIT_NPROC counts the
          * processes of a uid in its own user namespace, i.e. this sandbox's (a fork bomb gets
          * EAGAIN); commands cannot raise it. */
-        unsigned long long limit = strtoull(argv[4], NULL, 10);
+        unsigned long long limit = strtoull(argv[3], NULL, 10);
         if (limit) {
             struct rlimit rl = {limit, limit};
             setrlimit(RLIMIT_NPROC, &rl);
         }
     }
-    /* Inherited through execve: a write past the file-size limit fails with EFBIG ("File too
-     * large") instead of killing the writer with SIGXFSZ, as under Python. */
-    signal(SIGXFSZ, SIG_IGN);
     fcntl(listener, F_SETFD, FD_CLOEXEC);
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* inherited by handlers, reset by a command's execve */
     signal(SIGCHLD, SIG_IGN); /* handlers and orphans are reaped by the kernel */

@@ -11,7 +11,7 @@ kernel protects from SIGKILL and SIGSTOP sent from inside the namespace, so the
 agent cannot kill it; it makes itself non-dumpable, and commands run without
 CAP_SYS_PTRACE, so the agent cannot trace it either. The host hands it an already
 listening Unix socket (descriptor number in ``argv[1]``; ``argv[2]`` is an
-address-space limit in bytes, ``argv[3]`` a file-size limit in bytes, 0 for none). Each
+address-space limit in bytes, ``argv[3]`` a process limit, 0 for none). Each
 connection carries one command, little-endian:
 
     request:  u32 size | u32 timeout_ms (0: none) | u32 cap | u32 n | n x (u32 len | bytes)
@@ -175,7 +175,7 @@ class _Bounded:
     def encode(self):
         middle = b""
         if self.dropped:
-            middle = b"\n[... %d bytes of output omitted ...]\n" % self.dropped
+            middle = b"\n[... %d bytes omitted ...]\n" % self.dropped
         body = bytes(self.head) + middle + bytes(self.tail)
         return self.dropped.to_bytes(8, "little") + len(body).to_bytes(4, "little") + body
 
@@ -214,7 +214,8 @@ def _spawn(cwd, command, env, out_w, err_w):
         os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        # Every other descriptor was opened close-on-exec (PEP 446).
+        # Nothing of the host reaches a command: no descriptor but its standard streams.
+        os.closerange(3, 65536)
         try:
             os.chdir(cwd)
         except OSError as error:
@@ -359,23 +360,13 @@ def main():
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    file_limit = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    if file_limit:
-        import resource
-
-        # The sandbox's storage bound: no single file grows past it (the host's storage guard
-        # bounds the total); commands cannot raise it without CAP_SYS_RESOURCE.
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
-    process_limit = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    process_limit = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     if process_limit:
         import resource
 
         # Without cgroups (not root): RLIMIT_NPROC counts a uid's processes in its own user
         # namespace, i.e. this sandbox's (a fork bomb gets EAGAIN).
         resource.setrlimit(resource.RLIMIT_NPROC, (process_limit, process_limit))
-    # Inherited through execve: a write past the limit fails with EFBIG instead of killing the
-    # writer (Python ignores SIGXFSZ already; said here so both supervisors visibly agree).
-    _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)
     _signal.signal(_signal.SIGCHLD, _signal.SIG_IGN)  # handlers are reaped by the kernel
     _signal.signal(_signal.SIGPIPE, _signal.SIG_IGN)
     os.write(1, b"ready\n")

@@ -440,10 +440,16 @@ def _place(source: Path, dest: Path, info: os.stat_result, code: bool, result: S
     """Copy a regular file of the agent's outputs (within the budget), else link it."""
     regular = stat.S_ISREG(info.st_mode)
     if regular and not code and info.st_blocks * 512 <= budget[0]:
-        copied = _sparse_copy(source, dest, info)
-        budget[0] -= copied
-        result.copied += copied
-        return
+        try:
+            copied = _sparse_copy(source, dest, info)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            dest.unlink(missing_ok=True)  # the sandbox's bound is reached: link it, as code is
+        else:
+            budget[0] -= copied
+            result.copied += copied
+            return
     try:
         os.link(source, dest, follow_symlinks=False)
     except OSError as error:
