@@ -20,7 +20,12 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts and trusted
 
 SEARCH = SearchPaths(
     path=("/usr/local/bin", "/usr/bin", "/bin"),
-    python=("/usr/lib/python311.zip", "/usr/lib/python3.11", "/usr/lib/python3/dist-packages"),
+    python=(
+        "/usr/lib/python311.zip",
+        "/usr/lib/python3.11",
+        "/usr/lib/python3/dist-packages",
+        "/root/.local/lib/python3.11/site-packages",
+    ),  # fmt: skip
     loader=("/usr/lib/x86_64-linux-gnu", "/usr/local/lib"),
 )
 

@@ -460,8 +460,14 @@ class VerifierRoot(ImageRoot):
             await asyncio.to_thread(self._make_view)
             assert self.view is not None
             sockets = [(str(self.agent.rootfs / path.lstrip("/")), path) for path in self.view.sockets]
+            accounts = [
+                (str(self.image.rootfs / "etc" / name), f"/run/trl-harbor/{name}")
+                for name in ("passwd", "group")
+                if (self.image.rootfs / "etc" / name).is_file()
+            ]
             config = dataclasses.replace(
                 agent_box.config, rootfs=self.rootfs, join=agent_box.init_pid, extra_binds=sockets,
+                extra_ro_binds=[*agent_box.config.extra_ro_binds, *accounts],
                 hostname=self.task.hostname, storage_guard=agent_box.config.storage_guard,
             )  # fmt: skip
             # Named after the agent's box (its cgroups, the sweep of a dead owner's boxes).

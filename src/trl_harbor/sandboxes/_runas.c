@@ -56,7 +56,10 @@ int main(int argc, char **argv) {
     gid_t gid = 0;
     int found = 0;
     char name[256] = "", home[1024] = "/", buf[4096], value[1024];
-    FILE *passwd = fopen("/etc/passwd", "r");
+    /* A verifier's view binds the image's own account files here: the verifier's user is the image's,
+     * whatever the agent wrote into /etc/passwd (which the tests still see as the agent left it). */
+    FILE *passwd = fopen("/run/trl-harbor/passwd", "r");
+    if (!passwd) passwd = fopen("/etc/passwd", "r");
     if (passwd) {
         while (fgets(buf, sizeof buf, passwd)) {
             if (!field(buf, 0, name, sizeof name) || !field(buf, 2, value, sizeof value)) continue;
@@ -83,7 +86,8 @@ int main(int argc, char **argv) {
     gid_t groups[MAX_GROUPS];
     int ngroups = 0;
     int group_found = group == NULL;
-    FILE *etc_group = fopen("/etc/group", "r");
+    FILE *etc_group = fopen("/run/trl-harbor/group", "r");
+    if (!etc_group) etc_group = fopen("/etc/group", "r");
     if (etc_group) {
         char gname[256], gid_text[64], members[2048];
         while (fgets(buf, sizeof buf, etc_group)) {

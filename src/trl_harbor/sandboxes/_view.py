@@ -33,6 +33,7 @@ import errno
 import fnmatch
 import os
 import posixpath
+import re
 import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -42,9 +43,10 @@ __all__ = ["CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot",
 
 #: Configuration that decides how code starts (globs; ``~`` is every home folder).
 CODE_CONFIG: tuple[str, ...] = (
-    "/etc/ld.so.*", "/etc/ld.so.conf.d", "/etc/nsswitch.conf", "/etc/alternatives", "/etc/profile",
+    "/etc/ld.so.*", "/etc/ld.so.conf.d", "/etc/nsswitch.conf", "/etc/profile",
     "/etc/profile.d", "/etc/bash.bashrc", "/etc/environment", "/etc/python3*", "/etc/pip.conf", "/etc/uv",
     "/etc/ssl", "/etc/ca-certificates*", "/etc/gitconfig", "/usr/lib/*/gconv/gconv-modules*",
+    "/etc/apt", "/etc/dpkg", "/etc/xdg", "*/pip.conf", "/etc/npmrc", "/usr/etc",
     "~/.bashrc", "~/.bash_profile", "~/.bash_login", "~/.profile", "~/.pydistutils.cfg", "~/.pip",
     "~/.config/pip", "~/.config/uv", "~/.local/share/uv", "~/.cache", "~/.npmrc", "~/.curlrc", "~/.wgetrc",
     "~/.gitconfig", "~/.netrc", "~/.pypirc",
@@ -56,10 +58,13 @@ RUNNER_PACKAGES: frozenset[str] = frozenset({"pytest", "_pytest", "pluggy", "ini
 #: What a test runner or ``python -m`` picks up from a working directory and its ancestors.
 RUNNER_CONFIG: tuple[str, ...] = (
     "conftest.py", "pytest.ini", ".pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "setup.py",
-    "*.py", "*.pth", "*.so", "__pycache__",
+    "*.py", "*.pyc", "*.pth", "*.so", "__pycache__", "node_modules", "package.json", "uv.toml",
+    ".python-version", ".nvmrc", ".tool-versions", ".npmrc",
 )  # fmt: skip
 #: Paths that are the verifier's alone.
-VERIFIER_ONLY: tuple[str, ...] = ("/tests", "/solution", "/logs/verifier")
+VERIFIER_ONLY: tuple[str, ...] = ("/tests", "/solution", "/logs/verifier", "/run/trl-harbor")
+#: The sandbox's own plumbing (mount points of the helpers bound in): never the agent's, never reported.
+PLUMBING = "/run/trl-harbor"
 #: Bytes of the agent's outputs copied into a snapshot (beyond that, hard links).
 COPY_BUDGET = 1 << 30
 
@@ -67,7 +72,7 @@ COPY_BUDGET = 1 << 30
 def stem(name: str) -> str:
     """A file's name before its first dot (``json.cpython-311.so`` → ``json``; a dist-info's project name)."""
     base = name.split(".", 1)[0] if not name.startswith(".") else name
-    return base.split("-", 1)[0] if name.endswith((".dist-info", ".egg-info")) else base
+    return base.split("-", 1)[0] if name.lower().endswith((".dist-info", ".egg-info")) else base
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,7 @@ class _Names:
     commands: set[str] = field(default_factory=set)
     modules: set[str] = field(default_factory=set)
     libraries: set[str] = field(default_factory=set)
+    startup: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -165,8 +171,9 @@ class Snapshot:
 class _Rule:
     """The rule of the module docstring, for one image and one verifier working directory."""
 
-    def __init__(self, lower: Path, search: SearchPaths, workdir: str, allowed: Sequence[str]) -> None:
+    def __init__(self, lower: Path, upper: Path, search: SearchPaths, workdir: str, allowed: Sequence[str]) -> None:
         self.lower = lower
+        self.upper = upper
         self.workdir = posixpath.normpath(workdir or "/")
         self.allowed = list(allowed)
         self.path_dirs = [posixpath.normpath(d) for d in search.path if d.startswith("/")]
@@ -175,11 +182,10 @@ class _Rule:
         user_sites = [
             d.replace("/root/", home + "/", 1) for d in search.python if d.startswith("/root/") for home in homes
         ]
-        self.python_dirs = sorted(
-            {posixpath.normpath(d) for d in (*search.python, *user_sites, *self.path_dirs) if d.startswith("/")},
-            key=len,
-        )
-        self.loader_dirs = sorted({posixpath.normpath(d) for d in search.loader if d.startswith("/")}, key=len)
+        self.python_dirs = _sorted_dirs((*search.python, *user_sites, *self.path_dirs))
+        # The loader's own directories always (the ELF interpreter is /lib64's), with the image's.
+        self.loader_dirs = _sorted_dirs((*search.loader, *_SYSTEM_LIBRARY_DIRS))
+        self.lookup_dirs = {*self.path_dirs, *self.python_dirs, *self.loader_dirs, *NAMED_DIRS}
         self.config = [
             posixpath.join(home, item[2:]) if item.startswith("~/") else item
             for item in CODE_CONFIG
@@ -194,10 +200,11 @@ class _Rule:
 
     def _shipped_names(self) -> _Names:
         names = _Names()
-        for directory in self.path_dirs:
+        for directory in (*self.path_dirs, *NAMED_DIRS):
             names.commands |= set(_listdir(self.lower, directory))
         for directory in self.python_dirs:
             names.modules |= {stem(n) for n in _listdir(self.lower, directory)}
+            names.startup |= _startup_imports(self.lower, directory)
         for directory in self.loader_dirs:
             names.libraries |= {stem(n) for n in _listdir(self.lower, directory) if ".so" in n}
         return names
@@ -205,14 +212,20 @@ class _Rule:
     # -- where a path is -------------------------------------------------------------
 
     def agents(self, path: str) -> bool:
-        """Whether ``path`` is the agent's whatever it is (its working directory, an allowed change)."""
+        """Whether ``path`` is the agent's whatever it is: an allowed change, or its work in the working
+        directory (but for the places code is looked up there, e.g. a virtual environment first on PATH)."""
         if any(fnmatch.fnmatchcase(path, g) or fnmatch.fnmatchcase(path, g.rstrip("/") + "/*") for g in self.allowed):
             return True
-        return self.workdir != "/" and (path == self.workdir or path.startswith(self.workdir + "/"))
+        in_workdir = self.workdir != "/" and (path == self.workdir or path.startswith(self.workdir + "/"))
+        return in_workdir and not self.code_place(path) and not self.holds_lookups(path)
 
     def verifier_only(self, path: str) -> bool:
         """Whether ``path`` belongs to the verifier alone (its tests, its outputs, the solution)."""
         return any(path == p or path.startswith(p + "/") for p in VERIFIER_ONLY)
+
+    def leads_to_verifier_only(self, path: str) -> bool:
+        """Whether ``path`` is an ancestor of the verifier's own paths (``/logs`` of ``/logs/verifier``)."""
+        return any(p.startswith(path.rstrip("/") + "/") for p in VERIFIER_ONLY)
 
     def in_config(self, path: str) -> bool:
         """Whether ``path`` is (under) code configuration (:data:`CODE_CONFIG`)."""
@@ -223,17 +236,25 @@ class _Rule:
         return (
             self.in_config(path)
             or posixpath.dirname(path) in self.path_dirs
+            or posixpath.dirname(path) in NAMED_DIRS
             or _innermost(path, self.python_dirs) is not None
             or _innermost(path, self.loader_dirs) is not None
         )
 
-    def code_below(self, path: str) -> bool:
-        """Whether code is looked up at or below the folder ``path`` (then the image's entries there stay)."""
+    def holds_lookups(self, path: str) -> bool:
+        """Whether ``path`` is a folder the verifier looks code up in, or one of its ancestors."""
         prefix = path.rstrip("/") + "/"
-        dirs = (*self.path_dirs, *self.python_dirs, *self.loader_dirs)
+        return any(d == path or d.startswith(prefix) for d in self.lookup_dirs) or any(
+            g.startswith(prefix) for g in self.config
+        )
+
+    def code_below(self, path: str) -> bool:
+        """Whether code is looked up at or below the folder ``path`` (then it must stay a folder, the image's
+        entries there stay)."""
+        prefix = path.rstrip("/") + "/"
         return (
             self.code_place(prefix + "x")
-            or any(d == path or d.startswith(prefix) for d in dirs)
+            or any(d == path or d.startswith(prefix) for d in self.lookup_dirs)
             or any(g.startswith(prefix) for g in self.config)
         )
 
@@ -250,45 +271,107 @@ class _Rule:
         """
         if self.verifier_only(path):
             return "the verifier's own"
+        folder = host.is_dir() and not host.is_symlink()
+        if not folder and (self.leads_to_verifier_only(path) or self.holds_lookups(path)):
+            return "a folder the verifier looks code up in, or its own, replaced"
         if self.agents(path):
             return None
         if shipped:
             return "the image's code" if self.code_place(path) else None
-        return self._concealed_addition(path, host)
+        return self._concealed_addition(path, host, folder)
 
-    def _concealed_addition(self, path: str, host: Path) -> str | None:
+    def _concealed_addition(self, path: str, host: Path, folder: bool) -> str | None:
         name, parent = posixpath.basename(path), posixpath.dirname(path)
-        folder = host.is_dir() and not host.is_symlink()
         if self.in_config(path):
             return "code configuration"
-        if parent in self.ancestors and (_matches(name, RUNNER_CONFIG) or folder and (host / "__init__.py").exists()):
+        if parent in self.ancestors and (
+            _matches(name, RUNNER_CONFIG) or folder and any(n.startswith("__init__.") for n in _names(host))
+        ):
             return "picked up from the verifier's working directory or its ancestors"
-        if parent in self.path_dirs and name in self.names.commands:
+        if (parent in self.path_dirs or parent in NAMED_DIRS) and name in self.names.commands:
             return "a command the image ships"
+        if _matches(name, ("pyvenv.cfg", "*._pth")) and (
+            parent in self.path_dirs or any(posixpath.dirname(d) == parent for d in self.path_dirs)
+        ):
+            return "an interpreter hook"
         home = _innermost(path, self.python_dirs)
         if home is not None:
-            relative = path[len(home.rstrip("/")) + 1 :]
-            top = relative.split("/", 1)[0]
-            if _matches(name, HOOKS) or (name.endswith(".pth") and parent == home):
-                return "an interpreter hook"
-            if posixpath.basename(parent) == "__pycache__" and stem(name) in _stems(
-                self.lower, posixpath.dirname(parent)
-            ):
-                return "bytecode of a module the image ships"
-            if "/" in relative and _exists(self.lower, posixpath.join(home, top)):
-                return "inside a package the image ships"
-            if stem(top) in self.names.modules:
-                return "a module name the image ships"
-            if stem(top) in RUNNER_PACKAGES:
-                return "the test runner's own package"
-            if folder and name.endswith((".dist-info", ".egg-info")) and _declares_runner_plugin(host):
-                return "a test-runner plug-in"
-        if _matches(name, HOOKS):
-            return "an interpreter hook"
+            return self._python_addition(path, host, folder, home)
         libdir = _innermost(path, self.loader_dirs)
         if libdir is not None and ".so" in name and stem(name) in self.names.libraries:
             return "a library name the image ships"
         return None
+
+    def _python_addition(self, path: str, host: Path, folder: bool, home: str) -> str | None:
+        name, parent = posixpath.basename(path), posixpath.dirname(path)
+        relative = path[len(home.rstrip("/")) + 1 :]
+        top = relative.split("/", 1)[0]
+        metadata = name.lower().endswith((".dist-info", ".egg-info", ".egg-link"))
+        if name.endswith(".pth"):
+            return None if parent == home and _plain_paths_pth(host, self) else "an interpreter hook"
+        if _matches(name, HOOKS):
+            return "an interpreter hook"
+        if posixpath.basename(parent) == "__pycache__" and stem(name) in _stems(self.lower, posixpath.dirname(parent)):
+            return "bytecode of a module the image ships"
+        if "/" in relative and _exists(self.lower, posixpath.join(home, top)):
+            return "inside a package the image ships"
+        if stem(top) in self.names.modules or stem(top) in self.names.startup:
+            return "a module name the image ships, or its start-up code imports"
+        if stem(top) in RUNNER_PACKAGES:
+            return "the test runner's own package"
+        if metadata and (host.is_symlink() or not folder or _declares_runner_plugin(host)):
+            return "a test-runner plug-in, or metadata that is a link"
+        return None
+
+
+#: Folders whose entries the image names once: new names are the agent's, the image's stay.
+NAMED_DIRS: tuple[str, ...] = ("/etc/alternatives",)
+
+
+def _sorted_dirs(dirs: Iterable[str]) -> list[str]:
+    return sorted({posixpath.normpath(d) for d in dirs if d.startswith("/")}, key=len)
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _startup_imports(lower: Path, directory: str) -> set[str]:
+    """Modules the image's start-up code (``sitecustomize``, ``usercustomize``, ``.pth``) imports, if present."""
+    found: set[str] = set()
+    for name in _listdir(lower, directory):
+        if not (name.endswith(".pth") or stem(name) in ("sitecustomize", "usercustomize")):
+            continue
+        try:
+            text = (lower / directory.lstrip("/") / name).read_text(errors="replace")[:65536]
+        except OSError:
+            continue
+        found |= set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_][A-Za-z0-9_]*)", text, re.M))
+        found |= set(re.findall(r"[;:]\s*import\s+([A-Za-z_][A-Za-z0-9_]*)", text))
+    return found
+
+
+def _plain_paths_pth(host: Path, rule: _Rule) -> bool:
+    """Whether a ``.pth`` only appends folders to the import path (an editable install), none holding a
+    test-runner plug-in: it runs nothing, and what it adds comes after every shipped module."""
+    try:
+        lines = [line.strip() for line in host.read_text(errors="replace").splitlines()]
+    except OSError:
+        return False
+    folders = [line for line in lines if line and not line.startswith("#")]
+    if not folders or any(line.startswith(("import ", "import\t")) or not line.startswith("/") for line in folders):
+        return False
+    for folder in folders:
+        for base in (rule.lower, rule.upper):
+            for name in _names(base / folder.lstrip("/")):
+                if name.lower().endswith((".dist-info", ".egg-info")) and _declares_runner_plugin(
+                    base / folder.lstrip("/") / name
+                ):
+                    return False
+    return True
 
 
 def _declares_runner_plugin(metadata: Path) -> bool:
@@ -368,7 +451,7 @@ def snapshot(
     Returns:
         What was concealed, the agent's unix sockets, how much was copied.
     """
-    rule = _Rule(lower, search, workdir, allowed)
+    rule = _Rule(lower, upper, search, workdir, allowed)
     result = Snapshot()
     budget = [copy_budget]
     _walk(upper, target, "", rule, result, budget)
@@ -390,6 +473,8 @@ def _walk(upper: Path, target: Path, relative: str, rule: _Rule, result: Snapsho
             continue
         kind = _layer_kind(info, host)
         shipped = _exists(rule.lower, path)
+        if path == PLUMBING:
+            continue
         if kind in ("dir", "opaque") and shipped and stat.S_ISDIR(os.lstat(rule.lower / entry).st_mode):
             if rule.verifier_only(path):
                 result.concealed.append(f"{path} (the verifier's own)")
@@ -414,7 +499,9 @@ def _walk(upper: Path, target: Path, relative: str, rule: _Rule, result: Snapsho
             continue
         if kind == "socket":
             result.sockets.append(path)
-        _place(host, target / entry, info, rule.code_place(path), result, budget)
+        # Copied (frozen as judged), not linked: the agent's outputs, and what the rule read the content of.
+        frozen = not rule.code_place(path) or _judged_by_content(path)
+        _place(host, target / entry, info, frozen, result, budget)
 
 
 def _whiteout_deleted(rule: _Rule, target: Path, entry: str, upper: Path) -> None:
@@ -436,10 +523,16 @@ def _mkdir_like(path: Path, info: os.stat_result, opaque: bool) -> None:
         os.setxattr(path, "trusted.overlay.opaque", b"y", follow_symlinks=False)
 
 
-def _place(source: Path, dest: Path, info: os.stat_result, code: bool, result: Snapshot, budget: list[int]) -> None:
-    """Copy a regular file of the agent's outputs (within the budget), else link it."""
+def _judged_by_content(path: str) -> bool:
+    """Whether the rule read this file's content (a distribution's metadata, a ``.pth``)."""
+    parent = posixpath.basename(posixpath.dirname(path)).lower()
+    return path.endswith(".pth") or parent.endswith((".dist-info", ".egg-info"))
+
+
+def _place(source: Path, dest: Path, info: os.stat_result, frozen: bool, result: Snapshot, budget: list[int]) -> None:
+    """Copy a regular file that is frozen at grading (within the budget), else link it."""
     regular = stat.S_ISREG(info.st_mode)
-    if regular and not code and info.st_blocks * 512 <= budget[0]:
+    if regular and frozen and info.st_blocks * 512 <= budget[0]:
         try:
             copied = _sparse_copy(source, dest, info)
         except OSError as error:
