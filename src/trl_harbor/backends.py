@@ -23,7 +23,14 @@ if TYPE_CHECKING:  # Harbor is imported when a backend is first resolved, not wi
     from harbor.models.trial.paths import TrialPaths
     from harbor.trial.network_policy import TrialNetworkPlan
 
-__all__ = ["BUILTIN_ALIASES", "Backend", "create_environment", "network_plan", "parse_backend_options", "resolve_backend"]
+__all__ = [
+    "BUILTIN_ALIASES",
+    "Backend",
+    "create_environment",
+    "network_plan",
+    "parse_backend_options",
+    "resolve_backend",
+]
 
 #: Short names trl-harbor adds to Harbor's own environment types.
 BUILTIN_ALIASES = {"local": LOCAL_ENVIRONMENT_IMPORT_PATH}

@@ -43,8 +43,10 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         "--reward-weight", action="append", default=[], metavar="KEY=W",
         help="weigh reward.json entries: the reward is the weighted sum (repeatable)",
     )  # fmt: skip
-    group.add_argument("--allowed-change", action="append", default=[], metavar="GLOB",
-                       help="a path whose agent-made version the verifier sees (repeatable)")  # fmt: skip
+    group.add_argument(
+        "--allowed-change", action="append", default=[], metavar="GLOB",
+        help="a path whose agent-made version the verifier sees (repeatable)",
+    )  # fmt: skip
     group.add_argument("--ek", action="append", default=[], help="backend option key=value, e.g. root=host (repeatable)")
 
 

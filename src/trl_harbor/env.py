@@ -9,7 +9,8 @@ The state of a rollout is its :class:`~trl_harbor.rollout.Episode`.
 TRL turns every public method of the class into a tool (:mod:`trl_harbor.tools`), so besides
 ``reset`` every helper here is private: a model must never be handed a tool that stops its own
 sandbox. The reward comes from ``reward_funcs``, as in ``trl.experimental.harbor``; a harness owns
-it (``get_reward``, which TRL reads from the environment) only with :class:`EnvironmentReward`. A harness runs commands with ``self._exec(command)`` (text for the model) or ``await
+it (``get_reward``, which TRL reads from the environment) only with :class:`EnvironmentReward`.
+A harness runs commands with ``self._exec(command)`` (text for the model) or ``await
 self._aexec(...)`` (Harbor's ``ExecResult``) and prepares its sandbox in ``async _setup()``;
 ``self._environment``, ``self._task`` and the reference integration's ``self._env``,
 ``self._paths`` and ``self._run`` are there too. Stopping environments is :func:`release` and
