@@ -273,7 +273,7 @@ class HarborSpec:
         check_task_configs(self.task_dirs, self.suite.root)
         self._infra_stop_fraction = infra_stop_fraction
         if preflight_enabled(preflight):
-            check_backend(environment_type, self._env_kwargs.get("environment_kwargs"))
+            check_backend(environment_type, self._env_kwargs.get("environment_kwargs"), self.task_dirs)
 
     @property
     def tasks(self) -> list[TaskInfo]:
