@@ -41,7 +41,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v dockerd >
 fi
 if [ ${#need[@]} -gt 0 ] || [ ${#docker_need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    say "installing ${need[*]} ${docker_need[*]}"
+    say "installing $(echo "${need[*]} ${docker_need[*]}" | xargs)"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
     if [ ${#need[@]} -gt 0 ]; then
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

@@ -252,6 +252,25 @@ def test_grpo_step_on_docker_runs_tools_in_containers_and_scores_them(
         assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
 
 
+def test_on_docker_the_agents_processes_are_killed_before_grading(docker_daemon, tmp_path: Path) -> None:
+    """Harbor's shared-mode trial grades with the agent's processes alive; trl-harbor's seal stops them (in ``/proc``)."""
+    suite = public_copy(BUNDLED_SUITE / GOLD_TASK, tmp_path / "suite" / GOLD_TASK).parent
+    spec = HarborSpec(suite, environment_type="docker")
+    env = spec.environment_factory()
+    try:
+        env.reset(task_dir=str(spec.task_dirs[0]))
+        # A wrong answer now, the right one once the verifier would be reading: a win only if it lives on.
+        env.bash(
+            "echo -n 0 > /workdir/answer.txt; "
+            f"nohup sh -c 'sleep 3; echo -n {GOLD_ANSWER} > /workdir/answer.txt' >/dev/null 2>&1 & "
+            "setsid sleep 600 >/dev/null 2>&1 < /dev/null &"
+        )
+        assert env.reward == 0.0, env.verification
+        assert env.verification.killed >= 2, env.verification
+    finally:
+        close_all()
+
+
 # ── compose tasks ───────────────────────────────────────────────────────────────────────
 
 COMPOSE = """\
