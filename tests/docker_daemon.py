@@ -189,6 +189,16 @@ def _requirements() -> None:
         )
 
 
+def _stop_with_parent() -> None:
+    """A ``preexec_fn``: the daemon gets SIGTERM if the test process dies first (``PR_SET_PDEATHSIG``).
+
+    Its teardown is the fixture's; this only keeps a killed test run from leaving a daemon running.
+    """
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def _netns_inode(pid: int) -> int:
     return os.stat(f"/proc/{pid}/ns/net").st_ino
 
@@ -261,7 +271,12 @@ def private_daemon(workdir: Path, images: Mapping[str, str] | None = None) -> It
     (config_dir / "config.json").write_text("{}\n")
     socket = workdir / "docker.sock"
     daemon_json = workdir / "daemon.json"
-    daemon_json.write_text(json.dumps({"features": {"buildkit": True}}))
+    # Harbor gives every sandbox a compose network of its own; Docker's default address pools hold
+    # about 30 networks, so a batch of 64 sandboxes would fail at the 31st ("could not find an
+    # available, non-overlapping IPv4 address pool"). /24s out of 172.16.0.0/12: 4096 networks,
+    # all inside the daemon's own network namespace.
+    pools = [{"base": "172.16.0.0/12", "size": 24}]
+    daemon_json.write_text(json.dumps({"features": {"buildkit": True}, "default-address-pools": pools}))
     cgroup_parent = f"/trl-harbor-test-docker-{os.getpid()}-{time.monotonic_ns() % 10**9}"
     made_etc_docker = not Path("/etc/docker").exists()
     if made_etc_docker:
@@ -281,7 +296,7 @@ def private_daemon(workdir: Path, images: Mapping[str, str] | None = None) -> It
     daemon = subprocess.Popen(
         ["unshare", "--net", "--mount", "--propagation", "slave", "sh", "-c", _INNER, "sh", str(workdir), *dockerd_args],
         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, **offline},
+        env={**os.environ, **offline}, preexec_fn=_stop_with_parent,
     )  # fmt: skip
     slirp: subprocess.Popen | None = None
     exit_w = -1
