@@ -329,7 +329,10 @@ def test_a_compose_task_runs_its_sidecar_on_docker_and_is_refused_on_local(
 # ── nothing left ────────────────────────────────────────────────────────────────────────
 
 
-def test_zz_the_episodes_left_nothing_in_the_daemon(docker_daemon) -> None:
-    """After every episode above stopped: no container, compose network or volume of theirs remains."""
+def test_the_episodes_above_left_nothing_in_the_daemon(docker_daemon) -> None:
+    """After every episode above stopped: no container, compose network or volume of theirs remains.
+
+    (Last in the module: pytest runs a module's tests in the order they are defined.)
+    """
     left = docker_daemon.leftovers()
     assert left == {"containers": [], "networks": [], "volumes": []}, left
