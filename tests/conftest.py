@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# The Docker tests' daemon and the registry it is seeded from, for every test module: a session
+# fixture that test modules imported themselves would run once per importing module.
+from docker_daemon import docker_daemon, loopback_registry  # noqa: E402, F401
+
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
 # Most tests build docker-typed specs only for their datasets, on machines without a Docker daemon;
 # the backend preflight (trl_harbor.preflight) is tested explicitly with preflight=True.
@@ -149,11 +153,16 @@ def tiny_grpo_trainer(tmp_path: Path, spec, tool_calls: list[str], prompt_suffix
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Print the adversarial corpus's and the broken suites' tables when those tests ran.
+    """Print the adversarial corpus's and the broken suites' tables, and the Docker daemon's fate, when those tests ran.
 
     (Here, not in conftest files of their own folders: every test module imports this one as
     ``conftest``, and a second module of that name would shadow it.)
     """
+    docker = sys.modules.get("docker_daemon")
+    if docker is not None and docker.REPORT:
+        terminalreporter.section("docker")
+        for line in docker.REPORT:
+            terminalreporter.write_line(line)
     table = sys.modules.get("adv_table")
     if table is not None and table.RESULTS:
         terminalreporter.section("adversarial corpus")

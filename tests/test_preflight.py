@@ -1,7 +1,8 @@
 """A backend that cannot work at all fails fast: at spec build, or at the first batch lost whole.
 
-On this project's machines the ``docker`` command exists and no daemon runs, which is exactly the
-case that used to train on: every rollout's sandbox failed to start, every reward was ``None``.
+On this project's machines the ``docker`` command exists and no daemon answers at Docker's default
+socket (the Docker tests start a private one, ``docker_daemon.py``), which is exactly the case that
+used to train on: every rollout's sandbox failed to start, every reward was ``None``.
 The docker tests point ``DOCKER_HOST`` at a socket that does not exist, so that they find no
 daemon on any machine (and the real CLI and Harbor's real Docker backend say so).
 """

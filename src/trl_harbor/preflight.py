@@ -8,6 +8,10 @@ learns nothing while it logs one long error per rollout. This module stops such 
   Harbor ``preflight()`` (options, credentials; for Docker, that ``docker info`` answers), plus
   loading the backend at all. A failure raises :class:`BackendUnavailableError` naming the cause
   and the fixes. ``HarborSpec(preflight=False)`` (or ``TRL_HARBOR_PREFLIGHT=0``) skips it.
+  For Docker it also checks what the suite's tasks need of the daemon
+  (:func:`docker_network_problem`): a task whose network is not public (``no-network``, an
+  allowlist) runs only where Harbor's egress-control images can run, and Harbor refuses it
+  otherwise only when its sandbox is created, i.e. mid-run.
 * :func:`check_task_configs` refuses ``task.toml`` keys that Harbor would silently ignore but
   that are a typo of a key it knows (``timeout_secs``), and negative sizes and timeouts; other
   unknown keys are logged once.
@@ -41,6 +45,7 @@ __all__ = [
     "check_backend",
     "check_batch",
     "check_task_configs",
+    "docker_network_problem",
     "preflight_enabled",
 ]
 
@@ -77,32 +82,38 @@ def preflight_enabled(preflight: bool | None) -> bool:
     return os.environ.get("TRL_HARBOR_PREFLIGHT", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def check_backend(backend: Backend) -> None:
+def check_backend(backend: Backend, task_dirs: Sequence[Path] | None = None) -> None:
     """Check that a backend can start sandboxes on this machine, before any rollout needs one.
 
     Runs the backend class's Harbor ``preflight()`` (Harbor's Docker backend asks ``docker info``;
     cloud backends check their credentials; the local backend checks bubblewrap and its options).
-    A success is remembered for the rest of the process.
+    A success is remembered for the rest of the process. With ``task_dirs``, Docker is also
+    checked against what those tasks need (:func:`docker_network_problem`).
 
     Args:
         backend: The resolved backend (:func:`trl_harbor.backends.resolve_backend`).
+        task_dirs: The tasks that will run on it (``HarborSpec``'s selection).
 
     Raises:
-        BackendUnavailableError: When the backend cannot be loaded or its preflight fails; the
-            message names the cause and the fixes.
+        BackendUnavailableError: When the backend cannot be loaded or its preflight fails, or
+            when Docker cannot enforce a task's network policy; the message names the cause
+            and the fixes.
     """
     from harbor.environments.factory import EnvironmentFactory
 
     config = backend.config
     environment_type = backend.name
     key = (environment_type, json.dumps(dict(config.kwargs), sort_keys=True, default=str))
-    if key in _PASSED:
-        return
-    try:
-        EnvironmentFactory.run_preflight(config.type, config.import_path, kwargs=dict(config.kwargs))
-    except (SystemExit, Exception) as exc:  # Harbor's preflights exit (SystemExit) on a missing daemon or key
-        raise BackendUnavailableError(_unavailable(environment_type, exc)) from None
-    _PASSED.add(key)
+    if key not in _PASSED:
+        try:
+            EnvironmentFactory.run_preflight(config.type, config.import_path, kwargs=dict(config.kwargs))
+        except (SystemExit, Exception) as exc:  # Harbor's preflights exit (SystemExit) on a missing daemon or key
+            raise BackendUnavailableError(_unavailable(environment_type, exc)) from None
+        _PASSED.add(key)
+    if task_dirs:
+        problem = docker_network_problem(backend, task_dirs)
+        if problem:
+            raise BackendUnavailableError(problem)
 
 
 def _unavailable(environment_type: str, exc: BaseException) -> str:
@@ -133,6 +144,149 @@ def _docker_info() -> str:
     lines = [line.strip() for line in (result.stderr or "").splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower() or "cannot" in line.lower()] or lines
     return f" (`docker info`: {' '.join(errors[:2])})" if result.returncode and errors else ""
+
+
+# ── Docker: what tasks that are not on the public network need ──────────────────────
+
+#: Shown for at most this many task names in a message.
+_NAMES_SHOWN = 8
+
+
+def docker_network_problem(backend: Backend, task_dirs: Sequence[Path]) -> str | None:
+    """Why Harbor's Docker backend would refuse some of these tasks for their network policy, if it would.
+
+    Harbor's ``docker`` backend enforces ``network_mode = "no-network"`` (and allowlists, and a
+    policy that changes between the agent and verifier phases) with an egress-control sidecar.
+    It turns that on only when a kernel probe container runs (an ``alpine`` image pinned by
+    digest) and builds the sidecar (``docker buildx build`` from a ``gogost/gost`` image pinned
+    by digest, or the built image already in the daemon). Where either is missing (an offline
+    host, a Docker without the buildx plug-in) it refuses every such task when its sandbox is
+    created or started, one rollout at a time. This finds that out at once, with Harbor's own
+    probe (whose answer Harbor keeps for the process), and names the images and how to provide
+    them. The image names are read from the installed Harbor.
+
+    Args:
+        backend: The resolved backend; only Docker is checked.
+        task_dirs: The tasks.
+
+    Returns:
+        The explanation, or ``None`` when every task can run (or the backend is not Docker).
+    """
+    from harbor.models.environment_type import EnvironmentType
+    from harbor.models.task.config import NetworkMode
+
+    from trl_harbor.suite import load_task
+
+    config = backend.config
+    if config.import_path or config.type != EnvironmentType.DOCKER:
+        return None
+    needing: list[str] = []
+    modes: set[str] = set()
+    for task_dir in task_dirs:
+        try:
+            task = load_task(Path(task_dir))
+            plans = [backend.plan(task)] + [backend.plan(task, s) for s in task.config.steps or []]
+        except Exception:  # noqa: BLE001 - a task Harbor cannot read is reported by the suite checks
+            continue
+        policies = [p for plan in plans for p in (plan.agent_env_baseline, plan.agent_phase,
+                                                  plan.verifier_env_baseline, plan.verifier_phase) if p]  # fmt: skip
+        closed = {p.network_mode.value for p in policies if p.network_mode != NetworkMode.PUBLIC}
+        if closed:
+            needing.append(task.short_name)
+            modes |= closed
+    if not needing:
+        return None
+    from harbor.environments.docker.docker import DockerEnvironment
+
+    probe_ok = DockerEnvironment._egress_control_kernel_support()  # Harbor's own decision, cached by Harbor
+    missing = _egress_images_missing(DockerEnvironment, probe_ok)
+    if probe_ok and not missing:
+        return None
+    shown = ", ".join(sorted(needing)[:_NAMES_SHOWN]) + (", ..." if len(needing) > _NAMES_SHOWN else "")
+    listed = "\n".join(f"  - {line}" for line in missing)
+    mode_text = " or ".join(f"network_mode={m!r}" for m in sorted(modes))
+    return (
+        f"environment_type='docker' cannot run {len(needing)} of these {len(task_dirs)} tasks on this machine "
+        f"({shown}): they need {mode_text}, which Harbor's Docker backend enforces with an egress-control "
+        f"sidecar that it can use only when the daemon runs these images:\n{listed}\n"
+        f'Without them Harbor refuses each such task when its sandbox is created ("network_mode=... is not '
+        'supported by EnvironmentType.DOCKER environment") or started, so every rollout of theirs would be lost. '
+        "Fixes: provide the images to this daemon (`docker pull` them where Docker Hub is reachable; on an "
+        'offline host, serve them from a registry mirror the daemon uses: daemon.json "registry-mirrors", '
+        "filled with `skopeo copy --all --preserve-digests` on a connected machine; a digest-pinned reference "
+        "is recorded only by a pull, so `docker load` or `docker tag` cannot stand in for the probe image, "
+        "while the sidecar's content-addressed name can be loaded or tagged); or leave these tasks out "
+        '(HarborSpec(indices=...)); or set their network_mode to "public" where they need no isolation; or '
+        "run them on environment_type='local', which enforces no-network without images (docs/backends.md)."
+    )
+
+
+def _egress_images_missing(docker_env: type, probe_ok: bool) -> list[str]:
+    """One line per egress-control image the daemon lacks, with why Harbor cannot get it."""
+    lines = []
+    probe = getattr(docker_env, "_EGRESS_CONTROL_KERNEL_PROBE_IMAGE", None)
+    if not probe_ok:
+        if probe and not _docker_image_present(probe):
+            lines.append(f"{probe} (Harbor's kernel probe, run by digest): not in the daemon, and pulling it failed")
+        else:
+            lines.append(
+                f"{probe or 'the kernel probe'} ran, but this kernel lacks nftables' fib expression "
+                "(CONFIG_NFT_FIB_INET), which the sidecar's rules need: no image can fix that"
+            )
+    sidecar, base = _sidecar_image(docker_env)
+    if sidecar and not _docker_image_present(sidecar):
+        if _docker_ok("buildx", "version"):
+            if base and not _docker_image_present(base):
+                lines.append(
+                    f"{sidecar} (the sidecar): not in the daemon; Harbor builds it with `docker buildx build` "
+                    f"FROM {base}, which is not in the daemon either and must be pulled at the first start"
+                )
+        else:
+            lines.append(
+                f"{sidecar} (the sidecar): not in the daemon, and Harbor builds it with `docker buildx build` "
+                f"FROM {base or 'its base image'}: this Docker has no buildx plug-in"
+            )
+    return lines
+
+
+def _sidecar_image(docker_env: type) -> tuple[str | None, str | None]:
+    """Harbor's content-addressed name of its egress sidecar image, and the image it is built ``FROM``."""
+    try:
+        from harbor.utils.container_cache import docker_build_context_hash
+
+        context = Path(docker_env._EGRESS_CONTROL_SIDECAR_CONTEXT_PATH)
+        dockerfile = Path(docker_env._egress_control_sidecar_dockerfile_path())
+        name = str(docker_env._EGRESS_CONTROL_SIDECAR_DOCKER_NAME)
+        froms = [line.split()[1] for line in dockerfile.read_text().splitlines() if line.upper().startswith("FROM ")]
+        platform = _docker_output("version", "--format", "{{.Server.Os}}/{{.Server.Arch}}")
+        if not platform:
+            return None, froms[0] if froms else None
+        digest = docker_build_context_hash(
+            context=context, dockerfile_path=dockerfile, build_args={}, platform=platform
+        )
+        # Harbor names it f"{name}--{hash}" (harbor.environments.docker.utils._compute_image_name).
+        return f"{name}--{digest}", froms[0] if froms else None
+    except (AttributeError, OSError, ImportError, IndexError):  # another Harbor: name what can be named
+        return None, None
+
+
+def _docker_output(*args: str) -> str:
+    try:
+        result = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def _docker_ok(*args: str) -> bool:
+    try:
+        return subprocess.run(["docker", *args], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _docker_image_present(reference: str) -> bool:
+    return _docker_ok("image", "inspect", reference)
 
 
 # ── task.toml: keys Harbor would ignore ─────────────────────────────────────────────

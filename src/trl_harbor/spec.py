@@ -252,7 +252,7 @@ class HarborSpec:
         check_runnable(self.tasks, self.env_cls, self.backend)
         check_task_configs(self.tasks, self.suite.root)
         if preflight_enabled(preflight):
-            check_backend(self.backend)
+            check_backend(self.backend, self.task_dirs)
         transforms = (with_environment_reward,) if reward_source == "environment" else ()
         self._factory = EnvironmentFactory(agent, self.backend, self.options, harness_kwargs, self.env_cls, transforms)
 
