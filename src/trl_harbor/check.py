@@ -169,6 +169,7 @@ async def check_task(
     """
     from trl_harbor.backends import resolve_backend
     from trl_harbor.env import HarborBashStepsEnv
+    from trl_harbor.preflight import docker_network_problem
     from trl_harbor.spec import check_runnable
     from trl_harbor.suite import TaskSuiteError, validate_task
 
@@ -181,8 +182,11 @@ async def check_task(
     try:
         backend = resolve_backend(environment_type, dict(options.backend_options))
         check_runnable([info], HarborBashStepsEnv, backend)
+        problem = docker_network_problem(backend, [task_dir])  # Docker that cannot enforce its network
     except (TaskSuiteError, ValueError) as error:
         return CheckResult(info.name, task_dir, failed, failed, problem=" ".join(str(error).split()))
+    if problem:
+        return CheckResult(info.name, task_dir, failed, failed, problem=" ".join(problem.split()))
     floor = float((info.metadata or {}).get("reward_floor", 0.0))
     own = workdir is None
     folder = Path(tempfile.mkdtemp(prefix="trl-harbor-check-")) if own else workdir
