@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from trl_harbor import progress, runtime
 from trl_harbor.options import HarborOptions
+from trl_harbor.rollout import grading
 from trl_harbor.rollout.episode import CommandTimeoutError, Episode, Phase
 from trl_harbor.rollout.outcome import Cause, Verification
 
@@ -312,7 +313,7 @@ def _error_text(episode: Episode, exc: BaseException, timeout: int) -> str:
         return f"Error: the command timed out after {timeout} s."
     if "being graded" in str(exc):
         return "Error: the rollout is over; its sandbox is being graded."
-    if runtime.run(episode.alive()):
+    if runtime.run(grading.alive(episode.environment)):
         # The backend runs the sandbox: the command itself was killed (e.g. by the agent's own `kill -9 -1`).
         return f"Error: the command ended without an answer ({type(exc).__name__}: {exc})."
     if runtime.run(episode.check_exhausted()):

@@ -114,16 +114,8 @@ class Episode:
         return self.task.instruction if step is None else self.task.step_instruction(step.name)
 
     def fail(self, stage: str, error: BaseException | str, cause: Cause = Cause.INFRASTRUCTURE) -> Failure:
-        """Record why the rollout cannot go on (the first failure wins) and end it.
-
-        Args:
-            stage: ``"start"``, ``"exec"`` or ``"verify"``, for the log and the counters.
-            error: What went wrong.
-            cause: ``INFRASTRUCTURE`` (counted as lost to the backend) or ``EXHAUSTED``.
-
-        Returns:
-            The episode's failure.
-        """
+        """End the rollout: record why (the first failure wins; ``stage`` is ``start``, ``exec`` or
+        ``verify``, for the log and the counters; ``cause`` ``INFRASTRUCTURE`` or ``EXHAUSTED``)."""
         if self.failure is None:
             what = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
             if cause is Cause.INFRASTRUCTURE:
@@ -138,11 +130,7 @@ class Episode:
         return self.failure
 
     async def check_exhausted(self) -> bool:
-        """After the sandbox stopped answering: whether the agent exhausted its limits (then it is over).
-
-        Returns:
-            Whether it did (the failure then says which limit).
-        """
+        """After the sandbox stopped answering: whether the agent exhausted its limits (then it is over)."""
         found = await grading.exhaustion(self.environment)
         if found:
             self.fail("exec", f"the rollout exhausted its sandbox ({found}), which stopped answering", Cause.EXHAUSTED)
@@ -151,30 +139,22 @@ class Episode:
     # ── lifecycle ──────────────────────────────────────────────────────────────────
 
     async def provision(self, setup: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Start the sandbox the way Harbor's trials do, then prepare it for the agent; never raises.
-
-        Builds and starts the agent's sandbox with the task's network plan, runs its healthcheck,
-        stages the first step of a multi-step task, takes the baseline of a backend without an
-        isolated verifier view, and runs ``setup`` (a harness's preparation). A failure ends the
-        episode (:attr:`failure`).
-
-        Args:
-            setup: The harness's preparation, run last.
-        """
+        """Start the sandbox as Harbor's trials do (network plan, healthcheck, first step's staging), take
+        the baseline of a backend without an isolated view, run ``setup`` (the harness's); never raises:
+        a failure ends the episode (:attr:`failure`)."""
         progress.SANDBOX_STARTS.started()
         try:
             async with runtime.limit("harbor-sandbox-starts", self.options.max_concurrent_starts):
                 self.plan = plan = self.backend.plan(self.task, self.step)
                 shared = plan.verifier_env_baseline is None
                 self.paths.mkdir()
-                environment = self.backend.create(
+                self.environment = environment = self.backend.create(
                     self.task,
                     self.paths,
                     session_id=f"{self.label}__{uuid.uuid4().hex[:8]}__env",
                     network_policy=plan.agent_env_baseline,
                     phase_network_policies=[plan.agent_phase, plan.verifier_phase] if shared else [plan.agent_phase],
                 )
-                self.environment = environment
                 await asyncio.wait_for(
                     environment.start(force_build=False), timeout=self.task.config.environment.build_timeout_sec
                 )
@@ -199,18 +179,12 @@ class Episode:
             progress.SANDBOX_STARTS.finished()
 
     async def wait_ready(self) -> None:
-        """Wait until provisioning ended, however it ended; a cancellation of the caller propagates."""
+        """Wait until provisioning ended, however it ended (a cancellation of the caller propagates)."""
         if self.ready is not None:
             await asyncio.wait([asyncio.wrap_future(self.ready)])
 
     def stop(self) -> asyncio.Future[None]:
-        """Stop the sandbox and remove the trial folder; idempotent, safe to call concurrently.
-
-        Must be called on the shared loop (it is what ``close_all`` and the next ``reset`` schedule).
-
-        Returns:
-            A future that is done once everything is stopped.
-        """
+        """Stop the sandbox and remove the trial folder (idempotent; on the shared loop): a future done once stopped."""
         if self._stopping is None:
             self._stopping = asyncio.ensure_future(self._stop())
         return self._stopping
@@ -268,23 +242,13 @@ class Episode:
                 raise CommandTimeoutError(f"the command timed out after {timeout} s") from exc
             raise
 
-    async def alive(self) -> bool:
-        """Whether the backend still runs this sandbox (asked of the backend itself where it can tell)."""
-        return await grading.alive(self.environment)
-
     # ── grading ────────────────────────────────────────────────────────────────────
 
     async def grade(self) -> Verification:
-        """Grade the rollout once, however many callers ask concurrently.
+        """Grade the rollout once, however many callers ask concurrently (kept as :attr:`verification`).
 
-        A multi-step task's step in progress is graded as if submitted, and the steps are
-        combined as the task's ``multi_step_reward_strategy`` says (:func:`steps.combine`).
-
-        Returns:
-            The :class:`Verification` (also kept as :attr:`verification`).
-
-        Raises:
-            Exception: An infrastructure failure, when ``on_infra_error="raise"``.
+        A multi-step task's step in progress is graded as if submitted, and the steps are combined
+        (:func:`steps.combine`). Raises an infrastructure failure under ``on_infra_error="raise"``.
         """
         if self._grading is None:
             self._grading = asyncio.ensure_future(self._grade())
@@ -323,13 +287,9 @@ class Episode:
         return outcome
 
     async def submit_step(self) -> str | None:
-        """Grade the current step of a multi-step task and move to the next one.
+        """Grade the current step and stage the next (``None`` when the rollout is over).
 
-        As in Harbor's multi-step trials, a step below its ``min_reward`` ends the rollout;
-        otherwise the next step is staged (its ``workdir/``, ``setup.sh`` and healthcheck).
-
-        Returns:
-            The next step's instruction, or ``None`` when the rollout is over.
+        As in Harbor's multi-step trials, a step below its ``min_reward`` ends the rollout.
         """
         await self.wait_ready()
         if not self.steps or self.phase is not Phase.READY or self._grading is not None:

@@ -1,0 +1,80 @@
+"""``HarborOptions``: one options object, its defaults written once, reaching every entry point (issue #18).
+
+The regression this guards: ``trl-harbor eval`` used to build its environments with four of the
+options spelled out and silently dropped ``on_infra_error`` and ``max_concurrent_starts``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import BUNDLED_SUITE
+
+import trl_harbor
+from trl_harbor import HarborBashEnv, HarborOptions, HarborSpec
+from trl_harbor.cli import build_parser, options_from_args
+from trl_harbor.options import OPTION_NAMES
+
+EVERY_FLAG = [
+    "--command-timeout-sec", "42", "--max-output-chars", "1234", "--max-concurrent-starts", "3",
+    "--on-infra-error", "zero", "--agent-processes", "kill", "--unreached-steps", "zero",
+    "--reward-key", "exact", "--reward-weight", "exact=0.5", "--allowed-change", "/etc/motd",
+    "--ek", "root=host", "--ek", "pids_max=64",
+]  # fmt: skip
+EXPECTED = HarborOptions(
+    command_timeout_sec=42, max_output_chars=1234, max_concurrent_starts=3, on_infra_error="zero",
+    agent_processes="kill", unreached_steps="zero", reward_key="exact", reward_weights={"exact": 0.5},
+    allowed_changes=("/etc/motd",), backend_options={"root": "host", "pids_max": 64},
+)  # fmt: skip
+
+
+def test_every_option_has_a_flag_and_the_flags_reach_the_options() -> None:
+    changed = set(EXPECTED.changed())
+    assert changed == set(OPTION_NAMES) - {"infra_stop_fraction"}, "a HarborOptions field without a flag"
+    for command in ("check", "eval"):
+        head = [command, str(BUNDLED_SUITE)] + (["--model", "m"] if command == "eval" else [])
+        args = build_parser().parse_args(head + EVERY_FLAG)
+        assert options_from_args(args) == EXPECTED, command
+        # No flag given: every default is HarborOptions' own.
+        assert options_from_args(build_parser().parse_args(head)) == HarborOptions(), command
+
+
+def test_eval_hands_every_option_to_its_environments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The regression: eval's environments get the whole options object, not four fields of it."""
+    from trl_harbor.evaluate import EvalConfig, evaluate
+
+    seen: list[HarborOptions] = []
+
+    class Stop(Exception):
+        pass
+
+    class Spying(HarborSpec):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            seen.append(self.environment_factory().options)
+            raise Stop
+
+    monkeypatch.setattr(trl_harbor, "HarborSpec", Spying)
+    args = build_parser().parse_args(["eval", str(BUNDLED_SUITE), "--model", "m", *EVERY_FLAG])
+    with pytest.raises(Stop):
+        evaluate(EvalConfig(dataset=str(BUNDLED_SUITE), base_url=None, model="m", options=options_from_args(args)))
+    assert seen == [EXPECTED]
+
+
+def test_options_validate_early_and_merge_by_name() -> None:
+    with pytest.raises(ValueError, match="on_infra_error"):
+        HarborOptions(on_infra_error="ignore")
+    with pytest.raises(ValueError, match="max_concurrent_starts"):
+        HarborOptions(max_concurrent_starts=0)
+    with pytest.raises(ValueError, match="command_timeout_sec"):
+        HarborBashEnv(command_timeout_sec=0)
+    with pytest.raises(TypeError, match="command_timeout_secs.*the options are"):
+        HarborBashEnv(command_timeout_secs=5)  # a typo is refused, with the names
+    base = HarborOptions(reward_key="exact")
+    merged = HarborOptions.merged(base, command_timeout_sec=9)
+    assert (merged.reward_key, merged.command_timeout_sec) == ("exact", 9) and base.command_timeout_sec == 180
+    # A spec's env_kwargs that name options override its options; the rest go to the harness.
+    spec = HarborSpec(BUNDLED_SUITE, options=base, env_kwargs={"max_output_chars": 77})
+    env = spec.environment_factory()
+    assert env.options == dataclasses.replace(base, max_output_chars=77)
