@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import functools
 import os
 import posixpath
 import re
@@ -171,9 +172,8 @@ class Snapshot:
 class _Rule:
     """The rule of the module docstring, for one image and one verifier working directory."""
 
-    def __init__(self, lower: Path, upper: Path, search: SearchPaths, workdir: str, allowed: Sequence[str]) -> None:
-        self.lower = lower
-        self.upper = upper
+    def __init__(self, lower: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...]) -> None:
+        self.lower = os.fspath(lower)
         self.workdir = posixpath.normpath(workdir or "/")
         self.allowed = list(allowed)
         self.path_dirs = [posixpath.normpath(d) for d in search.path if d.startswith("/")]
@@ -191,6 +191,19 @@ class _Rule:
             for item in CODE_CONFIG
             for home in (search.homes if item.startswith("~/") else ("",))
         ]
+        # One regular expression for every glob (each path is judged against them all).
+        self._config_re = re.compile(
+            "|".join(f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g + '/*')})" for g in self.config)
+        )
+        self._allowed_re = re.compile(
+            "|".join(f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g.rstrip('/') + '/*')})" for g in self.allowed)
+            or "(?!)"
+        )
+        self._lookup_ancestors: set[str] = set()
+        for place in (*self.lookup_dirs, *(g.split("*", 1)[0].rsplit("/", 1)[0] for g in self.config)):
+            while place and place != "/" and place not in self._lookup_ancestors:
+                self._lookup_ancestors.add(place)
+                place = posixpath.dirname(place)
         ancestors, current = {"/"}, self.workdir
         while current != "/":
             current = posixpath.dirname(current)
@@ -214,7 +227,7 @@ class _Rule:
     def agents(self, path: str) -> bool:
         """Whether ``path`` is the agent's whatever it is: an allowed change, or its work in the working
         directory (but for the places code is looked up there, e.g. a virtual environment first on PATH)."""
-        if any(fnmatch.fnmatchcase(path, g) or fnmatch.fnmatchcase(path, g.rstrip("/") + "/*") for g in self.allowed):
+        if self._allowed_re.match(path):
             return True
         in_workdir = self.workdir != "/" and (path == self.workdir or path.startswith(self.workdir + "/"))
         return in_workdir and not self.code_place(path) and not self.holds_lookups(path)
@@ -229,7 +242,7 @@ class _Rule:
 
     def in_config(self, path: str) -> bool:
         """Whether ``path`` is (under) code configuration (:data:`CODE_CONFIG`)."""
-        return any(fnmatch.fnmatchcase(path, g) or fnmatch.fnmatchcase(path, g + "/*") for g in self.config)
+        return self._config_re.match(path) is not None
 
     def code_place(self, path: str) -> bool:
         """Whether ``path`` is where the verifier looks code up (any change there is judged by the rule)."""
@@ -243,10 +256,7 @@ class _Rule:
 
     def holds_lookups(self, path: str) -> bool:
         """Whether ``path`` is a folder the verifier looks code up in, or one of its ancestors."""
-        prefix = path.rstrip("/") + "/"
-        return any(d == path or d.startswith(prefix) for d in self.lookup_dirs) or any(
-            g.startswith(prefix) for g in self.config
-        )
+        return path in self._lookup_ancestors
 
     def code_below(self, path: str) -> bool:
         """Whether code is looked up at or below the folder ``path`` (then it must stay a folder, the image's
@@ -260,7 +270,7 @@ class _Rule:
 
     # -- the judgement ---------------------------------------------------------------
 
-    def concealed_change(self, path: str, shipped: bool, host: Path) -> str | None:
+    def concealed_change(self, path: str, shipped: bool, host: Path, upper: Path) -> str | None:
         """Why the verifier does not see the agent's change at ``path`` (``None``: it sees it).
 
         Args:
@@ -268,6 +278,7 @@ class _Rule:
                 changed the inside of).
             shipped: Whether the image has an entry at ``path``.
             host: The entry in the agent's layer (a folder's contents are looked at).
+            upper: The agent's layer.
         """
         if self.verifier_only(path):
             return "the verifier's own"
@@ -278,9 +289,9 @@ class _Rule:
             return None
         if shipped:
             return "the image's code" if self.code_place(path) else None
-        return self._concealed_addition(path, host, folder)
+        return self._concealed_addition(path, host, folder, upper)
 
-    def _concealed_addition(self, path: str, host: Path, folder: bool) -> str | None:
+    def _concealed_addition(self, path: str, host: Path, folder: bool, upper: Path) -> str | None:
         name, parent = posixpath.basename(path), posixpath.dirname(path)
         if self.in_config(path):
             return "code configuration"
@@ -296,19 +307,19 @@ class _Rule:
             return "an interpreter hook"
         home = _innermost(path, self.python_dirs)
         if home is not None:
-            return self._python_addition(path, host, folder, home)
+            return self._python_addition(path, host, folder, home, upper)
         libdir = _innermost(path, self.loader_dirs)
         if libdir is not None and ".so" in name and stem(name) in self.names.libraries:
             return "a library name the image ships"
         return None
 
-    def _python_addition(self, path: str, host: Path, folder: bool, home: str) -> str | None:
+    def _python_addition(self, path: str, host: Path, folder: bool, home: str, upper: Path) -> str | None:
         name, parent = posixpath.basename(path), posixpath.dirname(path)
         relative = path[len(home.rstrip("/")) + 1 :]
         top = relative.split("/", 1)[0]
         metadata = name.lower().endswith((".dist-info", ".egg-info", ".egg-link"))
         if name.endswith(".pth"):
-            return None if parent == home and _plain_paths_pth(host, self) else "an interpreter hook"
+            return None if parent == home and _plain_paths_pth(host, (self.lower, upper)) else "an interpreter hook"
         if _matches(name, HOOKS):
             return "an interpreter hook"
         if posixpath.basename(parent) == "__pycache__" and stem(name) in _stems(self.lower, posixpath.dirname(parent)):
@@ -332,7 +343,7 @@ def _sorted_dirs(dirs: Iterable[str]) -> list[str]:
     return sorted({posixpath.normpath(d) for d in dirs if d.startswith("/")}, key=len)
 
 
-def _names(folder: Path) -> list[str]:
+def _names(folder: Path | str) -> list[str]:
     try:
         return os.listdir(folder)
     except OSError:
@@ -346,7 +357,7 @@ def _startup_imports(lower: Path, directory: str) -> set[str]:
         if not (name.endswith(".pth") or stem(name) in ("sitecustomize", "usercustomize")):
             continue
         try:
-            text = (lower / directory.lstrip("/") / name).read_text(errors="replace")[:65536]
+            text = Path(f"{lower}{directory}/{name}").read_text(errors="replace")[:65536]
         except OSError:
             continue
         found |= set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_][A-Za-z0-9_]*)", text, re.M))
@@ -354,7 +365,7 @@ def _startup_imports(lower: Path, directory: str) -> set[str]:
     return found
 
 
-def _plain_paths_pth(host: Path, rule: _Rule) -> bool:
+def _plain_paths_pth(host: Path, trees: tuple[Path, Path]) -> bool:
     """Whether a ``.pth`` only appends folders to the import path (an editable install), none holding a
     test-runner plug-in: it runs nothing, and what it adds comes after every shipped module."""
     try:
@@ -365,13 +376,19 @@ def _plain_paths_pth(host: Path, rule: _Rule) -> bool:
     if not folders or any(line.startswith(("import ", "import\t")) or not line.startswith("/") for line in folders):
         return False
     for folder in folders:
-        for base in (rule.lower, rule.upper):
-            for name in _names(base / folder.lstrip("/")):
+        for base in trees:
+            for name in _names(f"{base}{folder}"):
                 if name.lower().endswith((".dist-info", ".egg-info")) and _declares_runner_plugin(
-                    base / folder.lstrip("/") / name
+                    Path(f"{base}{folder}/{name}")
                 ):
                     return False
     return True
+
+
+@functools.lru_cache(maxsize=256)
+def _rule(lower: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...]) -> _Rule:
+    """The rule for an image (which never changes), made once: listing what it ships is the costly part."""
+    return _Rule(lower, search, workdir, allowed)
 
 
 def _declares_runner_plugin(metadata: Path) -> bool:
@@ -395,9 +412,9 @@ def _innermost(path: str, directories: Sequence[str]) -> str | None:
     return found
 
 
-def _listdir(root: Path, directory: str) -> list[str]:
+def _listdir(root: Path | str, directory: str) -> list[str]:
     try:
-        return os.listdir(root / directory.lstrip("/"))
+        return os.listdir(f"{root}{directory}" if directory.startswith("/") else f"{root}/{directory}")
     except OSError:
         return []
 
@@ -406,15 +423,15 @@ def _stems(root: Path, directory: str) -> set[str]:
     return {stem(n) for n in _listdir(root, directory)}
 
 
-def _exists(root: Path, path: str) -> bool:
+def _exists(root: Path | str, path: str) -> bool:
     try:
-        os.lstat(root / path.lstrip("/"))
+        os.lstat(f"{root}{path}")
     except OSError:
         return False
     return True
 
 
-def _layer_kind(info: os.stat_result, host: Path) -> str:
+def _layer_kind(info: os.stat_result, host: Path | str) -> str:
     if stat.S_ISCHR(info.st_mode) and info.st_rdev == 0:
         return "whiteout"
     if stat.S_ISDIR(info.st_mode):
@@ -451,71 +468,76 @@ def snapshot(
     Returns:
         What was concealed, the agent's unix sockets, how much was copied.
     """
-    rule = _Rule(lower, upper, search, workdir, allowed)
+    rule = _rule(lower, search, posixpath.normpath(workdir or "/"), tuple(allowed))
     result = Snapshot()
     budget = [copy_budget]
-    _walk(upper, target, "", rule, result, budget)
+    _walk(os.fspath(upper), os.fspath(target), "", rule, result, budget)
     return result
 
 
-def _walk(upper: Path, target: Path, relative: str, rule: _Rule, result: Snapshot, budget: list[int]) -> None:
-    """Lay the agent's entries under ``relative`` into ``target``, judged by ``rule``."""
+def _walk(upper: str, target: str, relative: str, rule: _Rule, result: Snapshot, budget: list[int]) -> None:
+    """Lay the agent's entries under ``relative`` into ``target``, judged by ``rule`` (paths as text: fast)."""
     try:
-        names = sorted(os.listdir(upper / relative if relative else upper))
+        names = sorted(os.listdir(f"{upper}/{relative}" if relative else upper))
     except OSError:
         return
     for name in names:
         entry = f"{relative}/{name}" if relative else name
-        path, host = "/" + entry, upper / entry
+        path, host = "/" + entry, f"{upper}/{entry}"
+        if path == PLUMBING:
+            continue
         try:
             info = os.lstat(host)
         except OSError:
             continue
         kind = _layer_kind(info, host)
-        shipped = _exists(rule.lower, path)
-        if path == PLUMBING:
-            continue
-        if kind in ("dir", "opaque") and shipped and stat.S_ISDIR(os.lstat(rule.lower / entry).st_mode):
+        try:
+            shipped_info: os.stat_result | None = os.lstat(rule.lower + path)
+        except OSError:
+            shipped_info = None
+        shipped = shipped_info is not None
+        if kind in ("dir", "opaque") and shipped_info is not None and stat.S_ISDIR(shipped_info.st_mode):
             if rule.verifier_only(path):
                 result.concealed.append(f"{path} (the verifier's own)")
                 continue
             # An image folder the agent changed inside; replaced whole, it hides the image's entries below
             # for the verifier too, unless code is looked up there (then the image's code stays).
             keep_opaque = kind == "opaque" and (rule.agents(path) or not rule.code_below(path))
-            _mkdir_like(target / entry, info, opaque=keep_opaque)
+            _mkdir_like(f"{target}/{entry}", info, opaque=keep_opaque)
             if kind == "opaque" and not keep_opaque:
                 result.concealed.append(f"{path} (replaced whole; the image's code below it is kept)")
                 _whiteout_deleted(rule, target, entry, upper)
             _walk(upper, target, entry, rule, result, budget)
             continue
-        why = rule.concealed_change(path, shipped, host)
+        why = rule.concealed_change(path, shipped, Path(host), Path(upper))
         if why is not None:
             if kind != "whiteout" or shipped:
                 result.concealed.append(f"{path} ({'deleted; ' if kind == 'whiteout' else ''}{why})")
             continue
         if kind in ("dir", "opaque"):  # a folder of the agent's own
-            _mkdir_like(target / entry, info, opaque=kind == "opaque")
+            _mkdir_like(f"{target}/{entry}", info, opaque=kind == "opaque")
             _walk(upper, target, entry, rule, result, budget)
             continue
         if kind == "socket":
             result.sockets.append(path)
         # Copied (frozen as judged), not linked: the agent's outputs, and what the rule read the content of.
         frozen = not rule.code_place(path) or _judged_by_content(path)
-        _place(host, target / entry, info, frozen, result, budget)
+        _place(host, f"{target}/{entry}", info, frozen, result, budget)
 
 
-def _whiteout_deleted(rule: _Rule, target: Path, entry: str, upper: Path) -> None:
+def _whiteout_deleted(rule: _Rule, target: str, entry: str, upper: str) -> None:
     """In a folder the agent replaced whole where code lives: keep its deletion of the image's other files."""
     for name in _listdir(rule.lower, "/" + entry):
         path = f"/{entry}/{name}"
-        if os.path.lexists(upper / entry / name) or rule.code_place(path) or rule.code_below(path):
+        if os.path.lexists(f"{upper}/{entry}/{name}") or rule.code_place(path) or rule.code_below(path):
             continue
         with contextlib.suppress(OSError):
-            os.mknod(target / entry / name, stat.S_IFCHR | 0o000, 0)
+            os.mknod(f"{target}/{entry}/{name}", stat.S_IFCHR | 0o000, 0)
 
 
-def _mkdir_like(path: Path, info: os.stat_result, opaque: bool) -> None:
-    path.mkdir(exist_ok=True)
+def _mkdir_like(path: str, info: os.stat_result, opaque: bool) -> None:
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
     with contextlib.suppress(OSError):
         os.chown(path, info.st_uid, info.st_gid)
     os.chmod(path, stat.S_IMODE(info.st_mode))
@@ -529,7 +551,7 @@ def _judged_by_content(path: str) -> bool:
     return path.endswith(".pth") or parent.endswith((".dist-info", ".egg-info"))
 
 
-def _place(source: Path, dest: Path, info: os.stat_result, frozen: bool, result: Snapshot, budget: list[int]) -> None:
+def _place(source: str, dest: str, info: os.stat_result, frozen: bool, result: Snapshot, budget: list[int]) -> None:
     """Copy a regular file that is frozen at grading (within the budget), else link it."""
     regular = stat.S_ISREG(info.st_mode)
     if regular and frozen and info.st_blocks * 512 <= budget[0]:
@@ -538,7 +560,8 @@ def _place(source: Path, dest: Path, info: os.stat_result, frozen: bool, result:
         except OSError as error:
             if error.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            dest.unlink(missing_ok=True)  # the sandbox's bound is reached: link it, as code is
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(dest)  # the sandbox's bound is reached: link it, as code is
         else:
             budget[0] -= copied
             result.copied += copied
@@ -550,7 +573,7 @@ def _place(source: Path, dest: Path, info: os.stat_result, frozen: bool, result:
             raise
 
 
-def _sparse_copy(source: Path, dest: Path, info: os.stat_result) -> int:
+def _sparse_copy(source: str, dest: str, info: os.stat_result) -> int:
     """Copy a file's data (not its holes), owner and mode; return the bytes copied."""
     copied = 0
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
