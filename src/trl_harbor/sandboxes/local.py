@@ -26,6 +26,7 @@ See ``docs/local-sandbox.md`` for the details and the limits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import functools
 import logging
@@ -100,6 +101,11 @@ class SandboxUserError(SandboxError, ValueError):
 
 #: ``docker run``'s PATH when the image sets none.
 DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The ``/etc/hosts`` of a Docker container (``docker run`` writes it; the image's own is not seen).
+DOCKER_HOSTS = (
+    "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\n"
+    "ff00::0\tip6-mcastprefix\nff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n127.0.1.1\t{hostname}\n"
+)
 #: Where the user-switching helper appears inside image-rooted sandboxes.
 RUNAS = "/run/trl-harbor/runas"
 
@@ -348,6 +354,34 @@ class LocalEnvironment(BaseEnvironment):
         if self.task_env_config.workdir:
             # Made without following links (the image's tree is the task author's).
             os.close(_hostfs._open_dir(self._root, _hostfs._parts(self.task_env_config.workdir), create=True))
+        self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        """Give the sandbox the ``/etc/hosts`` Docker gives every container (``localhost`` and its host name).
+
+        Docker replaces an image's ``/etc/hosts`` with its own; a Debian image's is empty, so without
+        this ``localhost`` did not resolve and a task whose service listens on ``localhost`` failed.
+        It is the sandbox's own file (the agent may edit it, as in a container).
+        """
+        hostname = _hostname(self.environment_name)
+        content = DOCKER_HOSTS.format(hostname=hostname)
+        try:
+            etc = _hostfs._open_dir(self._root, ["etc"], create=True)
+        except OSError as error:  # an image whose /etc is a link: left as it is
+            logger.debug("no /etc/hosts written: %s", error)
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink("hosts", dir_fd=etc)
+            fd = os.open(
+                "hosts", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=etc
+            )
+            try:
+                os.write(fd, content.encode())
+            finally:
+                os.close(fd)
+        finally:
+            os.close(etc)
 
     async def _start_entrypoint(self, image: BuiltImage) -> None:
         """Run the image's ENTRYPOINT in the background, as ``docker run`` does under Harbor.
