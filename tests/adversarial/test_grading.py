@@ -34,40 +34,12 @@ import pytest
 from adv_table import GRADING, GradingOutcome, render_grading
 from grading_corpus import CASES, NOT_RUN, Case, Ctx, Suite, write_suite
 
+from sandbox_helpers import defences_off
 from trl_harbor import HarborSpec, close_all
 
 requires_local = pytest.mark.local
 
 COMMAND_TIMEOUT_SEC = 90
-
-
-def defences_off(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """Switch off every defence of grading; return the ``env_kwargs`` that do the rest.
-
-    * the verifier runs in the agent's own sandbox (``verifier_isolation=False``), beside the
-      agent's processes (``agent_processes="keep"``), as on a Docker backend;
-    * the tamper check of that path refuses nothing (``Baseline.apply``);
-    * the sandbox's health is asked of its shell (``true``), not of its supervisor;
-    * an artifact that cannot be copied safely is the backend's fault, not the rollout's.
-
-    Returns:
-        ``env_kwargs`` for ``HarborSpec``.
-    """
-    from trl_harbor.rollout import grading
-    from trl_harbor.rollout.seal import Baseline, SealReport
-    from trl_harbor.sandboxes.local import LocalEnvironment, LocalEnvironmentOptions
-
-    async def refuse_nothing(self, environment, kill, allowed=()):  # noqa: ANN001, ARG001
-        return SealReport(0)
-
-    monkeypatch.setattr(Baseline, "apply", refuse_nothing)
-    if "alive" in vars(LocalEnvironment):
-        monkeypatch.delattr(LocalEnvironment, "alive")
-    monkeypatch.setattr(grading, "_unsafe", lambda error: False)
-    backend: dict = {}
-    if "verifier_isolation" in LocalEnvironmentOptions.model_fields:
-        backend["verifier_isolation"] = False
-    return {"agent_processes": "keep", "backend_options": backend}
 
 
 @pytest.fixture(scope="module")
