@@ -8,7 +8,7 @@ shows as an honest neighbour's 0. The batch runs twice:
 * **defended** (the defaults: the verifier in a sibling view of the agent's sandbox, the agent's
   processes kept): each case must score what it deserves — 0 for an attack (0.5 for the
   multi-step one, whose first step was answered honestly), 1 for an honest rollout — and never be
-  skipped;
+  skipped; the cases the design names and the holes beyond it (``Case.hole``) are asserted apart;
 * **undefended** (:func:`defences_off`): each attack must *win* — score 1, or be skipped instead
   of scoring 0 for class 6 — so that the defended run can fail; the honest rollouts still score 1.
 
@@ -103,9 +103,23 @@ def _assert_all_held(outcomes: list[GradingOutcome]) -> None:
     assert not bad, "\n" + render_grading(bad, details=True)
 
 
+@pytest.fixture(scope="module")
+def defended(suite: Suite) -> list[GradingOutcome]:
+    """The batch with the defaults, run once for the two tests below."""
+    return run_batch(suite, CASES, "defended")
+
+
 @requires_local
-def test_grading_attacks_score_nothing_and_honest_rollouts_one(suite: Suite) -> None:
-    _assert_all_held(run_batch(suite, CASES, "defended"))
+def test_grading_attacks_score_nothing_and_honest_rollouts_one(defended: list[GradingOutcome]) -> None:
+    """The classes the design names (issue #17): each attack scores 0, each honest rollout 1."""
+    _assert_all_held([outcome for outcome in defended if not outcome.hole])
+
+
+@requires_local
+def test_what_the_rule_does_not_name_scores_nothing_either(defended: list[GradingOutcome]) -> None:
+    """The holes the red team found beyond the design (``Case.hole``): attacks that must score 0 too, and
+    honest rollouts the rule hides from the verifier, which must score 1."""
+    _assert_all_held([outcome for outcome in defended if outcome.hole])
 
 
 @requires_local
