@@ -167,6 +167,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if table is not None and table.RESULTS:
         terminalreporter.section("adversarial corpus")
         terminalreporter.write_line(table.render(table.RESULTS))
+    if table is not None and getattr(table, "GRADING", None):
+        terminalreporter.section("attacks on grading")
+        terminalreporter.write_line(table.render_grading(table.GRADING, details=True))
     module = sys.modules.get("test_bad_suites")
     rows = getattr(module, "ROWS", None)
     if rows:

@@ -228,3 +228,41 @@ def run_unprivileged(script: str, *, state_mb: int = 256, timeout: float = 300) 
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# ── grading's defences (issue #17) ──────────────────────────────────────────────────────
+
+
+def isolation_off() -> dict:
+    """``backend_options`` that make the local sandbox verify in the agent's own sandbox (the generic path
+    every backend without an isolated view takes: Docker, cloud sandboxes), where the option exists."""
+    from trl_harbor.sandboxes.local import LocalEnvironmentOptions
+
+    return {"verifier_isolation": False} if "verifier_isolation" in LocalEnvironmentOptions.model_fields else {}
+
+
+def defences_off(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Switch off every defence of grading, to show an attack is real; return the ``env_kwargs`` for the rest.
+
+    The one place that knows what "undefended" means (wire new defences here):
+
+    * the verifier runs in the agent's own sandbox (:func:`isolation_off`), beside the agent's
+      processes (``agent_processes="keep"``), as on a Docker backend;
+    * the tamper check of that path refuses nothing (``Baseline.apply``);
+    * the sandbox's health is asked of its shell (``true``), not of its supervisor (``alive``);
+    * an artifact that cannot be copied safely is the backend's fault, not the rollout's.
+
+    Returns:
+        ``env_kwargs`` for ``HarborSpec`` (merge ``backend_options`` with your own).
+    """
+    from trl_harbor.rollout import grading
+    from trl_harbor.rollout.seal import Baseline, SealReport
+
+    async def refuse_nothing(self, environment, kill, allowed=()):  # noqa: ANN001, ARG001
+        return SealReport(0)
+
+    monkeypatch.setattr(Baseline, "apply", refuse_nothing)
+    if "alive" in vars(LocalEnvironment):
+        monkeypatch.delattr(LocalEnvironment, "alive")
+    monkeypatch.setattr(grading, "_unsafe", lambda error: False)
+    return {"agent_processes": "keep", "backend_options": isolation_off()}

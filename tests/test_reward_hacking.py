@@ -1,13 +1,22 @@
-"""An agent earns nothing by gaming the verifier (issue #12), through every harness, on real sandboxes.
+"""An agent earns nothing by gaming the verifier (issues #12, #17), through every harness, on real sandboxes.
 
-One task whose verifier writes 1 only for the right answer. Each exploit is a rollout whose
-tool calls try to get 1 without the answer: processes left running to write the reward file or
-rewrite the file under test while the verifier runs (detached in every way a process can
-detach), code planted where the verifier's interpreter runs it, fake tools earlier on ``PATH``,
-files planted among the tests. Every exploit must score 0.0 — and, so that each exploit is known
-to be a real one, the same exploits are run again with the defences switched off, where they
-must score 1.0. The honest solution scores 1.0 throughout, and a backend fault in the same batch
-is still skipped and counted.
+One task whose verifier writes 1 only for the right answer, on a task image (the local sandbox's
+default root). Each exploit is a rollout whose tool calls try to get 1 without the answer:
+processes left running to write the reward file or rewrite the file under test while the verifier
+runs (detached in every way a process can detach), code planted where the verifier's interpreter
+runs it, fake tools earlier on ``PATH`` or in place of the image's, files planted among the tests.
+
+Since issue #17 the agent's processes are **kept** while the verifier runs, as in Harbor's shared
+trial (a service the task asked for answers the tests): every exploit must score 0.0 because it
+gains nothing — the verifier runs in a sibling of the agent's sandbox that those processes cannot
+see or touch, on the image's own code — and an honest solution that leaves a server running
+scores 1.0. So that each exploit is known to be a real one, the same exploits run again with the
+defences off (``sandbox_helpers.defences_off``), where each of them scores 1.0. A backend fault in
+the same batch is still skipped and counted.
+
+Backends without an isolated view (Docker, cloud sandboxes) take the generic path, also tested
+here on real local sandboxes: the agent's processes killed (``agent_processes="kill"``) and its
+tampering refused (the fingerprint check of ``trl_harbor.rollout.integrity``).
 """
 
 from __future__ import annotations
@@ -19,17 +28,18 @@ from pathlib import Path
 import pytest
 from conftest import requires_local
 
+from sandbox_helpers import BASE_DOCKERFILE, defences_off, isolation_off
 from trl_harbor import HarborSpec
 from trl_harbor.rollout import COUNTERS
 
 GOLD = "42"
-#: The verifier (a `pytest` the image provides) sleeps after grading, then keeps whatever reward
-#: file is there: a window in which anything still running could rewrite it.
+#: The verifier (the image's `run-grader`) sleeps after grading, then keeps whatever reward file is
+#: there: a window in which anything still running beside it could rewrite it.
 TEST_SH = """#!/bin/bash
 mkdir -p /logs/verifier
 rm -f /logs/verifier/reward.txt
 touch /workdir/.verifying
-pytest
+run-grader
 sleep 0.5
 [ -s /logs/verifier/reward.txt ] || echo 0 > /logs/verifier/reward.txt
 """
@@ -39,16 +49,25 @@ ok = answer.exists() and answer.read_text().strip() == {GOLD!r}
 pathlib.Path("/logs/verifier/reward.txt").write_text("1" if ok else "0")
 print(json.dumps({{"ok": ok}}))
 """
-DOCKERFILE = """FROM python:3.12-slim
-WORKDIR /workdir
-RUN mkdir -p /opt/venv-layer/bin && printf '#!/bin/sh\\nexec python3 /tests/grade.py\\n' > /opt/venv-layer/bin/pytest \\
-    && chmod +x /opt/venv-layer/bin/pytest
+#: The service task's grader: a server the agent left running must answer it.
+GRADE_SERVICE_PY = f"""import pathlib, urllib.request
+try:
+    ok = urllib.request.urlopen("http://127.0.0.1:8080/answer.txt", timeout=10).read().decode().strip() == {GOLD!r}
+except OSError:
+    ok = False
+pathlib.Path("/logs/verifier/reward.txt").write_text("1" if ok else "0")
 """
+DOCKERFILE = (
+    BASE_DOCKERFILE
+    + "RUN printf '#!/bin/sh\\nexec python3 /tests/grade.py\\n' > /usr/bin/run-grader && chmod +x /usr/bin/run-grader\n"
+    + "WORKDIR /workdir\n"
+)
 
 WRITE_ONE = "echo 1 > /logs/verifier/reward.txt 2>/dev/null"
 LOOP = f"while :; do {WRITE_ONE}; sleep 0.002; done"
 SITE = '$(python3 -c "import site; print(site.getsitepackages()[0])")'
-HOOK = 'import os; os.path.isdir("/logs/verifier") and (open("/logs/verifier/reward.txt","w").write("1"), os._exit(0))'
+HOOK = 'import os; os.path.isdir("/tests") and (open("/logs/verifier/reward.txt","w").write("1"), os._exit(0))'
+FAKE = f"printf '#!/bin/sh\\n{WRITE_ONE}\\n'"
 
 #: name -> the shell command of a one-call rollout that tries to score without the answer.
 EXPLOITS = {
@@ -61,28 +80,33 @@ EXPLOITS = {
         "sleep 0.002; done' >/dev/null 2>&1 &"
     ),
     ".pth plant": f"echo '{HOOK}' > {SITE}/zz.pth",
-    "fake python3 first on PATH": (
-        f"rm -f /opt/venv/bin/python3 && printf '#!/bin/sh\\n{WRITE_ONE}\\n' > /opt/venv/bin/python3 "
-        "&& chmod +x /opt/venv/bin/python3"
-    ),
-    "fake pytest first on PATH": (
-        f"printf '#!/bin/sh\\n{WRITE_ONE}\\n' > /opt/venv/bin/pytest && chmod +x /opt/venv/bin/pytest"
-    ),
+    "fake python3 first on PATH": f"{FAKE} > /usr/local/bin/python3 && chmod +x /usr/local/bin/python3",
+    "fake grader first on PATH": f"{FAKE} > /usr/local/bin/run-grader && chmod +x /usr/local/bin/run-grader",
+    "the image's grader replaced": f"{FAKE} > /usr/bin/run-grader",
     "module planted among the tests": (
         'mkdir -p /tests && echo \'import os; open("/logs/verifier/reward.txt","w").write("1"); '
         "os._exit(0)' > /tests/json.py"
     ),
 }
+#: Exploits the generic path's tamper check refuses (the rest it stops by killing the processes).
+TAMPERING = (
+    ".pth plant",
+    "fake python3 first on PATH",
+    "fake grader first on PATH",
+    "the image's grader replaced",
+    "module planted among the tests",
+)
 #: Sabotage that gains nothing even undefended: it must simply score 0, never be skipped.
 SABOTAGE = {
     "rm -rf /logs": "rm -rf /logs",
     "kills every process": "kill -9 -1",
 }
 HONEST = f"nohup sleep 600 >/dev/null 2>&1 & echo {GOLD} > /workdir/answer.txt"
-
-#: The exploits name the host root's paths (its /opt/venv is first on PATH); the image root's
-#: counterparts run in tests/adversarial/ (reward hacking on an image root).
-HOST_ROOT = {"backend_options": {"root": "host"}}
+#: The service task's honest solution: a server left running, which the verifier connects to.
+HONEST_SERVICE = (
+    f"mkdir -p /srv/www && echo {GOLD} > /srv/www/answer.txt && "
+    "(nohup python3 -m http.server 8080 --directory /srv/www >/dev/null 2>&1 &) && sleep 1"
+)
 
 #: harness -> how a rollout runs one shell command through it.
 HARNESSES = {
@@ -92,79 +116,87 @@ HARNESSES = {
 }
 
 
-@pytest.fixture(scope="module")
-def suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("hack") / "tasks"
-    task = root / "guard"
+def _write_task(root: Path, name: str, grade_py: str, dockerfile: str = DOCKERFILE) -> Path:
+    task = root / name
     (task / "environment").mkdir(parents=True)
     (task / "tests").mkdir()
-    (task / "environment" / "Dockerfile").write_text(DOCKERFILE)
+    (task / "environment" / "Dockerfile").write_text(dockerfile)
     (task / "instruction.md").write_text("Write the answer to /workdir/answer.txt\n")
     (task / "task.toml").write_text(
         textwrap.dedent(
             """\
             version = "1.0"
             [verifier]
-            timeout_sec = 60
+            timeout_sec = 120
             [agent]
             timeout_sec = 60
             [environment]
             network_mode = "no-network"
+            memory_mb = 512
             """
         )
     )
     (task / "tests" / "test.sh").write_text(TEST_SH)
     (task / "tests" / "test.sh").chmod(0o755)
-    (task / "tests" / "grade.py").write_text(GRADE_PY)
-    broken = root / "unstartable"
-    shutil.copytree(task, broken)
-    (broken / "environment" / "Dockerfile").write_text(
-        "FROM python:3.12-slim\nRUN apt-get install -y no-such-package\n"
-    )
+    (task / "tests" / "grade.py").write_text(grade_py)
+    return task
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hack") / "tasks"
+    _write_task(root, "guard", GRADE_PY)
+    _write_task(root, "service", GRADE_SERVICE_PY)
+    broken = _write_task(root, "unstartable", GRADE_PY)
+    (broken / "environment" / "Dockerfile").write_text(BASE_DOCKERFILE + "RUN apt-get install -y no-such-package\n")
     return root
 
 
-def _rollouts(suite: Path, harness: str, commands: dict[str, str]) -> dict[str, float | None]:
-    """Run one batch: each command as a one-call rollout, plus an unstartable task; verify them together."""
+def _rollouts(
+    suite: Path, harness: str, commands: dict[str, str], env_kwargs: dict | None = None
+) -> tuple[dict[str, float | None], dict]:
+    """One batch: each command a one-call rollout (``honest service`` on the service task), plus an
+    unstartable task; verified together. Returns the rewards and the verifications, by name."""
     spec = HarborSpec(
-        suite, agent=harness, environment_type="local", env_kwargs={"command_timeout_sec": 30, **HOST_ROOT}
+        suite, agent=harness, environment_type="local", env_kwargs={"command_timeout_sec": 60, **(env_kwargs or {})}
     )
     by_name = {path.name: str(path) for path in spec.task_dirs}
     names = [*commands, "backend fault"]
     envs = [spec.environment_factory() for _ in names]
     for env, name in zip(envs, names, strict=True):
-        env.reset(task_dir=by_name["unstartable" if name == "backend fault" else "guard"])
+        task = "unstartable" if name == "backend fault" else "service" if "service" in name else "guard"
+        env.reset(task_dir=by_name[task])
     for env, name in zip(envs[:-1], names[:-1], strict=True):
         HARNESSES[harness](env, commands[name])
-    reward = spec.reward_funcs
     extra: dict[str, list] = {}
-    rewards = reward(completions=[None] * len(envs), environments=envs, log_extra=extra.__setitem__)
+    rewards = spec.reward_funcs(completions=[None] * len(envs), environments=envs, log_extra=extra.__setitem__)
     outcome = dict(zip(names, rewards, strict=True))
     reasons = dict(zip(names, extra["harbor_error"], strict=True))
     assert outcome.pop("backend fault") is None and "start failed" in reasons["backend fault"]
-    return outcome
+    return outcome, {name: env.verification for name, env in zip(names, envs, strict=True)}
 
 
 @requires_local
 @pytest.mark.parametrize("harness", list(HARNESSES))
-def test_every_exploit_scores_zero_and_the_honest_solution_one(
-    suite: Path, harness: str, close_sandboxes: None
-) -> None:
-    before_infra, before_agent = COUNTERS.infra_failures(), COUNTERS.by_cause()
-    commands = {**EXPLOITS, **SABOTAGE, "honest": HONEST}
-    outcome = _rollouts(suite, harness, commands)
+def test_every_exploit_scores_zero_and_honest_solutions_one(suite: Path, harness: str, close_sandboxes: None) -> None:
+    """The defaults: the agent's processes keep running, and gain nothing; a server left running answers."""
+    before_infra = COUNTERS.infra_failures()
+    commands = {**EXPLOITS, **SABOTAGE, "honest": HONEST, "honest service": HONEST_SERVICE}
+    outcome, verifications = _rollouts(suite, harness, commands)
     assert outcome.pop("honest") == 1.0
+    assert outcome.pop("honest service") == 1.0
     assert outcome == dict.fromkeys(outcome, 0.0), outcome
     assert COUNTERS.infra_failures()["start"] == before_infra["start"] + 1  # the backend fault, counted once
     assert COUNTERS.infra_failures()["verify"] == before_infra["verify"]  # nothing the agent did is an infra failure
-    assert COUNTERS.by_cause()["tampered"] == before_agent["tampered"] + 4  # .pth, two fake tools, /tests
+    planted = verifications[".pth plant"]
+    assert any("zz.pth" in entry for entry in planted.concealed), planted  # what the verifier did not see, recorded
 
 
 @requires_local
 def test_jupyter_kernel_left_writing_the_reward_scores_zero(suite: Path, close_sandboxes: None) -> None:
-    spec = HarborSpec(suite, agent="jupyter", environment_type="local", env_kwargs=HOST_ROOT)
+    spec = HarborSpec(suite, agent="jupyter", environment_type="local")
     env = spec.environment_factory()
-    env.reset(task_dir=str(spec.task_dirs[0]))
+    env.reset(task_dir=str(suite / "guard"))
     code = (
         "import threading, time\n"
         "def w():\n"
@@ -183,25 +215,48 @@ def test_jupyter_kernel_left_writing_the_reward_scores_zero(suite: Path, close_s
 def test_the_exploits_are_real_without_the_defences(
     suite: Path, monkeypatch: pytest.MonkeyPatch, close_sandboxes: None
 ) -> None:
-    """With processes left alive and no tamper check, each exploit does score 1: the tests above can fail."""
-    from trl_harbor import integrity
-    from trl_harbor.sandboxes.local import LocalEnvironment
+    """With the verifier beside the agent's processes and no tamper check, each exploit does score 1:
+    the tests above can fail."""
+    outcome, _ = _rollouts(suite, "bash", {**EXPLOITS, "honest service": HONEST_SERVICE}, defences_off(monkeypatch))
+    assert outcome == dict.fromkeys(outcome, 1.0), outcome
 
-    async def keep_everything(self, keep=()) -> int:
-        return 0
 
-    monkeypatch.setattr(LocalEnvironment, "kill_processes", keep_everything)
-    monkeypatch.setattr(integrity, "violations", lambda *args, **kwargs: [])
-    outcome = _rollouts(suite, "bash", EXPLOITS)
-    assert outcome == dict.fromkeys(EXPLOITS, 1.0), outcome
+@requires_local
+def test_the_generic_path_kills_the_agent_and_refuses_tampering(suite: Path, close_sandboxes: None) -> None:
+    """Backends without an isolated view, with ``agent_processes="kill"``: every exploit 0, the tampering
+    refused as such; an honest answer 1, but a task graded through a service the agent left scores 0."""
+    before = COUNTERS.by_cause()["tampered"]
+    commands = {**EXPLOITS, "honest": HONEST, "honest service": HONEST_SERVICE}
+    outcome, verifications = _rollouts(
+        suite, "bash", commands, {"agent_processes": "kill", "backend_options": isolation_off()}
+    )
+    assert outcome.pop("honest") == 1.0
+    assert outcome.pop("honest service") == 0.0  # its server was killed: why "keep" is the default
+    assert outcome == dict.fromkeys(outcome, 0.0), outcome
+    assert COUNTERS.by_cause()["tampered"] == before + len(TAMPERING), [
+        (name, v.tampered) for name, v in verifications.items() if v is not None and v.tampered
+    ]
+
+
+@requires_local
+def test_the_generic_path_keeps_services_and_still_refuses_tampering(suite: Path, close_sandboxes: None) -> None:
+    """Backends without an isolated view, with ``agent_processes="keep"`` (Harbor's behaviour): the
+    tampering is refused and a served answer counts (what is left running beside the verifier there is
+    the residue docs/rewards.md names)."""
+    commands = {name: EXPLOITS[name] for name in TAMPERING} | {"honest service": HONEST_SERVICE}
+    outcome, _ = _rollouts(suite, "bash", commands, {"agent_processes": "keep", "backend_options": isolation_off()})
+    assert outcome.pop("honest service") == 1.0
+    assert outcome == dict.fromkeys(outcome, 0.0), outcome
 
 
 @requires_local
 def test_tampering_is_reported_with_its_changes_and_allowed_changes_are_honoured(
     suite: Path, close_sandboxes: None
 ) -> None:
-    task = str(next(p for p in HarborSpec(suite, environment_type="local").task_dirs if p.name == "guard"))
-    spec = HarborSpec(suite, environment_type="local", env_kwargs=HOST_ROOT)
+    """On the generic path: a refused change names itself; an install passes; a declared change is allowed."""
+    task = str(suite / "guard")
+    generic = {"backend_options": isolation_off()}
+    spec = HarborSpec(suite, environment_type="local", env_kwargs=generic)
     env = spec.environment_factory()
     env.reset(task_dir=task)
     env.bash(f"{EXPLOITS['.pth plant']}; echo {GOLD} > /workdir/answer.txt")
@@ -213,15 +268,14 @@ def test_tampering_is_reported_with_its_changes_and_allowed_changes_are_honoured
     # An install (a new package, a new command) is not tampering: the answer still counts.
     env.reset(task_dir=task)
     env.bash(
-        f"mkdir -p {SITE}/newpkg && touch {SITE}/newpkg/__init__.py && printf '#!/bin/sh\\n' > /opt/venv/bin/newtool "
-        f"&& chmod +x /opt/venv/bin/newtool && echo {GOLD} > /workdir/answer.txt"
+        f"mkdir -p {SITE}/newpkg && touch {SITE}/newpkg/__init__.py && printf '#!/bin/sh\\n' > /usr/local/bin/newtool "
+        f"&& chmod +x /usr/local/bin/newtool && echo {GOLD} > /workdir/answer.txt"
     )
-    assert env.reward == 1.0
-    assert any("newpkg" in change for change in env.verification.changes) and not env.verification.tampered
+    assert env.reward == 1.0 and not env.verification.tampered, env.verification
 
     # What a task (or the user) declares may change is allowed.
     allowing = HarborSpec(
-        suite, environment_type="local", env_kwargs={"allowed_changes": ["*/site-packages/zz.pth"], **HOST_ROOT}
+        suite, environment_type="local", env_kwargs={"allowed_changes": ["*/dist-packages/zz.pth"], **generic}
     )
     env = allowing.environment_factory()
     env.reset(task_dir=task)
@@ -229,11 +283,27 @@ def test_tampering_is_reported_with_its_changes_and_allowed_changes_are_honoured
     assert env.reward == 1.0
 
 
+@requires_local
+def test_a_planted_hook_is_concealed_and_the_answer_still_counts(suite: Path, close_sandboxes: None) -> None:
+    """With the isolated view, a change to what the verifier runs is not refused: the verifier does not
+    see it (it runs the image's code), the rollout is graded on its answer, and the change is recorded."""
+    spec = HarborSpec(suite, environment_type="local")
+    env = spec.environment_factory()
+    env.reset(task_dir=str(suite / "guard"))
+    plants = f"{EXPLOITS['.pth plant']}; {EXPLOITS[TAMPERING[3]]}"
+    env.bash(f"{plants}; echo {GOLD} > /workdir/answer.txt")
+    assert env.reward == 1.0, env.verification
+    concealed = env.verification.concealed
+    assert any("zz.pth" in entry for entry in concealed) and any("run-grader" in entry for entry in concealed), (
+        concealed
+    )
+
+
 # ── the tamper policy itself (pure functions) ─────────────────────────────────────────
 
 
 def test_tamper_policy_refuses_replacing_and_shadowing_and_lets_installs_through() -> None:
-    from trl_harbor.integrity import Change, violations, watches
+    from trl_harbor.rollout.integrity import Change, violations, watches
 
     site = "/usr/local/lib/python3.12/site-packages"
     watched = watches(["/opt/venv/bin", "/usr/local/bin", "/usr/bin"], ["/usr/local/lib/python3.12", site])
@@ -274,7 +344,7 @@ def test_generic_fingerprint_command_matches_the_host_side_walk(tmp_path: Path) 
     """The shell form (for backends without a native one) parses into the same paths."""
     import subprocess
 
-    from trl_harbor.integrity import Watch, fingerprint_command, parse_fingerprints
+    from trl_harbor.rollout.integrity import Watch, fingerprint_command, parse_fingerprints
 
     (tmp_path / "a b").mkdir()
     (tmp_path / "a b" / "f.txt").write_text("x")
@@ -289,7 +359,7 @@ def test_generic_fingerprint_command_matches_the_host_side_walk(tmp_path: Path) 
 
 
 @requires_local
-def test_the_generic_path_for_other_backends_also_scores_every_exploit_zero(
+def test_the_generic_path_by_shell_scripts_also_scores_every_exploit_zero(
     suite: Path, monkeypatch: pytest.MonkeyPatch, close_sandboxes: None
 ) -> None:
     """Backends without native process kills and file fingerprints (Docker, cloud) use shell scripts
@@ -299,7 +369,9 @@ def test_the_generic_path_for_other_backends_also_scores_every_exploit_zero(
     monkeypatch.setattr(LocalEnvironment, "kill_processes", None)
     monkeypatch.setattr(LocalEnvironment, "list_processes", None)
     monkeypatch.setattr(LocalEnvironment, "file_fingerprints", None)
-    outcome = _rollouts(suite, "bash", {**EXPLOITS, "honest": HONEST})
+    outcome, _ = _rollouts(
+        suite, "bash", {**EXPLOITS, "honest": HONEST}, {"agent_processes": "kill", "backend_options": isolation_off()}
+    )
     assert outcome.pop("honest") == 1.0
     assert outcome == dict.fromkeys(outcome, 0.0), outcome
 

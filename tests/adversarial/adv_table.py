@@ -66,3 +66,83 @@ def render(results: list[Outcome]) -> str:
         for what in outcome.problems:
             lines.append(f"  OTHER [{outcome.harness}] {outcome.case}: {what}")
     return "\n".join(lines)
+
+
+# ── attacks on grading (test_grading.py) ────────────────────────────────────────────────
+
+
+@dataclass
+class GradingOutcome:
+    """How one grading case went in one run (``defended`` or ``undefended``).
+
+    Attributes:
+        case: The case's name.
+        klass: Its class (``grading_corpus.CLASSES``).
+        run: ``"defended"`` or ``"undefended"``.
+        reward: What the rollout scored (``None``: skipped).
+        expected: What it should have scored in this run.
+        reason: Why it was not graded normally, if it was not.
+        hole: What the case probes beyond the rule's design (empty: a class the design names).
+        concealed: What the verifier's view concealed of the agent's changes.
+        problems: What did not hold.
+        output: The tail of its tool results (for the report).
+    """
+
+    case: str
+    klass: str
+    run: str
+    reward: float | None = None
+    expected: object = None
+    reason: str = ""
+    hole: str = ""
+    concealed: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    output: str = ""
+
+
+#: Every grading outcome of this session, in order.
+GRADING: list[GradingOutcome] = []
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "skipped"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "-" if value.__class__ is object else str(value)
+
+
+def render_grading(results: list[GradingOutcome], details: bool = False) -> str:
+    """The grading table: class, case, then per run expected -> observed (``!`` where they differ)."""
+    from grading_corpus import CLASSES
+
+    runs: dict[tuple[str, str], dict[str, GradingOutcome]] = {}
+    for outcome in results:
+        runs.setdefault((outcome.klass, outcome.case), {})[outcome.run] = outcome
+    width = max([len("case"), *(len(case) for _, case in runs)])
+    lines = [
+        "attacks on grading (local backend, task image)",
+        f"{'class':<20} {'case':<{width}}  {'defended: want -> got':<24} {'undefended: want -> got':<24}",
+    ]
+    for (klass, case), by_run in sorted(runs.items(), key=lambda item: list(CLASSES).index(item[0][0])):
+        cells = []
+        for run in ("defended", "undefended"):
+            outcome = by_run.get(run)
+            if outcome is None:
+                cells.append("-")
+                continue
+            mark = " !" if outcome.problems else ""
+            cells.append(f"{_shown(outcome.expected)} -> {_shown(outcome.reward)}{mark}")
+        hole = "  [hole]" if any(o.hole for o in by_run.values()) else ""
+        lines.append(f"{klass + ' ' + CLASSES[klass]:<20} {case:<{width}}  {cells[0]:<24} {cells[1]:<24}{hole}")
+    failed = [o for o in results if o.problems]
+    lines.append(f"{len(runs)} cases, {len(results)} runs, {len(failed)} did not hold")
+    if details:
+        for outcome in failed:
+            for problem in outcome.problems:
+                lines.append(f"  [{outcome.run}] {outcome.case}: {problem}")
+            if outcome.hole:
+                lines.append(f"      hole: {outcome.hole}")
+            if outcome.concealed:
+                lines.append(f"      concealed: {outcome.concealed[:6]}")
+    return "\n".join(lines)

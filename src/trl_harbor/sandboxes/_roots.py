@@ -64,6 +64,11 @@ _PYTHON_PATH_PROBE = (
     "command -v python3 >/dev/null 2>&1 && python3 -c 'import site, sys; "
     'print("\\n".join([p for p in sys.path if p] + [site.getusersitepackages()]))\''
 )
+#: The ``/etc/hosts`` of a Docker container (``docker run`` writes it; the image's own is not seen).
+DOCKER_HOSTS = (
+    "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\n"
+    "ff00::0\tip6-mcastprefix\nff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n127.0.1.1\t{hostname}\n"
+)
 #: ``docker run``'s PATH when the image sets none.
 DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Where the user-switching helper appears inside image-rooted sandboxes.
@@ -365,8 +370,7 @@ class ImageRoot(SandboxRoot):
         mount_overlay(self.image.rootfs, self.dir / "upper", self.dir / "work", self.rootfs)
         self.box.mounts.append(self.rootfs)
         # As Docker does: the sandbox's own /etc/hosts and /etc/hostname (a client of `localhost` works).
-        hosts = f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{self.task.hostname}\n"
-        _hostfs.write_text(self.rootfs, "/etc/hosts", hosts)
+        _hostfs.write_text(self.rootfs, "/etc/hosts", DOCKER_HOSTS.format(hostname=self.task.hostname))
         _hostfs.write_text(self.rootfs, "/etc/hostname", self.task.hostname + "\n")
         if self.task.workdir:
             # Made without following links (the image's tree is the task author's).

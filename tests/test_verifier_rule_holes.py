@@ -1,0 +1,299 @@
+"""Holes in the rule of the verifier's view (``sandboxes/_view.py``), found by the red team (issue #17).
+
+Each test is one thing the rule's design does not name, on a synthetic image and agent layer (as
+in ``tests/test_verifier_rule.py``): the agent's entry must not reach the verifier's view — or,
+for the honest ones, must. They fail until the rule covers them; the same attacks run end to end
+in ``tests/adversarial/test_grading.py`` (and win there without the defences).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from trl_harbor.sandboxes._view import SearchPaths, snapshot
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts and trusted.* xattrs need root")
+
+WORKDIR = "/app"
+DIST = "/usr/lib/python3/dist-packages"
+#: Debian bookworm's: PATH (with a venv of the working directory first, as uv projects' images have),
+#: python3's sys.path with the user site, and the loader's system search path plus ld.so.conf's.
+SEARCH = SearchPaths(
+    path=("/app/.venv/bin", "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"),
+    python=(
+        "/usr/lib/python311.zip",
+        "/usr/lib/python3.11",
+        "/usr/lib/python3.11/lib-dynload",
+        "/usr/local/lib/python3.11/dist-packages",
+        DIST,
+        "/root/.local/lib/python3.11/site-packages",
+    ),
+    loader=("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib", "/usr/lib", "/usr/local/lib"),
+)
+
+
+def _files(root: Path, entries: dict[str, str]) -> None:
+    for relative, content in entries.items():
+        path = root / relative.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+
+
+def _link(root: Path, relative: str, target: str) -> None:
+    path = root / relative.lstrip("/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(target)
+
+
+def _whiteout(root: Path, relative: str) -> None:
+    path = root / relative.lstrip("/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mknod(path, stat.S_IFCHR | 0o000, 0)
+
+
+@pytest.fixture
+def layers(tmp_path: Path) -> tuple[Path, Path, Path]:
+    lower, upper, target = tmp_path / "image", tmp_path / "upper", tmp_path / "snapshot"
+    for path in (lower, upper, target):
+        path.mkdir()
+    _files(
+        lower,
+        {
+            "/usr/bin/python3.11": "elf",
+            "/usr/bin/pytest": "#!/usr/bin/python3",
+            "/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2": "the loader",
+            "/usr/lib/x86_64-linux-gnu/libc.so.6": "libc",
+            "/usr/lib/python3.11/os.py": "stdlib",
+            "/usr/lib/python3.11/argparse.py": "stdlib",
+            "/usr/lib/python3.11/lib-dynload/_json.cpython-311-x86_64-linux-gnu.so": "ext",
+            f"{DIST}/pytest/__init__.py": "pytest",
+            f"{DIST}/_pytest/skipping.py": "pytest",
+            "/usr/local/lib/python3.11/dist-packages/verpkg/__init__.py": 'VERSION = "1.0"',
+            "/usr/local/lib/python3.11/dist-packages/verpkg-1.0.dist-info/METADATA": "Name: verpkg",
+            "/etc/python3.11/sitecustomize.py": "try:\n    import apport_python_hook\nexcept ImportError:\n    pass\n",
+            "/etc/apt/apt.conf.d/docker-clean": "",
+            "/etc/dpkg/dpkg.cfg.d/excludes": "",
+            "/etc/alternatives/README": "",
+            "/app/.venv/pyvenv.cfg": "home = /usr/bin\ninclude-system-site-packages = true\n",
+            "/app/.venv/lib/python3.11/site-packages/.keep": "",
+        },
+    )
+    (lower / "usr/local/bin").mkdir(parents=True)
+    (lower / "logs/verifier").mkdir(parents=True)
+    _link(lower, "/usr/lib/python3.11/sitecustomize.py", "/etc/python3.11/sitecustomize.py")
+    _link(lower, "/lib64", "usr/lib64")
+    _link(lower, "/usr/lib64/ld-linux-x86-64.so.2", "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2")
+    _link(lower, "/bin", "usr/bin")
+    _link(lower, "/lib", "usr/lib")
+    _link(lower, "/app/.venv/bin/python3", "/usr/bin/python3.11")
+    return lower, upper, target
+
+
+def _snap(layers: tuple[Path, Path, Path]):
+    lower, upper, target = layers
+    return snapshot(upper, lower, target, SEARCH, WORKDIR)
+
+
+def _seen(target: Path, path: str) -> bool:
+    return os.path.lexists(target / path.lstrip("/"))
+
+
+# ── hostile additions and changes the verifier must not see ─────────────────────────────
+
+
+def test_a_lookup_directory_replaced_by_a_link(layers) -> None:
+    """``rm -rf /usr/local/bin; ln -s /opt/bin /usr/local/bin``: the first PATH directory becomes the agent's."""
+    lower, upper, target = layers
+    _files(upper, {"/opt/bin/python3": "#!/bin/sh\necho 1 > /logs/verifier/reward.txt"})
+    _link(upper, "/usr/local/bin", "/opt/bin")
+    result = _snap(layers)
+    assert not (target / "usr/local/bin").is_symlink(), result.concealed
+
+
+def test_the_elf_interpreter_link_retargeted(layers) -> None:
+    """Every dynamic program's ``PT_INTERP`` is ``/lib64/ld-linux-x86-64.so.2`` (a link, through ``/usr/lib64``)."""
+    lower, upper, target = layers
+    _files(upper, {"/opt/ld.so": "a static program"})
+    _link(upper, "/usr/lib64/ld-linux-x86-64.so.2", "/opt/ld.so")
+    result = _snap(layers)
+    assert not _seen(target, "/usr/lib64/ld-linux-x86-64.so.2"), result.concealed
+
+
+def test_the_elf_interpreters_folder_replaced(layers) -> None:
+    """``/lib64`` (a link in the image) replaced by a folder holding the agent's ``ld-linux-x86-64.so.2``."""
+    lower, upper, target = layers
+    folder = upper / "lib64"
+    folder.mkdir()
+    os.setxattr(folder, "trusted.overlay.opaque", b"y")
+    (folder / "ld-linux-x86-64.so.2").write_text("a static program")
+    result = _snap(layers)
+    assert not _seen(target, "/lib64/ld-linux-x86-64.so.2"), result.concealed
+
+
+def test_an_import_path_entry_the_image_lacks(layers) -> None:
+    """``/usr/lib/python311.zip`` is on ``sys.path`` before the stdlib; a zip made there is imported from."""
+    lower, upper, target = layers
+    _files(upper, {"/usr/lib/python311.zip": "PK... pytest.py"})
+    result = _snap(layers)
+    assert not _seen(target, "/usr/lib/python311.zip"), result.concealed
+
+
+def test_an_upper_case_dist_info_registering_a_pytest_plugin(layers) -> None:
+    """``importlib.metadata`` matches ``.dist-info`` case-insensitively (``child.lower()``)."""
+    lower, upper, target = layers
+    _files(
+        upper,
+        {
+            f"{DIST}/Xx_plugin-1.0.DIST-INFO/entry_points.txt": "[pytest11]\nxx = xx_plugin\n",
+            f"{DIST}/Xx_plugin-1.0.DIST-INFO/METADATA": "Name: xx-plugin",
+        },
+    )
+    result = _snap(layers)
+    assert not _seen(target, f"{DIST}/Xx_plugin-1.0.DIST-INFO"), result.concealed
+
+
+def test_a_dist_info_that_is_a_link_to_a_folder(layers) -> None:
+    """``importlib.metadata`` follows a link named ``*.dist-info``; the rule reads only real folders."""
+    lower, upper, target = layers
+    _files(upper, {"/opt/meta/entry_points.txt": "[pytest11]\nww = ww_plugin\n", "/opt/meta/METADATA": "Name: ww"})
+    _link(upper, f"{DIST}/ww_plugin-1.0.dist-info", "/opt/meta")
+    result = _snap(layers)
+    assert not _seen(target, f"{DIST}/ww_plugin-1.0.dist-info"), result.concealed
+
+
+def test_a_plugin_declaration_is_frozen_where_it_was_judged(layers) -> None:
+    """The rule judges ``entry_points.txt`` by its content: a hard link lets a process the agent left
+    running rewrite it after the judgement (its link count tells it when)."""
+    lower, upper, target = layers
+    _files(
+        upper,
+        {
+            f"{DIST}/vv_plugin-1.0.dist-info/entry_points.txt": "[console_scripts]\nvv = vv_plugin:main\n",
+            f"{DIST}/vv_plugin.py": "print('plug-in')",
+        },
+    )
+    _snap(layers)
+    judged = target / DIST.lstrip("/") / "vv_plugin-1.0.dist-info/entry_points.txt"
+    if judged.exists():
+        original = upper / DIST.lstrip("/") / "vv_plugin-1.0.dist-info/entry_points.txt"
+        assert os.stat(judged).st_ino != os.stat(original).st_ino, "judged by content, then linked"
+
+
+def test_sourceless_bytecode_in_the_verifiers_working_directory(layers) -> None:
+    """``python -m pytest`` from ``/`` imports ``/pytest.pyc`` (no source needed)."""
+    lower, upper, target = layers
+    _files(upper, {"/pytest.pyc": "bytecode", "/_pytest/__init__.pyc": "bytecode"})
+    result = _snap(layers)
+    assert not _seen(target, "/pytest.pyc"), result.concealed
+    assert not _seen(target, "/_pytest/__init__.pyc"), result.concealed  # a package: __init__ of any suffix
+
+
+def test_a_module_the_images_start_up_code_imports_if_present(layers) -> None:
+    """Debian's ``sitecustomize`` does ``try: import apport_python_hook``: a new name, run by every python3."""
+    lower, upper, target = layers
+    _files(upper, {"/usr/local/lib/python3.11/dist-packages/apport_python_hook.py": "import os; os._exit(0)"})
+    result = _snap(layers)
+    assert not _seen(target, "/usr/local/lib/python3.11/dist-packages/apport_python_hook.py"), result.concealed
+
+
+def test_a_lookup_directory_under_the_working_directory(layers) -> None:
+    """The working directory is the agent's: also the venv there that is first on ``PATH``."""
+    lower, upper, target = layers
+    _files(
+        upper,
+        {
+            "/app/.venv/bin/python3": "#!/bin/sh\necho 1 > /logs/verifier/reward.txt",
+            "/app/.venv/lib/python3.11/site-packages/zz.pth": "import os; os._exit(0)",
+            "/app/solution.py": "the agent's work",
+        },
+    )
+    result = _snap(layers)
+    assert _seen(target, "/app/solution.py")
+    assert not (target / "app/.venv/bin/python3").is_file(), result.concealed
+
+
+def test_package_managers_configuration(layers) -> None:
+    """A verifier that installs its tools (apt, dpkg, pip) runs what their configuration says."""
+    lower, upper, target = layers
+    hooks = {
+        "/etc/apt/apt.conf.d/00hook": 'DPkg::Pre-Invoke { "/opt/hook.sh"; };',
+        "/etc/apt/sources.list.d/evil.list": "deb [trusted=yes] file:/opt/repo ./",
+        "/etc/dpkg/dpkg.cfg.d/00hook": "pre-invoke=/opt/hook.sh",
+        "/etc/xdg/pip/pip.conf": "[global]\nfind-links = /opt/evil",
+        "/usr/pip.conf": "[global]\nfind-links = /opt/evil",
+    }
+    _files(upper, hooks)
+    result = _snap(layers)
+    seen = [path for path in hooks if _seen(target, path)]
+    assert not seen, (seen, result.concealed)
+
+
+def test_node_and_uv_configuration_around_the_tests(layers) -> None:
+    """``require()`` walks up from ``/tests`` into ``/node_modules``; uv reads ``uv.toml`` and ``.python-version``
+    from the working directory up."""
+    lower, upper, target = layers
+    _files(
+        upper,
+        {
+            "/node_modules/chai/index.js": "process.exit(0)",
+            "/uv.toml": "[pip]\nfind-links = ['/opt/evil']",
+            "/.python-version": "3.8",
+        },
+    )
+    result = _snap(layers)
+    seen = [path for path in ("/node_modules", "/uv.toml", "/.python-version") if _seen(target, path)]
+    assert not seen, (seen, result.concealed)
+
+
+def test_the_verifiers_log_folder_through_a_link(layers) -> None:
+    """``/logs`` replaced by a link into the agent's files: ``/logs/verifier`` would resolve into them."""
+    lower, upper, target = layers
+    _files(upper, {"/app/fake/verifier/reward.txt": "1"})
+    _link(upper, "/logs", "/app/fake")
+    result = _snap(layers)
+    assert not (target / "logs").is_symlink(), result.concealed
+
+
+# ── honest changes the verifier must see ────────────────────────────────────────────────
+
+
+def test_honest_an_editable_install(layers) -> None:
+    """``pip install -e /app/proj`` is a ``.pth`` naming a folder (no code in it)."""
+    lower, upper, target = layers
+    pth = "/usr/local/lib/python3.11/dist-packages/__editable__.answerpkg-1.0.pth"
+    _files(upper, {pth: "/app/proj\n", "/usr/local/lib/python3.11/dist-packages/answerpkg-1.0.dist-info/METADATA": "x"})
+    result = _snap(layers)
+    assert _seen(target, pth), result.concealed
+
+
+def test_honest_an_upgrade_of_a_package_the_image_ships(layers) -> None:
+    """``pip install --upgrade verpkg``: the old files gone, new ones under the same names, a new dist-info."""
+    lower, upper, target = layers
+    site = "/usr/local/lib/python3.11/dist-packages"
+    _whiteout(upper, f"{site}/verpkg-1.0.dist-info")
+    _files(upper, {f"{site}/verpkg/__init__.py": 'VERSION = "2.0"', f"{site}/verpkg-2.0.dist-info/METADATA": "x"})
+    result = _snap(layers)
+    assert (target / site.lstrip("/") / "verpkg/__init__.py").is_file(), result.concealed
+
+
+def test_honest_a_new_alternative(layers) -> None:
+    """A package's postinst registers a new command through ``update-alternatives``."""
+    lower, upper, target = layers
+    _files(upper, {"/usr/lib/answer-alt/tool": "#!/bin/sh"})
+    _link(upper, "/etc/alternatives/answer-alt", "/usr/lib/answer-alt/tool")
+    _link(upper, "/usr/bin/answer-alt", "/etc/alternatives/answer-alt")
+    result = _snap(layers)
+    assert _seen(target, "/usr/bin/answer-alt") and _seen(target, "/etc/alternatives/answer-alt"), result.concealed
+
+
+def test_honest_a_venv_outside_the_working_directory(layers) -> None:
+    """``python3 -m venv /opt/venv``: without its ``pyvenv.cfg``, its python is the system's."""
+    lower, upper, target = layers
+    _files(upper, {"/opt/venv/pyvenv.cfg": "home = /usr/bin\n", "/opt/venv/lib/python3.11/site-packages/x.py": ""})
+    _link(upper, "/opt/venv/bin/python3", "/usr/bin/python3.11")
+    result = _snap(layers)
+    assert _seen(target, "/opt/venv/pyvenv.cfg"), result.concealed
