@@ -30,7 +30,7 @@ import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, tiny_grpo_trainer
 from docker_daemon import public_copy
 
-from trl_harbor import HarborBashEnv, HarborSpec, close_all, runtime
+from trl_harbor import HarborBashEnv, HarborSpec, close_all
 from trl_harbor.check import CheckResult, check_suite
 from trl_harbor.suite import TaskSuiteError
 

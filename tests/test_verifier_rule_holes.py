@@ -270,30 +270,161 @@ def test_honest_an_editable_install(layers) -> None:
     assert _seen(target, pth), result.concealed
 
 
-def test_honest_an_upgrade_of_a_package_the_image_ships(layers) -> None:
-    """``pip install --upgrade verpkg``: the old files gone, new ones under the same names, a new dist-info."""
+def test_an_upgrade_of_a_package_the_image_ships_is_graded_as_shipped_unless_allowed(layers) -> None:
+    """``pip install --upgrade verpkg`` replaces image code the verifier may run (a checker's numpy, say):
+    the verifier grades the image's version, unless the task allows the change (``allowed_changes``)."""
     lower, upper, target = layers
     site = "/usr/local/lib/python3.11/dist-packages"
     _whiteout(upper, f"{site}/verpkg-1.0.dist-info")
     _files(upper, {f"{site}/verpkg/__init__.py": 'VERSION = "2.0"', f"{site}/verpkg-2.0.dist-info/METADATA": "x"})
-    result = _snap(layers)
-    assert (target / site.lstrip("/") / "verpkg/__init__.py").is_file(), result.concealed
+    result = _snap(layers)  # not in the snapshot: the image's file, beneath it, is the verifier's
+    assert not _seen(target, f"{site}/verpkg/__init__.py") and not _seen(target, f"{site}/verpkg-2.0.dist-info")
+    assert f"{site}/verpkg/__init__.py (the image's code)" in result.concealed
+    other = target.parent / "allowed"
+    other.mkdir()
+    result = snapshot(upper, lower, other, SEARCH, WORKDIR, allowed=(f"{site}/verpkg*",))
+    assert (other / site.lstrip("/") / "verpkg/__init__.py").read_text() == 'VERSION = "2.0"', result.concealed
+    assert _seen(other, f"{site}/verpkg-2.0.dist-info") and _seen(other, f"{site}/verpkg-1.0.dist-info")
 
 
-def test_honest_a_new_alternative(layers) -> None:
-    """A package's postinst registers a new command through ``update-alternatives``."""
+def test_honest_a_setuptools_editable_install_of_a_flat_project(layers) -> None:
+    """Setuptools installs a flat project editable as a ``.pth`` importing a generated finder: the finder is
+    read, not run, and the verifier's ``.pth`` names the folder holding the package it maps."""
     lower, upper, target = layers
-    _files(upper, {"/usr/lib/answer-alt/tool": "#!/bin/sh"})
-    _link(upper, "/etc/alternatives/answer-alt", "/usr/lib/answer-alt/tool")
-    _link(upper, "/usr/bin/answer-alt", "/etc/alternatives/answer-alt")
+    site = "/usr/local/lib/python3.11/dist-packages"
+    finder = "__editable___answerpkg_1_0_finder"
+    _files(
+        upper,
+        {
+            f"{site}/__editable__.answerpkg-1.0.pth": f"import {finder}; {finder}.install()",
+            f"{site}/{finder}.py": "import sys\nMAPPING = {'answerpkg': '/app/proj/answerpkg'}\nNAMESPACES = {}\n",
+            "/app/proj/answerpkg/__init__.py": "",
+        },
+    )
     result = _snap(layers)
-    assert _seen(target, "/usr/bin/answer-alt") and _seen(target, "/etc/alternatives/answer-alt"), result.concealed
+    assert (target / site.lstrip("/") / "__editable__.answerpkg-1.0.pth").read_text() == "/app/proj\n", result.concealed
 
 
-def test_honest_a_venv_outside_the_working_directory(layers) -> None:
-    """``python3 -m venv /opt/venv``: without its ``pyvenv.cfg``, its python is the system's."""
+@pytest.mark.parametrize(
+    "mapping",
+    ["{'pytest': '/app/proj/pytest'}", "{'sitecustomize': '/app/proj/sitecustomize.py'}", "__import__('os')", "{1: 2}"],
+)
+def test_an_editable_finder_that_maps_start_up_code_or_is_no_literal(layers, mapping: str) -> None:
     lower, upper, target = layers
-    _files(upper, {"/opt/venv/pyvenv.cfg": "home = /usr/bin\n", "/opt/venv/lib/python3.11/site-packages/x.py": ""})
-    _link(upper, "/opt/venv/bin/python3", "/usr/bin/python3.11")
+    site = "/usr/local/lib/python3.11/dist-packages"
+    finder = "__editable___x_1_0_finder"
+    _files(
+        upper,
+        {f"{site}/x.pth": f"import {finder}; {finder}.install()", f"{site}/{finder}.py": f"MAPPING = {mapping}\n"},
+    )
     result = _snap(layers)
-    assert _seen(target, "/opt/venv/pyvenv.cfg"), result.concealed
+    assert not _seen(target, f"{site}/x.pth"), result.concealed
+
+
+@pytest.mark.parametrize("hook", ["sitecustomize.py", "usercustomize.py", "pytest.py", "evil.pth"])
+def test_a_plain_pth_naming_a_folder_with_start_up_code(layers, hook: str) -> None:
+    """The folder a ``.pth`` appends joins the import path before ``site`` imports ``sitecustomize`` and
+    ``usercustomize``: a folder holding them is start-up code, not an editable install."""
+    lower, upper, target = layers
+    site = "/usr/local/lib/python3.11/dist-packages"
+    _files(upper, {f"{site}/x.pth": "/opt/proj\n", f"/opt/proj/{hook}": "import os; os._exit(0)"})
+    result = _snap(layers)
+    assert not (_seen(target, f"{site}/x.pth") and _seen(target, f"/opt/proj/{hook}")), result.concealed
+
+
+def test_a_plain_pth_naming_a_file(layers) -> None:
+    """A ``.pth`` line may name a zip archive (imported from like a folder), whose contents are not looked at."""
+    lower, upper, target = layers
+    site = "/usr/local/lib/python3.11/dist-packages"
+    _files(upper, {f"{site}/x.pth": "/opt/hooks.zip\n", "/opt/hooks.zip": "PK"})
+    result = _snap(layers)
+    assert not _seen(target, f"{site}/x.pth"), result.concealed
+
+
+@pytest.mark.parametrize("path", ["/app/pytest.py", "/tmp/pytest.py", "/opt/x/_pytest/__init__.py", "/app/pluggy.pyc"])
+def test_the_test_runners_own_package_anywhere(layers, path: str) -> None:
+    """``python -m pytest`` imports ``pytest`` from its working directory first, wherever test.sh runs it."""
+    lower, upper, target = layers
+    _files(upper, {path: "import os; os._exit(0)"})
+    result = _snap(layers)
+    top = path if path.endswith((".py", ".pyc")) else path.rsplit("/", 1)[0]
+    assert not _seen(target, top), result.concealed
+
+
+@pytest.mark.parametrize("path", ["/app/argparse.py", "/tmp/os.py", "/app/_json.cpython-311-x86_64-linux-gnu.so"])
+def test_a_module_of_the_images_python_in_a_folder_the_verifier_runs_in(layers, path: str) -> None:
+    """``cd /app && python -m pytest``: ``/app/argparse.py`` would be pytest's ``argparse``."""
+    lower, upper, target = layers
+    _files(upper, {path: "import os; os._exit(0)"})
+    result = _snap(layers)
+    assert not _seen(target, path), result.concealed
+
+
+def test_the_agents_own_modules_in_the_working_directory_are_seen(layers) -> None:
+    lower, upper, target = layers
+    _files(upper, {"/app/solution.py": "", "/app/parsers/__init__.py": "", "/tmp/notes.py": "", "/app/py/x.txt": ""})
+    result = _snap(layers)
+    assert all(_seen(target, p) for p in ("/app/solution.py", "/app/parsers", "/tmp/notes.py", "/app/py")), (
+        result.concealed
+    )
+
+
+def test_perl_and_other_interpreters_module_paths(layers) -> None:
+    """Perl's ``@INC`` (``/etc/perl`` first) is judged as Python's import path: a shipped name is shipped."""
+    lower, upper, target = layers
+    _files(lower, {"/usr/share/perl/5.36/strict.pm": "package strict;", "/usr/share/perl/5.36/File/Temp.pm": ""})
+    (lower / "etc/perl").mkdir(parents=True)
+    (lower / "usr/local/share/perl/5.36.0").mkdir(parents=True)
+    planted = {"/etc/perl/strict.pm": "", "/usr/local/share/perl/5.36.0/File/Temp.pm": "", "/etc/perl/New.pm": ""}
+    _files(upper, planted)
+    search = SearchPaths(
+        path=SEARCH.path, python=SEARCH.python, loader=SEARCH.loader,
+        modules=("/etc/perl", "/usr/local/share/perl/5.36.0", "/usr/share/perl/5.36"),
+    )  # fmt: skip
+    result = snapshot(upper, lower, target, search, WORKDIR)
+    assert not _seen(target, "/etc/perl/strict.pm") and not _seen(target, "/usr/local/share/perl/5.36.0/File")
+    assert _seen(target, "/etc/perl/New.pm"), result.concealed
+
+
+def test_the_name_service_cache_socket(layers) -> None:
+    """glibc asks nscd for users and hosts whenever its socket exists: the agent's is not the verifier's."""
+    import socket
+
+    lower, upper, target = layers
+    (upper / "run/nscd").mkdir(parents=True)
+    (upper / "app").mkdir()
+    with socket.socket(socket.AF_UNIX) as nscd, socket.socket(socket.AF_UNIX) as service:
+        nscd.bind(str(upper / "run/nscd/socket"))
+        service.bind(str(upper / "app/service.sock"))
+        result = _snap(layers)
+    assert not _seen(target, "/run/nscd/socket") and result.sockets == ["/app/service.sock"], result.concealed
+
+
+def test_a_library_added_where_the_loader_looks_asks_for_a_new_loader_cache(layers) -> None:
+    lower, upper, target = layers
+    assert not _snap(layers).libraries_added
+    _files(upper, {"/usr/local/lib/libanswer.so.1": "elf"})
+    other = target.parent / "again"
+    other.mkdir()
+    assert snapshot(upper, lower, other, SEARCH, WORKDIR).libraries_added
+
+
+def test_a_folder_swapped_for_a_link_during_the_walk_is_not_followed(layers, monkeypatch) -> None:
+    """The agent's processes still run while the snapshot is taken: a folder it lists may be a link to the
+    host's ``/`` by the time it is entered."""
+    import trl_harbor.sandboxes._view as view
+
+    lower, upper, target = layers
+    _files(upper, {"/opt/data/out.txt": "x"})
+    real_stat = os.stat
+
+    def stat_then_swap(name, *args, **kwargs):
+        info = real_stat(name, *args, **kwargs)
+        if name == "data" and not (upper / "opt/old").exists():
+            os.rename(upper / "opt/data", upper / "opt/old")
+            (upper / "opt/data").symlink_to("/etc")
+        return info
+
+    monkeypatch.setattr(view.os, "stat", stat_then_swap)
+    result = _snap(layers)
+    assert not _seen(target, "/opt/data"), result.concealed

@@ -229,8 +229,10 @@ KINDS: dict[str, Kind] = {
     ),
     "etc": Kind(_HEAD + 'grep -qx "answer=$EXPECTED_ANSWER" /etc/answer.conf ' + _SCORE),
     "lib": Kind(_HEAD + f'[ "$(answer-bin)" = "libanswer works" ] && {_ANSWER_OK} ' + _SCORE),
+    # the task asks for an upgrade of a package the image ships, and says so (``allowed_changes``)
     "pip_upgrade": Kind(
-        _HEAD + "python3 -c 'import verpkg, sys; sys.exit(verpkg.VERSION != \"2.0\")' " + f"&& {_ANSWER_OK} " + _SCORE
+        _HEAD + "python3 -c 'import verpkg, sys; sys.exit(verpkg.VERSION != \"2.0\")' " + f"&& {_ANSWER_OK} " + _SCORE,
+        toml=(("[metadata]\n", '[metadata]\nallowed_changes = ["/usr/local/lib/python3*/dist-packages/verpkg*"]\n'),),
     ),
     # verifiers that install their checker when they run (29% of public tasks fetch at verify time)
     "apt_verify": Kind(
@@ -1177,7 +1179,7 @@ CASES: list[Case] = [
         "no venv in the verifier (its python is the system's, without the venv's packages)",
     ),
     Case(
-        "pip install --upgrade of a package the image ships",
+        "pip install --upgrade of a package the image ships (the task allows it)",
         "H",
         "pip_upgrade",
         sh(
@@ -1188,7 +1190,7 @@ CASES: list[Case] = [
         ),
         deserves=1.0,
         hole="honest: an upgrade replaces the image's files of a package in an import directory, which the "
-        "verifier reads as shipped: it grades the old version",
+        "verifier reads as shipped unless the task declares them allowed_changes (as this one does)",
     ),
     Case(
         "apt-get install of a .deb that registers an alternative",

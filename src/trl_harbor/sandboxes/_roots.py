@@ -59,11 +59,18 @@ from trl_harbor.sandboxes.oci import (
 
 _ROOT_USERS = (None, 0, "0", "root")
 MiB = 1 << 20
-#: Prints the image's Python import path (``sys.path`` and the user site), one directory a line.
-_PYTHON_PATH_PROBE = (
-    "command -v python3 >/dev/null 2>&1 && python3 -c 'import site, sys; "
-    'print("\\n".join([p for p in sys.path if p] + [site.getusersitepackages()]))\''
+#: Prints the image's interpreters' import paths, one folder a line: Python's (``sys.path`` and the
+#: user site) after ``#python``, then perl's, ruby's and node's after ``#modules``.
+_SEARCH_PATH_PROBE = (
+    "echo '#python'; command -v python3 >/dev/null 2>&1 && python3 -c 'import site, sys; "
+    'print("\\n".join([p for p in sys.path if p] + [site.getusersitepackages()]))\'; '
+    "echo '#modules'; command -v perl >/dev/null 2>&1 && perl -e 'print \"$_\\n\" for @INC'; "
+    "command -v ruby >/dev/null 2>&1 && ruby -e 'puts $LOAD_PATH'; "
+    'command -v node >/dev/null 2>&1 && node -e \'console.log(require("module").globalPaths.join("\\n"))\'; '
+    "true"
 )
+#: Remakes the loader cache without touching the libraries' links (``-X``), where the image has ldconfig.
+_REMAKE_LOADER_CACHE = "PATH=/usr/sbin:/sbin:/usr/bin:/bin; command -v ldconfig >/dev/null 2>&1 && ldconfig -X; true"
 #: The ``/etc/hosts`` of a Docker container (``docker run`` writes it; the image's own is not seen).
 DOCKER_HOSTS = (
     "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\n"
@@ -352,9 +359,15 @@ class ImageRoot(SandboxRoot):
         key = ("search", str(self.image.rootfs), path)
         if CACHE.known(key):
             return
-        result = await self.run(_PYTHON_PATH_PROBE, cwd="/", env=None, timeout=60, user="root")
-        python = [line for line in result["stdout"].splitlines() if line.startswith("/")] if result["rc"] == 0 else []
-        CACHE.remember(key, search_paths(self.image.rootfs, path, python))
+        result = await self.run(_SEARCH_PATH_PROBE, cwd="/", env=None, timeout=60, user="root")
+        found: dict[str, list[str]] = {"#python": [], "#modules": []}
+        section = found["#python"]
+        for line in result["stdout"].splitlines():
+            if line in found:
+                section = found[line]
+            elif line.startswith("/"):
+                section.append(line)
+        CACHE.remember(key, search_paths(self.image.rootfs, path, found["#python"], modules=found["#modules"]))
 
     @property
     def search(self) -> SearchPaths:
@@ -478,6 +491,10 @@ class VerifierRoot(ImageRoot):
             self.box = Box(config, self.dir / "run", name=f"{self.agent.dir.name}-verifier", owned_dir=self.dir)
             self.box.mounts.append(self.rootfs)
             await self.box.start()
+            if self.view.libraries_added:
+                # The loader cache is the image's (the agent's is not seen): remade by the image's
+                # ldconfig from the image's configuration, it finds the libraries the agent added.
+                await self.run(_REMAKE_LOADER_CACHE, cwd="/", env=None, timeout=60, user="root")
         except BaseException:
             await self.stop()
             raise

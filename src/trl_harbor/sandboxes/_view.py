@@ -28,6 +28,7 @@ agent's processes could still change.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import fnmatch
@@ -35,6 +36,7 @@ import functools
 import os
 import posixpath
 import re
+import shutil
 import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +66,8 @@ RUNNER_CONFIG: tuple[str, ...] = (
 )  # fmt: skip
 #: Paths that are the verifier's alone.
 VERIFIER_ONLY: tuple[str, ...] = ("/tests", "/solution", "/logs/verifier", "/run/trl-harbor")
+#: Where the C library looks for daemons to answer its lookups (users, hosts) without being configured to.
+IMPLICIT_SOCKETS: tuple[str, ...] = ("/run/nscd/", "/var/run/nscd/", "/run/systemd/userdb/", "/var/run/systemd/userdb/")
 #: The sandbox's own plumbing (mount points of the helpers bound in): never the agent's, never reported.
 PLUMBING = "/run/trl-harbor"
 #: Bytes of the agent's outputs copied into a snapshot (beyond that, hard links).
@@ -84,6 +88,8 @@ class SearchPaths:
         path: The directories on the verifier's ``PATH``.
         python: Its Python's import path (``sys.path`` and the user site).
         loader: The dynamic loader's library directories.
+        modules: Other interpreters' module paths (perl's ``@INC``, ruby's ``$LOAD_PATH``, node's global
+            folders), judged as Python's.
         homes: The image's home folders (for the ``~`` entries of :data:`CODE_CONFIG`).
     """
 
@@ -91,13 +97,16 @@ class SearchPaths:
     python: tuple[str, ...] = ()
     loader: tuple[str, ...] = ()
     homes: tuple[str, ...] = ("/root", "/home/*")
+    modules: tuple[str, ...] = ()
 
 
 #: The loader's own search directories (glibc's system directories), besides ``ld.so.conf``'s.
 _SYSTEM_LIBRARY_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64", "/lib32", "/usr/lib32")
 
 
-def search_paths(lower: Path, path: str, python: Sequence[str], homes: Sequence[str] = ()) -> SearchPaths:
+def search_paths(
+    lower: Path, path: str, python: Sequence[str], homes: Sequence[str] = (), modules: Sequence[str] = ()
+) -> SearchPaths:
     """Where a verifier on the image at ``lower`` looks code up.
 
     Args:
@@ -105,6 +114,7 @@ def search_paths(lower: Path, path: str, python: Sequence[str], homes: Sequence[
         path: The verifier's ``PATH``.
         python: Its Python's import path (``sys.path`` and the user site, probed on the image).
         homes: Home folders besides ``/root`` and ``/home/*`` (e.g. from the image's ``/etc/passwd``).
+        modules: Other interpreters' module paths (probed on the image).
 
     Returns:
         The search paths; the loader's directories are the system ones (with the multiarch
@@ -117,7 +127,7 @@ def search_paths(lower: Path, path: str, python: Sequence[str], homes: Sequence[
     extra = tuple(h for h in homes if h not in ("/root",))
     return SearchPaths(
         path=tuple(d for d in path.split(":") if d), python=tuple(python), loader=tuple(dict.fromkeys(loader)),
-        homes=("/root", "/home/*", *extra),
+        homes=("/root", "/home/*", *extra), modules=tuple(m for m in modules if m.startswith("/")),
     )  # fmt: skip
 
 
@@ -150,6 +160,7 @@ class _Names:
 
     commands: set[str] = field(default_factory=set)
     modules: set[str] = field(default_factory=set)
+    python: set[str] = field(default_factory=set)  # of Python's own import path
     libraries: set[str] = field(default_factory=set)
     startup: set[str] = field(default_factory=set)
 
@@ -162,11 +173,14 @@ class Snapshot:
         concealed: The agent's changes the verifier does not see, with why (``"path (reason)"``).
         sockets: Unix sockets of the agent's (bound into the verifier's view from the agent's root).
         copied: Bytes copied (the rest are links).
+        libraries_added: Whether the agent added a library to a folder of the loader's (the view's
+            loader cache is then remade from the image's configuration: the agent's is not seen).
     """
 
     concealed: list[str] = field(default_factory=list)
     sockets: list[str] = field(default_factory=list)
     copied: int = 0
+    libraries_added: bool = False
 
 
 class _Rule:
@@ -182,7 +196,9 @@ class _Rule:
         user_sites = [
             d.replace("/root/", home + "/", 1) for d in search.python if d.startswith("/root/") for home in homes
         ]
-        self.python_dirs = _sorted_dirs((*search.python, *user_sites, *self.path_dirs))
+        self.python_only = _sorted_dirs((*search.python, *user_sites))
+        # Import folders of every interpreter (a script's own folder is on its path: PATH's too).
+        self.python_dirs = _sorted_dirs((*self.python_only, *search.modules, *self.path_dirs))
         # The loader's own directories always (the ELF interpreter is /lib64's), with the image's.
         self.loader_dirs = _sorted_dirs((*search.loader, *_SYSTEM_LIBRARY_DIRS))
         self.lookup_dirs = {*self.path_dirs, *self.python_dirs, *self.loader_dirs, *NAMED_DIRS}
@@ -209,6 +225,8 @@ class _Rule:
             current = posixpath.dirname(current)
             ancestors.add(current)
         self.ancestors = ancestors
+        # Where ``python -m`` may run from (its working directory is first on the import path).
+        self.run_dirs = {d for d in (self.workdir, "/tmp") if d != "/"}
         self.names = self._shipped_names()
 
     def _shipped_names(self) -> _Names:
@@ -218,6 +236,8 @@ class _Rule:
         for directory in self.python_dirs:
             names.modules |= {stem(n) for n in _listdir(self.lower, directory)}
             names.startup |= _startup_imports(self.lower, directory)
+        for directory in self.python_only:
+            names.python |= {stem(n) for n in _listdir(self.lower, directory)}
         for directory in self.loader_dirs:
             names.libraries |= {stem(n) for n in _listdir(self.lower, directory) if ".so" in n}
         return names
@@ -270,34 +290,117 @@ class _Rule:
 
     # -- the judgement ---------------------------------------------------------------
 
-    def concealed_change(self, path: str, shipped: bool, host: Path, upper: Path) -> str | None:
-        """Why the verifier does not see the agent's change at ``path`` (``None``: it sees it).
+    def concealed_change(self, path: str, shipped: bool, folder: bool, link: bool) -> str | None:
+        """Why the verifier does not see the agent's change at ``path`` by its name (``None``: it may).
 
         Args:
             path: The sandbox path of an entry of the agent's layer (not an image folder it only
                 changed the inside of).
             shipped: Whether the image has an entry at ``path``.
-            host: The entry in the agent's layer (a folder's contents are looked at).
-            upper: The agent's layer.
+            folder: Whether the agent's entry is a folder.
+            link: Whether it is a symbolic link.
         """
         if self.verifier_only(path):
             return "the verifier's own"
-        folder = host.is_dir() and not host.is_symlink()
         if not folder and (self.leads_to_verifier_only(path) or self.holds_lookups(path)):
             return "a folder the verifier looks code up in, or its own, replaced"
+        if self._allowed_re.match(path):
+            return None
+        if not shipped and not folder and (link or _module_file(path)) and (why := self._shadows_at_any_place(path)):
+            return why
         if self.agents(path):
             return None
         if shipped:
             return "the image's code" if self.code_place(path) else None
-        return self._concealed_addition(path, host, folder, upper)
+        return self._concealed_addition(path, folder, link)
 
-    def _concealed_addition(self, path: str, host: Path, folder: bool, upper: Path) -> str | None:
+    def _shadows_at_any_place(self, path: str) -> str | None:
+        """A module that would shadow the test runner's own anywhere, or an image module from a folder the
+        verifier may run Python in (``python -m`` puts its working directory first on the import path)."""
+        name, parent = posixpath.basename(path), posixpath.dirname(path)
+        if stem(name) in RUNNER_PACKAGES:
+            return "the test runner's own package"
+        if parent in self.run_dirs and stem(name) in self.names.python:
+            return "a module the image's Python ships, from a folder the verifier may run in"
+        return None
+
+    def concealed_content(self, path: str, laid: str) -> str | None:
+        """Why the verifier does not see an entry the rule judges by what it holds, once laid at ``laid``
+        in the snapshot (a copy: the agent can no longer change it)."""
+        if self._allowed_re.match(path):
+            return None
+        name, parent = posixpath.basename(path), posixpath.dirname(path)
+        if os.path.isdir(laid):
+            package = any(n.startswith("__init__.") for n in _names(laid))
+            if package and (why := self._shadows_at_any_place(path)):
+                return why
+            if self.agents(path):
+                return None
+            if package and parent in self.ancestors:
+                return "picked up from the verifier's working directory or its ancestors"
+            home = _innermost(path, self.python_dirs)
+            if (
+                home is not None
+                and name.lower().endswith((".dist-info", ".egg-info"))
+                and _declares_runner_plugin(Path(laid))
+            ):
+                return "a test-runner plug-in"
+        return None
+
+    def reads(self, path: str) -> bool:
+        """Whether the rule judges the file at ``path`` by its content (it is then copied, never linked)."""
+        return _judged_by_content(path) and _innermost(path, self.python_dirs) is not None and not self.agents(path)
+
+    def pth_to_judge(self, path: str) -> bool:
+        """Whether ``path`` is a ``.pth`` the rule lets through if what it holds is harmless (:meth:`judge_pth`)."""
+        return path.endswith(".pth") and self.reads(path) and not self._allowed_re.match(path)
+
+    def judge_pth(self, path: str, laid: str, snapshot_root: str) -> tuple[str | None, str | None]:
+        """Judge a ``.pth`` the agent added to an import folder, laid at ``laid``, on the whole snapshot.
+
+        A ``.pth`` that only appends folders to the import path (an editable install) runs nothing and
+        comes after every shipped module: it is seen, unless a folder it names holds start-up code or a
+        test-runner plug-in. Setuptools' editable installs of flat projects write instead a ``.pth``
+        that imports a generated finder; the finder is read, not run, and the verifier's ``.pth`` names
+        the folders it maps to.
+
+        Returns:
+            Why it is concealed (or ``None``), and the text to lay instead of it (or ``None``).
+        """
+        try:
+            text = Path(laid).read_text(errors="replace")
+        except OSError:
+            return "an interpreter hook", None
+        lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+        replacement = None
+        finder = _editable_finder(lines)
+        if finder is not None:
+            folders = _finder_folders(f"{snapshot_root}{posixpath.dirname(path)}/{finder}.py")
+            if folders is None:
+                return "an interpreter hook", None
+            lines, replacement = folders, "".join(f"{folder}\n" for folder in folders)
+        if not lines or any(line.startswith(("import ", "import\t")) or not line.startswith("/") for line in lines):
+            return "an interpreter hook", None
+        for folder in lines:
+            trees = [t for t in (snapshot_root, self.lower) if os.path.lexists(f"{t}{folder}")]
+            if trees and not os.path.isdir(f"{trees[0]}{folder}"):
+                return "an interpreter hook (it names a file, not a folder)", None
+            for name in (n for tree in trees[:1] for n in _names(f"{tree}{folder}")):
+                if _matches(name, HOOKS) or stem(name) in RUNNER_PACKAGES:
+                    return "an interpreter hook (a folder it names holds start-up code)", None
+                if name.lower().endswith((".dist-info", ".egg-info")) and _declares_runner_plugin(
+                    Path(f"{trees[0]}{folder}/{name}")
+                ):
+                    return "an interpreter hook (a folder it names holds a test-runner plug-in)", None
+        return None, replacement
+
+    def _concealed_addition(self, path: str, folder: bool, link: bool) -> str | None:
         name, parent = posixpath.basename(path), posixpath.dirname(path)
         if self.in_config(path):
             return "code configuration"
-        if parent in self.ancestors and (
-            _matches(name, RUNNER_CONFIG) or folder and any(n.startswith("__init__.") for n in _names(host))
-        ):
+        if parent in self.ancestors and not folder and _matches(name, RUNNER_CONFIG):
+            return "picked up from the verifier's working directory or its ancestors"
+        if parent in self.ancestors and folder and name in ("__pycache__", "node_modules"):
             return "picked up from the verifier's working directory or its ancestors"
         if (parent in self.path_dirs or parent in NAMED_DIRS) and name in self.names.commands:
             return "a command the image ships"
@@ -307,19 +410,19 @@ class _Rule:
             return "an interpreter hook"
         home = _innermost(path, self.python_dirs)
         if home is not None:
-            return self._python_addition(path, host, folder, home, upper)
+            return self._python_addition(path, folder, link, home)
         libdir = _innermost(path, self.loader_dirs)
         if libdir is not None and ".so" in name and stem(name) in self.names.libraries:
             return "a library name the image ships"
         return None
 
-    def _python_addition(self, path: str, host: Path, folder: bool, home: str, upper: Path) -> str | None:
+    def _python_addition(self, path: str, folder: bool, link: bool, home: str) -> str | None:
         name, parent = posixpath.basename(path), posixpath.dirname(path)
         relative = path[len(home.rstrip("/")) + 1 :]
         top = relative.split("/", 1)[0]
         metadata = name.lower().endswith((".dist-info", ".egg-info", ".egg-link"))
         if name.endswith(".pth"):
-            return None if parent == home and _plain_paths_pth(host, (self.lower, upper)) else "an interpreter hook"
+            return None if parent == home and not folder and not link else "an interpreter hook"
         if _matches(name, HOOKS):
             return "an interpreter hook"
         if posixpath.basename(parent) == "__pycache__" and stem(name) in _stems(self.lower, posixpath.dirname(parent)):
@@ -330,7 +433,7 @@ class _Rule:
             return "a module name the image ships, or its start-up code imports"
         if stem(top) in RUNNER_PACKAGES:
             return "the test runner's own package"
-        if metadata and (host.is_symlink() or not folder or _declares_runner_plugin(host)):
+        if metadata and (link or not folder):
             return "a test-runner plug-in, or metadata that is a link"
         return None
 
@@ -365,24 +468,43 @@ def _startup_imports(lower: Path, directory: str) -> set[str]:
     return found
 
 
-def _plain_paths_pth(host: Path, trees: tuple[Path, Path]) -> bool:
-    """Whether a ``.pth`` only appends folders to the import path (an editable install), none holding a
-    test-runner plug-in: it runs nothing, and what it adds comes after every shipped module."""
+#: A ``.pth`` line of setuptools' editable install of a flat project (it imports a generated finder).
+_EDITABLE_PTH = re.compile(r"^import (__editable___[A-Za-z0-9_]+_finder); \1\.install\(\)$")
+_EDITABLE_FINDER = re.compile(r"^__editable___[A-Za-z0-9_]+_finder\.py$")
+
+
+def _editable_finder(lines: list[str]) -> str | None:
+    """The finder module a setuptools editable ``.pth`` imports, if that is all it does."""
+    match = _EDITABLE_PTH.match(lines[0]) if len(lines) == 1 else None
+    return match.group(1) if match else None
+
+
+def _finder_folders(finder: str) -> list[str] | None:
+    """The folders holding what a setuptools editable finder maps (its ``MAPPING``, read as a literal)."""
     try:
-        lines = [line.strip() for line in host.read_text(errors="replace").splitlines()]
-    except OSError:
-        return False
-    folders = [line for line in lines if line and not line.startswith("#")]
-    if not folders or any(line.startswith(("import ", "import\t")) or not line.startswith("/") for line in folders):
-        return False
-    for folder in folders:
-        for base in trees:
-            for name in _names(f"{base}{folder}"):
-                if name.lower().endswith((".dist-info", ".egg-info")) and _declares_runner_plugin(
-                    Path(f"{base}{folder}/{name}")
-                ):
-                    return False
-    return True
+        tree = ast.parse(Path(finder).read_text(errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["MAPPING"]:
+            try:
+                mapping = ast.literal_eval(node.value)
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                return None
+            if not isinstance(mapping, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v.startswith("/") for k, v in mapping.items()
+            ):
+                return None
+            if any(stem(k) in RUNNER_PACKAGES or _matches(k, HOOKS) for k in mapping):
+                return None
+            folders = {posixpath.dirname(posixpath.normpath(v)) for v in mapping.values()}
+            return sorted(folders) or None
+    return None
+
+
+def _module_file(path: str) -> bool:
+    """Whether ``path`` names a Python module file (source, bytecode or an extension)."""
+    return path.endswith((".py", ".pyc", ".pyo", ".pyw")) or ".so" in posixpath.basename(path)
 
 
 def _globs(globs: Sequence[str]) -> re.Pattern[str]:
@@ -437,18 +559,6 @@ def _exists(root: Path | str, path: str) -> bool:
     return True
 
 
-def _layer_kind(info: os.stat_result, host: Path | str) -> str:
-    if stat.S_ISCHR(info.st_mode) and info.st_rdev == 0:
-        return "whiteout"
-    if stat.S_ISDIR(info.st_mode):
-        try:
-            opaque = os.getxattr(host, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
-        except OSError:
-            opaque = False
-        return "opaque" if opaque else "dir"
-    return "socket" if stat.S_ISSOCK(info.st_mode) else "other"
-
-
 def snapshot(
     upper: Path,
     lower: Path,
@@ -460,7 +570,10 @@ def snapshot(
 ) -> Snapshot:
     """Fill ``target`` (an empty folder on ``upper``'s file system) with the verifier's view of ``upper``.
 
-    ``target`` then serves as the middle layer of the verifier's overlay, over ``lower``.
+    ``target`` then serves as the middle layer of the verifier's overlay, over ``lower``. The
+    agent's processes may still be running: ``upper`` is walked through folder descriptors opened
+    without following links (a folder swapped for a link mid-walk leads nowhere), and what the rule
+    judges by content is judged on the snapshot's own copy, after it is made.
 
     Args:
         upper: The agent's overlay upper layer.
@@ -475,70 +588,175 @@ def snapshot(
         What was concealed, the agent's unix sockets, how much was copied.
     """
     rule = _rule(lower, search, posixpath.normpath(workdir or "/"), tuple(allowed))
-    result = Snapshot()
-    budget = [copy_budget]
-    _walk(os.fspath(upper), os.fspath(target), "", rule, result, budget)
-    return result
-
-
-def _walk(upper: str, target: str, relative: str, rule: _Rule, result: Snapshot, budget: list[int]) -> None:
-    """Lay the agent's entries under ``relative`` into ``target``, judged by ``rule`` (paths as text: fast)."""
+    walker = _Walker(rule, os.fspath(target), copy_budget)
+    fd = os.open(upper, _DIR_FLAGS)
     try:
-        names = sorted(os.listdir(f"{upper}/{relative}" if relative else upper))
-    except OSError:
-        return
-    for name in names:
-        entry = f"{relative}/{name}" if relative else name
-        path, host = "/" + entry, f"{upper}/{entry}"
-        if path == PLUMBING:
-            continue
+        walker.walk(fd, "")
+    finally:
+        os.close(fd)
+    walker.judge_pth_files()
+    return walker.result
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: A file the rule reads is copied whatever the budget, up to this size (beyond, it is not seen).
+JUDGED_FILE_CAP = 1 << 20
+
+
+class _Walker:
+    """One walk of an agent layer into a snapshot (:func:`snapshot`)."""
+
+    def __init__(self, rule: _Rule, target: str, budget: int) -> None:
+        self.rule, self.target, self.budget = rule, target, budget
+        self.result = Snapshot()
+        self.pth_files: list[str] = []  # judged once the whole snapshot is laid (they name other folders)
+
+    def conceal(self, path: str, why: str) -> None:
+        self.result.concealed.append(f"{path} ({why})")
+
+    def walk(self, dir_fd: int, relative: str) -> None:
+        """Lay the agent's entries of the folder ``dir_fd`` (sandbox path ``/relative``) into the snapshot."""
+        rule = self.rule
         try:
-            info = os.lstat(host)
+            names = sorted(os.listdir(dir_fd))
         except OSError:
-            continue
-        kind = _layer_kind(info, host)
-        try:
-            shipped_info: os.stat_result | None = os.lstat(rule.lower + path)
-        except OSError:
-            shipped_info = None
-        shipped = shipped_info is not None
-        if kind in ("dir", "opaque") and shipped_info is not None and stat.S_ISDIR(shipped_info.st_mode):
-            if rule.verifier_only(path):
-                result.concealed.append(f"{path} (the verifier's own)")
+            return
+        for name in names:
+            entry = f"{relative}/{name}" if relative else name
+            path, dest = "/" + entry, f"{self.target}/{entry}"
+            if path == PLUMBING:
                 continue
-            # An image folder the agent changed inside; replaced whole, it hides the image's entries below
-            # for the verifier too, unless code is looked up there (then the image's code stays).
-            keep_opaque = kind == "opaque" and (rule.agents(path) or not rule.code_below(path))
-            _mkdir_like(f"{target}/{entry}", info, opaque=keep_opaque)
-            if kind == "opaque" and not keep_opaque:
-                result.concealed.append(f"{path} (replaced whole; the image's code below it is kept)")
-                _whiteout_deleted(rule, target, entry, upper)
-            _walk(upper, target, entry, rule, result, budget)
-            continue
-        why = rule.concealed_change(path, shipped, Path(host), Path(upper))
-        if why is not None:
-            if kind != "whiteout" or shipped:
-                result.concealed.append(f"{path} ({'deleted; ' if kind == 'whiteout' else ''}{why})")
-            continue
-        if kind in ("dir", "opaque"):  # a folder of the agent's own
-            _mkdir_like(f"{target}/{entry}", info, opaque=kind == "opaque")
-            _walk(upper, target, entry, rule, result, budget)
-            continue
-        if kind == "socket":
-            result.sockets.append(path)
-        # Copied (frozen as judged), not linked: the agent's outputs, and what the rule read the content of.
-        frozen = not rule.code_place(path) or _judged_by_content(path)
-        _place(host, f"{target}/{entry}", info, frozen, result, budget)
+            try:
+                info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                self._folder(dir_fd, name, path, dest)
+                continue
+            whiteout = stat.S_ISCHR(info.st_mode) and info.st_rdev == 0
+            shipped = _exists(rule.lower, path)
+            why = rule.concealed_change(path, shipped, folder=False, link=stat.S_ISLNK(info.st_mode))
+            if why is not None:
+                if not whiteout or shipped:
+                    self.conceal(path, ("deleted; " if whiteout else "") + why)
+                continue
+            judged = rule.reads(path)
+            if not self._place(dir_fd, name, dest, info, frozen=judged or not rule.code_place(path), must=judged):
+                self.conceal(path, "a file the rule reads, too large or changing")
+            elif rule.pth_to_judge(path):
+                self.pth_files.append(path)
+            elif stat.S_ISSOCK(info.st_mode):
+                if path.startswith(IMPLICIT_SOCKETS):
+                    os.unlink(dest)
+                    self.conceal(path, "a daemon the C library asks unasked")
+                else:
+                    self.result.sockets.append(path)
+            elif ".so" in name and _innermost(path, rule.loader_dirs) is not None:
+                self.result.libraries_added = True
+
+    def _folder(self, dir_fd: int, name: str, path: str, dest: str) -> None:
+        rule = self.rule
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except OSError:  # gone, or swapped for a link since it was listed: not the agent's folder any more
+            return
+        try:
+            info = os.fstat(fd)
+            try:
+                opaque = os.getxattr(fd, "trusted.overlay.opaque") == b"y"
+            except OSError:
+                opaque = False
+            try:
+                shipped_folder = stat.S_ISDIR(os.lstat(rule.lower + path).st_mode)
+            except OSError:
+                shipped_folder = None
+            if shipped_folder:
+                if rule.verifier_only(path):
+                    self.conceal(path, "the verifier's own")
+                    return
+                # An image folder the agent changed inside; replaced whole, it hides the image's entries
+                # below for the verifier too, unless code is looked up there (then the image's code stays).
+                keep_opaque = opaque and (rule.agents(path) or not rule.code_below(path))
+                _mkdir_like(dest, info, opaque=keep_opaque)
+                if opaque and not keep_opaque:
+                    self.conceal(path, "replaced whole; the image's code below it is kept")
+                    _whiteout_deleted(rule, dest, path, fd)
+                self.walk(fd, path[1:])
+                return
+            why = rule.concealed_change(path, shipped_folder is not None, folder=True, link=False)
+            if why is None:  # a folder of the agent's own: laid, then judged on what was laid
+                _mkdir_like(dest, info, opaque=opaque)
+                self.walk(fd, path[1:])
+                why = rule.concealed_content(path, dest)
+                if why is not None:
+                    shutil.rmtree(dest)
+                    self.result.concealed = [c for c in self.result.concealed if not c.startswith(path + "/")]
+            if why is not None:
+                self.conceal(path, why)
+        finally:
+            os.close(fd)
+
+    def _place(self, dir_fd: int, name: str, dest: str, info: os.stat_result, frozen: bool, must: bool) -> bool:
+        """Copy a regular file frozen at grading (within the budget, or whatever it is when ``must``),
+        else link it; ``False`` if a file that ``must`` be copied could not be."""
+        if stat.S_ISREG(info.st_mode) and frozen and (info.st_blocks * 512 <= self.budget or must):
+            if must and info.st_size > JUDGED_FILE_CAP:
+                return False
+            try:
+                copied = _sparse_copy(dir_fd, name, dest)
+            except OSError as error:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(dest)
+                if must or error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    if must or error.errno in (errno.ENOENT, errno.ELOOP, errno.EINVAL):
+                        return False  # gone or swapped since it was listed
+                    raise
+                # the sandbox's bound is reached: link it, as code is
+            else:
+                self.budget -= copied
+                self.result.copied += copied
+                return True
+        elif must:
+            return False
+        try:
+            os.link(name, dest, src_dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return True  # gone since it was listed: not in the snapshot
+        except OSError as error:
+            if error.errno != errno.EEXIST:
+                raise
+        return True
+
+    def judge_pth_files(self) -> None:
+        """Judge the ``.pth`` files laid, on the snapshot and the image (the folders they name included)."""
+        for path in self.pth_files:
+            dest = self.target + path
+            why, replacement = self.rule.judge_pth(path, dest, self.target)
+            if why is not None:
+                os.unlink(dest)
+                self.conceal(path, why)
+            elif replacement is not None:
+                info = os.lstat(dest)
+                os.unlink(dest)
+                Path(dest).write_text(replacement)
+                os.chmod(dest, stat.S_IMODE(info.st_mode))
+                with contextlib.suppress(OSError):
+                    os.chown(dest, info.st_uid, info.st_gid)
 
 
-def _whiteout_deleted(rule: _Rule, target: str, entry: str, upper: str) -> None:
+def _whiteout_deleted(rule: _Rule, dest: str, path: str, fd: int) -> None:
     """In a folder the agent replaced whole where code lives: keep its deletion of the image's other files."""
-    for name in _listdir(rule.lower, "/" + entry):
-        path = f"/{entry}/{name}"
-        if os.path.lexists(f"{upper}/{entry}/{name}") or rule.code_place(path) or rule.code_below(path):
+    for name in _listdir(rule.lower, path):
+        child = f"{path}/{name}"
+        try:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+            continue  # the agent has an entry of its own there
+        except OSError:
+            pass
+        if rule.code_place(child) or rule.code_below(child):
             continue
         with contextlib.suppress(OSError):
-            os.mknod(f"{target}/{entry}/{name}", stat.S_IFCHR | 0o000, 0)
+            os.mknod(f"{dest}/{name}", stat.S_IFCHR | 0o000, 0)
 
 
 def _mkdir_like(path: str, info: os.stat_result, opaque: bool) -> None:
@@ -554,38 +772,23 @@ def _mkdir_like(path: str, info: os.stat_result, opaque: bool) -> None:
 def _judged_by_content(path: str) -> bool:
     """Whether the rule read this file's content (a distribution's metadata, a ``.pth``)."""
     parent = posixpath.basename(posixpath.dirname(path)).lower()
-    return path.endswith(".pth") or parent.endswith((".dist-info", ".egg-info"))
+    return (
+        path.endswith(".pth")
+        or parent.endswith((".dist-info", ".egg-info"))
+        or _EDITABLE_FINDER.match(posixpath.basename(path)) is not None
+    )
 
 
-def _place(source: str, dest: str, info: os.stat_result, frozen: bool, result: Snapshot, budget: list[int]) -> None:
-    """Copy a regular file that is frozen at grading (within the budget), else link it."""
-    regular = stat.S_ISREG(info.st_mode)
-    if regular and frozen and info.st_blocks * 512 <= budget[0]:
-        try:
-            copied = _sparse_copy(source, dest, info)
-        except OSError as error:
-            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(dest)  # the sandbox's bound is reached: link it, as code is
-        else:
-            budget[0] -= copied
-            result.copied += copied
-            return
-    try:
-        os.link(source, dest, follow_symlinks=False)
-    except OSError as error:
-        if error.errno != errno.EEXIST:
-            raise
-
-
-def _sparse_copy(source: str, dest: str, info: os.stat_result) -> int:
-    """Copy a file's data (not its holes), owner and mode; return the bytes copied."""
+def _sparse_copy(dir_fd: int, name: str, dest: str) -> int:
+    """Copy a regular file's data (not its holes), owner and mode; return the bytes copied."""
     copied = 0
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO swapped in does not block
     with contextlib.ExitStack() as stack:
-        fd_in = os.open(source, flags)
+        fd_in = os.open(name, flags, dir_fd=dir_fd)
         stack.callback(os.close, fd_in)
+        info = os.fstat(fd_in)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file any more", name)
         fd_out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         stack.callback(os.close, fd_out)
         offset = 0
