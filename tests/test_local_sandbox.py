@@ -63,6 +63,24 @@ def test_exec_runs_commands_with_cwd_env_and_exit_code(task: Path, tmp_path: Pat
     run(scenario())
 
 
+def test_a_state_folder_deeper_than_a_unix_socket_path_allows(task: Path, tmp_path: Path, monkeypatch) -> None:
+    """A unix socket's path has at most 107 bytes; the supervisor's lives in the sandbox's state folder,
+    which a deep ``TRL_HARBOR_STATE_DIR`` (a CI's workspace, a pytest tmp folder) makes longer."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    monkeypatch.setenv("TRL_HARBOR_STATE_DIR", str(deep))
+
+    async def scenario():
+        env = open_env(task, tmp_path)
+        await env.start(force_build=False)
+        try:
+            assert (await env.exec("echo ok")).stdout.strip() == "ok"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+    assert not list(deep.iterdir())
+
+
 def test_background_process_survives_between_execs(task: Path, tmp_path: Path, supervisor: str) -> None:
     marker = f"sleep 3{os.getpid() % 1000}.5"
 

@@ -310,7 +310,7 @@ class Box:
             exe_fd = os.open(binary, os.O_RDONLY)
         supervisor = [f"/proc/self/fd/{exe_fd}"] if exe_fd is not None else [sandbox_python(), "-I", "-S", "-"]
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.supervisor.socket_path))
+        listener.bind(self.supervisor.address)
         listener.listen(128)
         limits = _rlimits(self.config, bool(self._cgroups.paths))
         command = [*_bwrap_command(self.config, self.state_dir, info_w, block_r), *supervisor]
@@ -472,6 +472,7 @@ class Box:
     def _cleanup_files(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.supervisor.socket_path.unlink()
+        self.supervisor.forget_address()
         self._network.close()
 
 
@@ -543,6 +544,23 @@ class SupervisorClient:
         self.socket_path = socket_path
         #: Set when the box is being stopped: every request fails from then on.
         self.closed = False
+        self._dir_fd: int | None = None
+
+    @property
+    def address(self) -> str:
+        """The socket's path as ``bind`` and ``connect`` take it: a unix socket's path has at most 107
+        bytes, so a longer one (a deep ``TRL_HARBOR_STATE_DIR``) is reached through its folder's descriptor."""
+        if len(os.fsencode(self.socket_path)) < 100:
+            return str(self.socket_path)
+        if self._dir_fd is None:
+            self._dir_fd = os.open(self.socket_path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        return f"/proc/self/fd/{self._dir_fd}/{self.socket_path.name}"
+
+    def forget_address(self) -> None:
+        """Close the folder's descriptor :attr:`address` may hold (the box is gone)."""
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
     async def run(
         self,
@@ -601,7 +619,7 @@ class SupervisorClient:
         body = struct.pack("<III", timeout_ms, output_cap, len(fields))
         body += b"".join(struct.pack("<I", len(f)) + f for f in fields)
         try:
-            reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+            reader, writer = await asyncio.open_unix_connection(self.address)
         except OSError as error:
             raise SandboxCommandError(f"the sandbox is not running ({error})") from error
         try:
