@@ -333,7 +333,7 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
     from trl_harbor import HarborSpec, close_all
     from trl_harbor.backends import parse_backend_options
     from trl_harbor.preflight import BackendUnavailableError
-    from trl_harbor.trajectories import TrajectoryLog
+    from trl_harbor.trajectories import TrajectoryLog, read_trajectories
 
     demo = harbor.model is None
     try:
@@ -388,7 +388,8 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
     log = None
     if harbor.trajectories:
         log = TrajectoryLog(output_dir / "trajectories.jsonl", environment_type=harbor.environment_type)
-        log.path.unlink(missing_ok=True)  # one run, one log
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            log.path.unlink(missing_ok=True)  # one run, one log (every rank appends to it)
         environment_factory = log.environment_factory(environment_factory)
         reward_funcs = log.reward_func(reward_funcs)
     torch.manual_seed(config.seed)
@@ -423,7 +424,8 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
         rewards=rewards,
         first_reward=rewards[0] if rewards else None,
         last_reward=rewards[-1] if rewards else None,
-        rollouts=log.written if log is not None else 0,
+        # Every rank's rollouts (they append to one log; all are written once training returns).
+        rollouts=len(read_trajectories(log.path)) if log is not None and log.path.exists() else 0,
         seconds=round(seconds, 1),
         output_dir=str(output_dir),
         demo=demo,

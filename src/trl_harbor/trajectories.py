@@ -19,11 +19,15 @@
         reward_funcs=log.reward_func(spec.reward_funcs),
     )
 
-Each process of a multi-process run writes its own file (``trajectories.rank1.jsonl`` ...).
+Every process of a multi-process run (``accelerate launch``, ``torchrun``) appends to the same
+file, each batch in one locked write; every line names its ``rank``, the ``global_step`` it was
+scored at and its ``batch`` (the process's count of scored batches), so ``(rank, batch, rollout)``
+identifies a rollout once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import inspect
 import json
@@ -143,13 +147,12 @@ class TrajectoryLog:
     """
 
     def __init__(self, path: str | Path, environment_type: str | None = None) -> None:
-        path = Path(path)
-        rank = int(os.environ.get("RANK", "0") or 0)
-        if rank:
-            path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
-        self.path = path
+        self.path = Path(path)
         self.environment_type = environment_type
+        #: This process's rank in a multi-process run (``RANK``), 0 alone.
+        self.rank = int(os.environ.get("RANK", "0") or 0)
         self.written = 0
+        self.batches = 0
         self._lock = threading.Lock()
 
     def environment_factory(
@@ -194,8 +197,8 @@ class TrajectoryLog:
             environments = kwargs.get("environments")
             if environments is not None:
                 state = kwargs.get("trainer_state")
-                step = None if state is None else int(state.global_step) + 1
-                self.write(environments, rewards, kwargs.get("completions"), step=step)
+                global_step = None if state is None else int(state.global_step)
+                self.write(environments, rewards, kwargs.get("completions"), global_step=global_step)
             return rewards
 
         return logged
@@ -205,19 +208,23 @@ class TrajectoryLog:
         environments: Sequence[Any],
         rewards: Sequence[float | None],
         completions: Sequence[Any] | None = None,
-        step: int | None = None,
+        global_step: int | None = None,
         extra: Sequence[dict[str, Any]] | None = None,
     ) -> None:
-        """Append one line per rollout.
+        """Append one line per rollout, the batch in one write (whole lines, whatever other processes write).
 
         Args:
             environments: The rollouts' environments (recording ones carry their tool calls).
             rewards: Their rewards, in the same order.
             completions: Their completions (the last assistant message is recorded).
-            step: The training step the batch belongs to.
+            global_step: The trainer's ``global_step`` when the batch was scored (the optimizer steps
+                done); the line's ``step`` is the step it trains, ``global_step + 1``.
             extra: Per-rollout fields to add to each line (e.g. an endpoint error).
         """
         now = time.monotonic()
+        with self._lock:
+            self.batches += 1
+            batch = self.batches
         lines = []
         for index, (env, reward) in enumerate(zip(environments, rewards, strict=True)):
             record = dict(getattr(env, _RECORD, None) or {"task": None, "tool_calls": []})
@@ -227,7 +234,10 @@ class TrajectoryLog:
             infra_error = getattr(env, "infra_error", None) if hasattr(type(env), "infra_error") else None
             value = None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else float(reward)
             line = {
-                "step": step,
+                "step": None if global_step is None else global_step + 1,
+                "global_step": global_step,
+                "rank": self.rank,
+                "batch": batch,
                 "rollout": index,
                 "task": record.get("task"),
                 "task_dir": record.get("task_dir"),
@@ -256,10 +266,17 @@ class TrajectoryLog:
             lines.append(json.dumps(line, ensure_ascii=False))
         if not lines:
             return
+        data = ("\n".join(lines) + "\n").encode()
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8") as fh:
-                fh.write("\n".join(lines) + "\n")
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # other ranks append to the same file
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
             self.written += len(lines)
 
 
