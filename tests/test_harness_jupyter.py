@@ -151,9 +151,7 @@ def test_a_kernel_that_cannot_start_is_reported_as_text(env_cls: type, close_san
 def test_ipykernel_backend(env_cls: type, ipykernel_task: Path, close_sandboxes: None) -> None:
     # The host root: its sandbox venv takes the Dockerfile's `pip install` (from PyPI); the kernel
     # back end is chosen the same way on a task image that has the two packages.
-    env = env_cls(
-        environment_type="local", backend_options={"root": "host"}, cell_timeout_sec=2, max_output_chars=2000
-    )
+    env = env_cls(environment_type="local", backend_options={"root": "host"}, cell_timeout_sec=2, max_output_chars=2000)
     env.reset(task_dir=str(ipykernel_task))
     check_kernel(env, "ipykernel")
     for code in SOLVE_CELLS:

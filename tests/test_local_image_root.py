@@ -469,7 +469,11 @@ def test_concurrent_cold_starts_share_one_pull_and_build(loopback_registry, tmp_
     assert len([p for p in (Path(cache) / "images").iterdir() if p.is_dir()]) == 1
 
 
-def test_baseline_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+def test_baseline_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(
+    loopback_registry,  # noqa: F811
+    cache_dir,
+    tmp_path,
+):
     """The grading path of backends without an isolated view, on an image root: with
     ``agent_processes="kill"`` the agent's processes die, the ENTRYPOINT's service stays, and a
     changed program on the verifier's PATH (in the image's /usr) is found."""

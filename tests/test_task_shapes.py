@@ -145,7 +145,9 @@ def test_what_a_later_step_plants_among_the_tests_never_reaches_its_verifier(
     env.submit_step()
     # A plant in /tests, a reward writer left running, and the step's work not done: step two scores 0.
     env.bash("mkdir -p /tests && echo 'echo 1 > /logs/verifier/reward.txt' > /tests/test.sh")
-    env.bash("nohup sh -c 'while :; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.01; done' >/dev/null 2>&1 &")
+    env.bash(
+        "nohup sh -c 'while :; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.01; done' >/dev/null 2>&1 &"
+    )
     env.submit_step()
     assert env.reward == 0.5  # step one 1, step two 0
     assert any(change.startswith("/tests ") for change in env.verification.concealed), env.verification.concealed

@@ -47,7 +47,9 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         "--allowed-change", action="append", default=[], metavar="GLOB",
         help="a path whose agent-made version the verifier sees (repeatable)",
     )  # fmt: skip
-    group.add_argument("--ek", action="append", default=[], help="backend option key=value, e.g. root=host (repeatable)")
+    group.add_argument(
+        "--ek", action="append", default=[], help="backend option key=value, e.g. root=host (repeatable)"
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> HarborOptions:
