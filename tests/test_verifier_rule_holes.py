@@ -386,6 +386,24 @@ def test_perl_and_other_interpreters_module_paths(layers) -> None:
     assert _seen(target, "/etc/perl/New.pm"), result.concealed
 
 
+def test_a_repositorys_configuration_and_hooks(layers) -> None:
+    """``git status`` in the working directory runs ``core.fsmonitor``; ``git commit`` runs hooks."""
+    lower, upper, target = layers
+    _files(lower, {"/app/.git/config": "[core]\n\tbare = false\n", "/app/.git/HEAD": "ref: refs/heads/main\n"})
+    _files(
+        upper,
+        {
+            "/app/.git/config": "[core]\n\tfsmonitor = /app/evil.sh\n",
+            "/app/.git/hooks/pre-commit": "#!/bin/sh",
+            "/app/sub/.git/config": "[core]\n\tfsmonitor = /app/evil.sh\n",
+            "/app/.git/refs/heads/main": "abc",
+        },
+    )
+    result = _snap(layers)
+    assert not any(_seen(target, p) for p in ("/app/.git/config", "/app/.git/hooks", "/app/sub/.git/config"))
+    assert _seen(target, "/app/.git/refs/heads/main"), result.concealed  # the agent's commits are its work
+
+
 def test_the_name_service_cache_socket(layers) -> None:
     """glibc asks nscd for users and hosts whenever its socket exists: the agent's is not the verifier's."""
     import socket

@@ -8,7 +8,8 @@ rule, :func:`snapshot`:
 
 **The verifier runs the image's code.** Where the verifier looks code up — the directories on its
 ``PATH``, its Python's import path, the loader's library directories, and the start-up files of the
-shells, the loader, name resolution, Python, pip, uv, git and TLS (:data:`CODE_CONFIG`) — an entry
+shells, the loader, name resolution, Python, pip, uv, git (a repository's own configuration and
+hooks too: ``core.fsmonitor`` runs a command at ``git status``) and TLS (:data:`CODE_CONFIG`) — an entry
 the image shipped reads as shipped, even if the agent edited, replaced or deleted it; and an entry
 the agent *added* there is not seen when it would run instead of, or beside, shipped code: a name a
 shipped entry of the same search path has (before its first dot; commands by their whole name), a
@@ -49,7 +50,7 @@ CODE_CONFIG: tuple[str, ...] = (
     "/etc/ld.so.*", "/etc/ld.so.conf.d", "/etc/nsswitch.conf", "/etc/profile",
     "/etc/profile.d", "/etc/bash.bashrc", "/etc/environment", "/etc/python3*", "/etc/pip.conf", "/etc/uv",
     "/etc/ssl", "/etc/ca-certificates*", "/etc/gitconfig", "/usr/lib/*/gconv/gconv-modules*",
-    "/etc/apt", "/etc/dpkg", "/etc/xdg", "*/pip.conf", "/etc/npmrc", "/usr/etc",
+    "/etc/apt", "/etc/dpkg", "/etc/xdg", "*/pip.conf", "/etc/npmrc", "/usr/etc", "*/.git/config", "*/.git/hooks",
     "~/.bashrc", "~/.bash_profile", "~/.bash_login", "~/.profile", "~/.pydistutils.cfg", "~/.pip",
     "~/.config/pip", "~/.config/uv", "~/.local/share/uv", "~/.cache", "~/.npmrc", "~/.curlrc", "~/.wgetrc",
     "~/.gitconfig", "~/.netrc", "~/.pypirc",
