@@ -404,6 +404,23 @@ def test_a_repositorys_configuration_and_hooks(layers) -> None:
     assert _seen(target, "/app/.git/refs/heads/main"), result.concealed  # the agent's commits are its work
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/root/.local/bin/uvx",  # test.sh: curl uv's installer | sh; source ~/.local/bin/env; uvx pytest
+        "/root/.m2/repository/junit/junit/4.13.2/junit-4.13.2.jar",  # mvn test resolves JUnit here
+        "/root/.npm/_cacache/index-v5/00/x",
+        "/root/.cargo/registry/cache/x/serde-1.0.0.crate",
+        "/etc/java-17-openjdk/security/java.security",
+    ],
+)
+def test_where_verifiers_get_their_tools_at_verify_time(layers, path: str) -> None:
+    lower, upper, target = layers
+    _files(upper, {path: "planted"})
+    result = _snap(layers)
+    assert not _seen(target, path), result.concealed
+
+
 def test_the_name_service_cache_socket(layers) -> None:
     """glibc asks nscd for users and hosts whenever its socket exists: the agent's is not the verifier's."""
     import socket

@@ -53,7 +53,10 @@ CODE_CONFIG: tuple[str, ...] = (
     "/etc/apt", "/etc/dpkg", "/etc/xdg", "*/pip.conf", "/etc/npmrc", "/usr/etc", "*/.git/config", "*/.git/hooks",
     "~/.bashrc", "~/.bash_profile", "~/.bash_login", "~/.profile", "~/.pydistutils.cfg", "~/.pip",
     "~/.config/pip", "~/.config/uv", "~/.local/share/uv", "~/.cache", "~/.npmrc", "~/.curlrc", "~/.wgetrc",
-    "~/.gitconfig", "~/.netrc", "~/.pypirc",
+    "~/.gitconfig", "~/.netrc", "~/.pypirc", "/etc/java*",
+    # Where verifiers get tools and test dependencies at verify time (uv's installer, maven, gradle,
+    # npm, cargo, go): a planted one would be the verifier's test runner or library.
+    "~/.local/bin", "~/.m2", "~/.gradle", "~/.ivy2", "~/.npm", "~/.cargo/registry", "~/go/pkg",
 )  # fmt: skip
 #: Files interpreters load from a directory without being asked.
 HOOKS: tuple[str, ...] = ("*.pth", "*._pth", "pyvenv.cfg", "sitecustomize*", "usercustomize*")
