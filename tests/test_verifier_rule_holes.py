@@ -332,11 +332,17 @@ def test_a_plain_pth_naming_a_folder_with_start_up_code(layers, hook: str) -> No
     assert not (_seen(target, f"{site}/x.pth") and _seen(target, f"/opt/proj/{hook}")), result.concealed
 
 
-def test_a_plain_pth_naming_a_file(layers) -> None:
-    """A ``.pth`` line may name a zip archive (imported from like a folder), whose contents are not looked at."""
+@pytest.mark.parametrize("kind", ["zip", "link", "linked parent"])
+def test_a_plain_pth_naming_a_file_or_a_link(layers, kind: str) -> None:
+    """A ``.pth`` line may name a zip archive (imported from like a folder), or a link to a folder elsewhere,
+    whose contents the rule would not look at."""
     lower, upper, target = layers
     site = "/usr/local/lib/python3.11/dist-packages"
-    _files(upper, {f"{site}/x.pth": "/opt/hooks.zip\n", "/opt/hooks.zip": "PK"})
+    _files(upper, {"/opt/hooks.zip": "PK", "/srv/hooks/usercustomize.py": "import os"})
+    line = {"zip": "/opt/hooks.zip", "link": "/opt/proj", "linked parent": "/opt/up/proj"}[kind]
+    _link(upper, "/opt/proj", "/srv/hooks")
+    _link(upper, "/opt/up", "/srv/parent")
+    _files(upper, {f"{site}/x.pth": line + "\n", "/srv/parent/proj/usercustomize.py": "import os"})
     result = _snap(layers)
     assert not _seen(target, f"{site}/x.pth"), result.concealed
 

@@ -386,14 +386,14 @@ class _Rule:
         if not lines or any(line.startswith(("import ", "import\t")) or not line.startswith("/") for line in lines):
             return "an interpreter hook", None
         for folder in lines:
-            trees = [t for t in (snapshot_root, self.lower) if os.path.lexists(f"{t}{folder}")]
-            if trees and not os.path.isdir(f"{trees[0]}{folder}"):
-                return "an interpreter hook (it names a file, not a folder)", None
-            for name in (n for tree in trees[:1] for n in _names(f"{tree}{folder}")):
+            where = _real_folder((snapshot_root, self.lower), posixpath.normpath(folder))
+            if where is False:
+                return "an interpreter hook (it names a file or a link, not a folder)", None
+            for name in _names(where) if where else ():
                 if _matches(name, HOOKS) or stem(name) in RUNNER_PACKAGES:
                     return "an interpreter hook (a folder it names holds start-up code)", None
                 if name.lower().endswith((".dist-info", ".egg-info")) and _declares_runner_plugin(
-                    Path(f"{trees[0]}{folder}/{name}")
+                    Path(f"{where}/{name}")
                 ):
                     return "an interpreter hook (a folder it names holds a test-runner plug-in)", None
         return None, replacement
@@ -504,6 +504,25 @@ def _finder_folders(finder: str) -> list[str] | None:
             folders = {posixpath.dirname(posixpath.normpath(v)) for v in mapping.values()}
             return sorted(folders) or None
     return None
+
+
+def _real_folder(trees: tuple[str, str], path: str) -> str | bool | None:
+    """Where the folder ``path`` of the view (the snapshot over the image) is on the host: ``None`` if it
+    does not exist, ``False`` if it, or a folder above it, is not a folder (a link, a file)."""
+    current = ""
+    for part in path.strip("/").split("/"):
+        current += "/" + part
+        for tree in trees:  # the snapshot's entry hides the image's
+            try:
+                info = os.lstat(tree + current)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(info.st_mode):
+                return False
+            break
+        else:
+            return None
+    return next((tree + current for tree in trees if os.path.isdir(tree + current)), None)
 
 
 def _module_file(path: str) -> bool:
