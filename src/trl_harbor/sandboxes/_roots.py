@@ -476,7 +476,10 @@ class VerifierRoot(ImageRoot):
         try:
             await asyncio.to_thread(self._make_view)
             assert self.view is not None
-            sockets = [(str(self.agent.rootfs / path.lstrip("/")), path) for path in self.view.sockets]
+            # Bound from the agent's tree: never through a link the agent made since (a host file).
+            root = os.path.realpath(self.agent.rootfs)
+            sources = [(os.path.realpath(self.agent.rootfs / path.lstrip("/")), path) for path in self.view.sockets]
+            sockets = [(source, path) for source, path in sources if source.startswith(root + "/")]
             accounts = [
                 (str(self.image.rootfs / "etc" / name), f"/run/trl-harbor/{name}")
                 for name in ("passwd", "group")
