@@ -137,7 +137,9 @@ class EvalConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.chat_template is not None and self.base_url is not None:
-            raise ValueError("--chat-template sets a local model's template (no --base-url); an endpoint applies its own")
+            raise ValueError(
+                "--chat-template sets a local model's template (no --base-url); an endpoint applies its own"
+            )
         bad = [k for k in self.k if k < 1 or k > self.num_rollouts]
         if bad:
             raise ValueError(f"--k {bad}: each k must be between 1 and --num-rollouts ({self.num_rollouts})")
@@ -202,7 +204,10 @@ class LocalPolicy:
     def __init__(self, model: Any, tokenizer: Any) -> None:
         from trl.chat_template_utils import add_response_schema
 
-        if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        if (
+            getattr(tokenizer, "response_template", None) is None
+            and getattr(tokenizer, "response_schema", None) is None
+        ):
             try:
                 tokenizer = add_response_schema(tokenizer)
             except ValueError:
@@ -348,17 +353,6 @@ def _chat(config: EvalConfig, messages: list[dict], tools: list[dict]) -> dict:
         raise EndpointError(f"{url}: the answer has no choices[0].message: {str(payload)[:300]}") from exc
 
 
-def _tool_schemas_of(cls: type) -> list[str]:
-    """The tool names TRL derives from a harness class."""
-    import inspect
-
-    return [
-        name
-        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-        if not name.startswith("_") and name not in ("reset", "get_reward")
-    ]
-
-
 def _tool_schemas(env: Any) -> tuple[dict[str, Callable[..., Any]], list[dict]]:
     """The harness's tools (TRL's rule: public functions but ``reset``/``get_reward``) and their schemas."""
     import inspect
@@ -424,7 +418,9 @@ def _rollouts_in_step(
     """Every rollout's turn generated in one batch, tool calls run at once, until all are done."""
     envs = [factory() for _ in rows]
     prefix = _prefix(config)
-    conversations = [[*prefix, {"role": "user", "content": env.reset(**row)}] for env, row in zip(envs, rows, strict=True)]
+    conversations = [
+        [*prefix, {"role": "user", "content": env.reset(**row)}] for env, row in zip(envs, rows, strict=True)
+    ]
     schemas = _tool_schemas(envs[0])[1] if envs else []
     env_tools = [_tool_schemas(env)[0] for env in envs]
     active = list(range(len(envs)))
@@ -475,9 +471,9 @@ def evaluate(
         },
     )
     if config.few_shot:
-        from trl_harbor.prompting import check_few_shot_tools
+        from trl_harbor.prompting import check_few_shot_tools, tool_names
 
-        check_few_shot_tools(config.few_shot, _tool_schemas_of(spec.env_cls), config.agent)
+        check_few_shot_tools(config.few_shot, tool_names(spec.env_cls), config.agent)
     if policy is None and config.base_url is None:
         key = (config.model, config.chat_template)
         if key not in _LOCAL:

@@ -41,6 +41,7 @@ __all__ = [
     "openai_messages",
     "prompt_prefix",
     "resolve_chat_template",
+    "tool_names",
     "with_prompt_prefix",
 ]
 
@@ -173,6 +174,24 @@ def load_few_shot(path: str | Path) -> list[dict[str, Any]]:
     if messages[-1]["role"] != "assistant":
         raise _fail(path, len(messages) - 1, "the examples must end with an assistant message (the task comes next)")
     return messages
+
+
+def tool_names(harness: type) -> list[str]:
+    """The tools TRL makes of a harness class: its public functions but ``reset`` and ``get_reward``.
+
+    Args:
+        harness: A ``HarborEnv`` subclass.
+
+    Returns:
+        The tool names, sorted.
+    """
+    import inspect
+
+    return [
+        name
+        for name, _ in inspect.getmembers(harness, predicate=inspect.isfunction)
+        if not name.startswith("_") and name not in ("reset", "get_reward")
+    ]
 
 
 def check_few_shot_tools(messages: Sequence[dict[str, Any]], tools: Iterable[str], agent: str) -> None:
