@@ -140,32 +140,34 @@ def render(kind: str, p: dict) -> dict:
 
 
 def task_toml(tid: str, kind: str, split: str, solve: str) -> str:
-    return "\n".join([
-        'version = "1.0"',
-        "",
-        "[metadata]",
-        f"task_id = {json.dumps(tid)}",
-        f"kind = {json.dumps(kind)}",
-        f"split = {json.dumps(split)}",
-        f"reference_command = {json.dumps(solve)}",
-        "difficulty_level = 0",
-        'category = "shell-basics"',
-        'author_name = "trl-harbor"',
-        "",
-        "[verifier]",
-        "timeout_sec = 30.0",
-        "",
-        "[agent]",
-        "timeout_sec = 120.0",
-        "",
-        "[environment]",
-        "build_timeout_sec = 600.0",
-        "cpus = 1",
-        "memory_mb = 512",
-        "storage_mb = 256",
-        'network_mode = "no-network"',
-        "",
-    ])
+    return "\n".join(
+        [
+            'version = "1.0"',
+            "",
+            "[metadata]",
+            f"task_id = {json.dumps(tid)}",
+            f"kind = {json.dumps(kind)}",
+            f"split = {json.dumps(split)}",
+            f"reference_command = {json.dumps(solve)}",
+            "difficulty_level = 0",
+            'category = "shell-basics"',
+            'author_name = "trl-harbor"',
+            "",
+            "[verifier]",
+            "timeout_sec = 30.0",
+            "",
+            "[agent]",
+            "timeout_sec = 120.0",
+            "",
+            "[environment]",
+            "build_timeout_sec = 600.0",
+            "cpus = 1",
+            "memory_mb = 512",
+            "storage_mb = 256",
+            'network_mode = "no-network"',
+            "",
+        ]
+    )
 
 
 def dockerfile(files: dict[str, str]) -> str:
