@@ -175,8 +175,8 @@ def test_eval_a_local_checkpoint_without_an_endpoint(tmp_path: Path, copy_tasks,
     """
     import torch
 
-    from trl_harbor import HarborSpec
     from demo_policy import _FIRST_TASK, build_demo_policy
+    from trl_harbor import HarborSpec
     from trl_harbor.testing import tool_call_text
 
     suite = copy_tasks("http_500_count", "orders_count")
@@ -256,8 +256,8 @@ def test_eval_a_local_model_with_the_prompt_options_in_one_batch(tmp_path: Path,
     turns change nothing it does; the rendered prompt is checked to hold them.
     """
     import torch
-    from demo_policy import _FIRST_TASK, build_demo_policy
 
+    from demo_policy import _FIRST_TASK, build_demo_policy
     from trl_harbor import HarborSpec
     from trl_harbor.evaluate import EvalConfig, LocalPolicy, evaluate
     from trl_harbor.prompting import load_few_shot, resolve_chat_template

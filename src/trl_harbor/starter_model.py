@@ -212,9 +212,7 @@ def _convert(gguf: Path, into: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def ensure_starter_model(
-    model: StarterModel = STARTER_MODEL, print_fn: Callable[[str], None] | None = None
-) -> Path:
+def ensure_starter_model(model: StarterModel = STARTER_MODEL, print_fn: Callable[[str], None] | None = None) -> Path:
     """Return the converted starter model's folder, fetching and converting it the first time.
 
     Safe to call from several processes at once (one converts, the others wait and reuse it).
