@@ -61,13 +61,16 @@ HELDOUT: list[tuple[str, dict]] = [
     ("copy", {"src": "/workdir/draft.md", "dst": "/workdir/final.md", "content": "# Draft\nsome text\n"}),
     ("delete", {"path": "/workdir/cache.tmp", "keep": "/workdir/data.tmp"}),
 ]
-#: The example turns put in front of every prompt: the harness's call format, shown on words,
-#: numbers and file names that no task uses.
+#: The example turns put in front of every prompt: one per kind, the harness's call format shown
+#: on words, numbers and file names that no task uses (with four, no number or delete example,
+#: the base model passed 3 of 28 held-out samples; with these six, 17 of 56).
 FEW_SHOT: list[tuple[str, str]] = [
     ("Write the word green into /workdir/colour.txt using the bash tool.", "echo green > /workdir/colour.txt"),
+    ("Write the number 42 into /workdir/total.txt using the bash tool.", "echo 42 > /workdir/total.txt"),
+    ("Create an empty file named /workdir/notes.md using the bash tool.", "touch /workdir/notes.md"),
     ("Create a directory named /workdir/photos using the bash tool.", "mkdir /workdir/photos"),
     ("Copy the file /workdir/a.txt to /workdir/b.txt using the bash tool.", "cp /workdir/a.txt /workdir/b.txt"),
-    ("Create an empty file named /workdir/notes.md using the bash tool.", "touch /workdir/notes.md"),
+    ("Delete the file /workdir/junk.bin using the bash tool.", "rm /workdir/junk.bin"),
 ]
 
 GRADER_HEAD = """#!/bin/bash

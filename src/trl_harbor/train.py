@@ -9,7 +9,7 @@ or ``--num-generations``.
 With no ``--model`` it runs the **embedded default**: a real language model, SmolLM2-135M-Instruct
 (from PyPI, :mod:`trl_harbor.starter_model`), trained on CPU for some minutes on the starter suite
 (``examples/starter_tasks/train``: one-command shell tasks) in the local sandbox, with the prompt
-a 135M model needs (TRL's ``qwen2_5`` chat template, a system prompt, three example turns, the
+a 135M model needs (TRL's ``qwen2_5`` chat template, a system prompt, six example turns, the
 ``bash_minimal`` harness). Before and after training it samples the model on the *held-out*
 tasks (``examples/starter_tasks/heldout``: same kinds of task, words and files it never trained
 on) with :func:`trl_harbor.evaluate.evaluate`, so the summary shows whether it learned, not only
@@ -69,8 +69,9 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant that completes tasks in a L
 #: A ``--config`` file or flags still override each of them.
 DEFAULT_RUN: dict[str, Any] = {
     # The prompt a 135M model needs: TRL's Qwen2.5 template (TRL parses its tool calls; SmolLM2's own
-    # template is not one TRL knows), a short system prompt, three example turns, and a harness whose
-    # tool has a one-line description and no prompt suffix (the stock one's quotes break its JSON).
+    # template is not one TRL knows), a short system prompt, six example turns (one per kind of task),
+    # and a harness whose tool has a one-line description and no prompt suffix (the stock one's quotes
+    # break its JSON).
     "agent": "bash_minimal",
     "chat_template": "qwen2_5",
     "system_prompt": DEFAULT_SYSTEM_PROMPT,
