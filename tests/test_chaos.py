@@ -1,4 +1,7 @@
-"""Chaos: a real CPU GRPO run (``trl-harbor train``, the demo policy, real sandboxes) while things break.
+"""Chaos: a real CPU GRPO run (``trl-harbor train``, a tiny test checkpoint, real sandboxes) while things break.
+
+The checkpoint is the hand-wired policy of ``tests/demo_policy.py``: per task it calls ``bash`` with
+the task's reference solution or a wrong command, so the memory-filling solution below does run.
 
 During the run, sandboxes of one task are killed from outside, one task's verifier hangs, and one
 task's rollouts fill their sandbox's memory; then the training process gets SIGINT, SIGTERM or
@@ -22,6 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, requires_local
 
+from demo_policy import build_demo_policy
 from sandbox_helpers import as_a_foreground_job
 from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
 
@@ -45,6 +49,18 @@ def _suite(root: Path) -> Path:
     solve = filler / "solution" / "solve.sh"
     solve.write_text("#!/bin/bash\nfor i in $(seq 1 40); do head -c 8M /dev/zero > /root/fill$i; done\n")
     return suite
+
+
+def _checkpoint(suite: Path, root: Path) -> Path:
+    from trl_harbor import HarborSpec
+
+    spec = HarborSpec(suite, environment_type="local")
+    texts = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
+    policy = build_demo_policy(spec.tasks, texts, spec.env_cls.PROMPT_SUFFIX)
+    checkpoint = root / "checkpoint"
+    policy.model.save_pretrained(checkpoint)
+    policy.tokenizer.save_pretrained(checkpoint)
+    return checkpoint
 
 
 def _describe(pid: int) -> str:
@@ -96,8 +112,11 @@ def test_a_training_run_survives_chaos_and_leaves_nothing(tmp_path: Path, signum
     suite = _suite(tmp_path)
     out = tmp_path / "run"
     log = out / "trajectories.jsonl"
-    argv = [sys.executable, "-m", "trl_harbor.cli", "train", "--dataset", str(suite), "--output_dir", str(out),
-            "--max_steps", "50", "--num_generations", "2", "--per_device_train_batch_size", str(BATCH)]  # fmt: skip
+    argv = [sys.executable, "-m", "trl_harbor.cli", "train", "--model", str(_checkpoint(suite, tmp_path)),
+            "--dataset", str(suite), "--output_dir", str(out), "--max_steps", "50", "--num_generations", "2",
+            "--per_device_train_batch_size", str(BATCH), "--max_completion_length", "128",
+            "--max_tool_calling_iterations", "1", "--optim", "sgd", "--learning_rate", "0.01",
+            "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no"]  # fmt: skip
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, "HARBOR_TELEMETRY": "0"}, preexec_fn=as_a_foreground_job)  # fmt: skip
     killed_from_outside = 0

@@ -80,7 +80,8 @@ class ScriptedEndpoint:
         messages = body["messages"]
         if messages[-1]["role"] == "tool":
             return {"role": "assistant", "content": "I wrote the answer."}
-        task = next(name for name, title in self.titles.items() if title in messages[0]["content"])
+        instruction = [m for m in messages if m["role"] == "user"][-1]["content"]  # after any example turns
+        task = next(name for name, title in self.titles.items() if title in instruction)
         with self.lock:
             choice = SCRIPT[task][self.next[task]]
             self.next[task] += 1
@@ -174,8 +175,8 @@ def test_eval_a_local_checkpoint_without_an_endpoint(tmp_path: Path, copy_tasks,
     """
     import torch
 
+    from demo_policy import _FIRST_TASK, build_demo_policy
     from trl_harbor import HarborSpec
-    from trl_harbor.demo_policy import _FIRST_TASK, build_demo_policy
     from trl_harbor.testing import tool_call_text
 
     suite = copy_tasks("http_500_count", "orders_count")
@@ -204,6 +205,99 @@ def test_eval_a_local_checkpoint_without_an_endpoint(tmp_path: Path, copy_tasks,
         (call,) = row["tool_calls"]
         expected = policy.right["http_500_count"] if row["task"] == "http_500_count" else WRONG
         assert call["arguments"]["command"] == expected
+
+
+def _few_shot(tmp_path: Path) -> Path:
+    path = tmp_path / "shots.json"
+    path.write_text(json.dumps([
+        {"role": "user", "content": "Say hi with the bash tool."},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "bash", "arguments": {"command": "echo hi"}}]},
+        {"role": "tool", "name": "bash", "content": "hi"},
+        {"role": "assistant", "content": "Done."},
+    ]))  # fmt: skip
+    return path
+
+
+@requires_local
+def test_eval_sends_the_system_prompt_and_examples(
+    tmp_path: Path, copy_tasks, endpoint: ScriptedEndpoint, close_sandboxes
+) -> None:
+    """``--system-prompt`` and ``--few-shot`` reach the endpoint in OpenAI's form; the log keeps the rollout only."""
+    suite = copy_tasks("priciest_product")
+    out = tmp_path / "eval"
+    argv = ["eval", str(suite), "--base-url", endpoint.url, "--model", "scripted", "-n", "2", "--output-dir", str(out),
+            "--system-prompt", "Be brief.", "--few-shot", str(_few_shot(tmp_path))]  # fmt: skip
+    assert cli_main(argv) == 0
+    first = endpoint.requests[0]["messages"]
+    assert first[0] == {"role": "system", "content": "Be brief."}
+    assert first[1] == {"role": "user", "content": "Say hi with the bash tool."}
+    (call,) = first[2]["tool_calls"]
+    assert call["function"] == {"name": "bash", "arguments": '{"command": "echo hi"}'} and call["id"]
+    assert first[3] == {"role": "tool", "name": "bash", "content": "hi", "tool_call_id": call["id"]}
+    assert first[4] == {"role": "assistant", "content": "Done."} and first[5]["role"] == "user"
+    assert json.loads((out / "eval.json").read_text())["pass_at"]["1"] == 1.0
+    for row in read_trajectories(out / "trajectories.jsonl"):
+        assert [c["arguments"]["command"] for c in row["tool_calls"]] != ["echo hi"]  # the example is not logged
+        assert len(row["tool_calls"]) == 1 and row["final_message"] == "I wrote the answer."
+
+
+def test_eval_refuses_a_chat_template_for_an_endpoint(tmp_path: Path, capsys) -> None:
+    argv = ["eval", str(BUNDLED_SUITE), "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
+            "--chat-template", "qwen2_5", "--output-dir", str(tmp_path / "x")]  # fmt: skip
+    assert cli_main(argv) == 2
+    assert "--chat-template sets a local model's template" in capsys.readouterr().out
+
+
+@requires_local
+def test_eval_a_local_model_with_the_prompt_options_in_one_batch(tmp_path: Path, copy_tasks, close_sandboxes) -> None:
+    """A local checkpoint with a system prompt, examples and a named chat template, every rollout's turn in one batch.
+
+    The checkpoint is the hand-wired test policy with outcomes made certain, so the prompt's extra
+    turns change nothing it does; the rendered prompt is checked to hold them.
+    """
+    import torch
+
+    from demo_policy import _FIRST_TASK, build_demo_policy
+    from trl_harbor import HarborSpec
+    from trl_harbor.evaluate import EvalConfig, LocalPolicy, evaluate
+    from trl_harbor.prompting import load_few_shot, resolve_chat_template
+    from trl_harbor.testing import tool_call_text
+
+    suite = copy_tasks("http_500_count", "orders_count")
+    spec = HarborSpec(suite, environment_type="local")
+    texts = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
+    policy = build_demo_policy(spec.tasks, texts, spec.env_cls.PROMPT_SUFFIX)
+
+    def token(command: str) -> int:
+        return policy.tokenizer(tool_call_text("bash", {"command": command}), add_special_tokens=False)["input_ids"][0]
+
+    with torch.no_grad():
+        policy.model.lm_head.weight[token(policy.right["http_500_count"]), _FIRST_TASK + 0] += 40
+        policy.model.lm_head.weight[token(WRONG), _FIRST_TASK + 1] += 40
+    checkpoint = tmp_path / "checkpoint"
+    policy.model.save_pretrained(checkpoint)
+    policy.tokenizer.save_pretrained(checkpoint)
+    local = LocalPolicy.from_pretrained(str(checkpoint), chat_template="qwen3")
+    assert local.tokenizer.chat_template == resolve_chat_template("qwen3")
+    seen: list[int] = []
+    batch = local.chat_batch
+
+    def counted(conversations, tools, config):
+        seen.append(len(conversations))
+        prompt = local.tokenizer.apply_chat_template(conversations[0], tools=tools, tokenize=False)
+        assert prompt.startswith("<|im_start|>system\nBe brief.") and "echo hi" in prompt
+        return batch(conversations, tools, config)
+
+    local.chat_batch = counted
+    config = EvalConfig(dataset=str(suite), base_url=None, model="demo", num_rollouts=3, seed=7, batch_size=16,
+                        system_prompt="Be brief.", few_shot=load_few_shot(_few_shot(tmp_path)),
+                        output_dir=str(tmp_path / "eval"))  # fmt: skip
+    result = evaluate(config, policy=local)
+    by_task = {t.task: t.passed for t in result.tasks}
+    assert by_task == {"http_500_count": 3, "orders_count": 0} and result.errors == 0
+    assert seen[0] == 6  # all six rollouts' first turns in one generate call
+    rows = read_trajectories(tmp_path / "eval" / "trajectories.jsonl")
+    assert len(rows) == 6 and all(len(row["tool_calls"]) == 1 for row in rows)
 
 
 @requires_local

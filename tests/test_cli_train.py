@@ -1,9 +1,11 @@
-"""``trl-harbor train``: TRL's config conventions, the embedded default run learns, trajectories.
+"""``trl-harbor train``: TRL's config conventions, the embedded default run's pipeline, trajectories.
 
 Everything here is real: the command line's own parser (``trl.TrlParser`` over ``GRPOConfig``),
-``GRPOTrainer``, the local bubblewrap sandboxes and Harbor's verifier. The policy of the default
-run is the demo policy (``trl_harbor.demo_policy``) — a real, trainable tiny transformers model
-whose initial weights choose among right and wrong commands per task.
+``GRPOTrainer``, the local bubblewrap sandboxes and Harbor's verifier. The embedded default run
+trains the real starter model (SmolLM2-135M, fetched by ``scripts/bootstrap.sh``); here it runs two
+tiny steps, which checks the pipeline (held-out evaluation before and after, training, summary,
+report), not the learning — ``benchmarks/starter_learning.py`` measures that. The other runs use
+the hand-wired tiny checkpoint of ``tests/demo_policy.py``, whose tool calls are known.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import statistics
 from pathlib import Path
 
 import pytest
-from conftest import BUNDLED_SUITE, requires_local
+from conftest import BUNDLED_SUITE, REPO, requires_local
 
+from demo_policy import build_demo_policy
 from trl_harbor.cli import main as cli_main
-from trl_harbor.demo_policy import WRONG_COMMANDS, DemoPolicyError, build_demo_policy
-from trl_harbor.train import DEMO_DEFAULTS, parse_train_args
+from trl_harbor.train import DEFAULT_RUN, parse_train_args
 from trl_harbor.trajectories import read_trajectories
+
+STARTER = REPO / "examples" / "starter_tasks"
 
 
 def _yaml(tmp_path: Path, text: str) -> Path:
@@ -41,18 +45,22 @@ def test_config_file_sets_fields_and_flags_override_it(tmp_path: Path) -> None:
     assert args.learning_rate == 0.02  # the flag beats the file
     assert harbor.num_tasks == 2  # the flag beats the file (dash spelling accepted)
     assert harbor.command_timeout_sec == 30
+    assert harbor.agent == "bash"  # the file beats the default run's harness
     assert harbor.model is None
-    assert args.per_device_train_batch_size == DEMO_DEFAULTS["per_device_train_batch_size"]  # demo default kept
+    assert harbor.chat_template == DEFAULT_RUN["chat_template"]  # default-run defaults kept where not overridden
+    assert args.per_device_train_batch_size == DEFAULT_RUN["per_device_train_batch_size"]
+    assert args.temperature == DEFAULT_RUN["temperature"]
     assert os.environ["TRL_HARBOR_TEST_VAR"] == "from-yaml"
 
 
-def test_a_model_turns_the_demo_defaults_off(tmp_path: Path) -> None:
+def test_a_model_turns_the_default_run_defaults_off(tmp_path: Path) -> None:
     config = _yaml(tmp_path, "model: some/model\n")
     harbor, args = parse_train_args(["--config", str(config)])
     assert harbor.model == "some/model"
-    assert args.learning_rate != DEMO_DEFAULTS["learning_rate"]  # TRL's own default
-    harbor, args = parse_train_args(["--model", "other/model", "--indices", "0", "4"])
-    assert harbor.model == "other/model" and harbor.indices == [0, 4]
+    assert args.learning_rate != DEFAULT_RUN["learning_rate"]  # TRL's own default
+    assert harbor.agent == "bash" and harbor.chat_template is None and harbor.few_shot is None
+    harbor, args = parse_train_args(["--model", "other/model", "--indices", "0", "4", "--chat_template", "qwen2_5"])
+    assert harbor.model == "other/model" and harbor.indices == [0, 4] and harbor.chat_template == "qwen2_5"
 
 
 @pytest.mark.parametrize(
@@ -61,12 +69,19 @@ def test_a_model_turns_the_demo_defaults_off(tmp_path: Path) -> None:
         ("num_generation: 2\n", [], "num_generation"),  # a typo in the file is named
         ("", ["--num_tasks", "2", "--indices", "1"], "not both"),
         ("", ["--on_infra_error", "ignore"], "on_infra_error"),
+        ("", ["--heldout_rollouts", "-1"], "--heldout_rollouts"),
+        # Prompt options are checked before any model loads, and the message names the option and the fix.
+        ("", ["--chat_template", "qwen9"], "--chat_template 'qwen9' is neither one of TRL's bundled chat templates"),
+        ("", ["--few_shot", "/nonexistent/shots.json"], "--few_shot /nonexistent/shots.json: no such file"),
+        ("", ["--agent", "jupyter"], "calls the tool 'bash', which the harness 'jupyter' does not have"),
+        ("", ["--heldout_dataset", "/nonexistent/suite"], "--heldout_dataset /nonexistent/suite"),
     ],
 )
 def test_bad_configuration_is_named(tmp_path: Path, capsys, text: str, argv: list[str], expected: str) -> None:
     config = _yaml(tmp_path, text or "seed: 1\n")
-    assert cli_main(["train", "--config", str(config), *argv]) == 2
-    assert expected in capsys.readouterr().err
+    assert cli_main(["train", "--config", str(config), "--output_dir", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize(
@@ -93,17 +108,6 @@ def test_missing_config_file_is_named(tmp_path: Path, capsys) -> None:
     assert "nope.yaml is not a file" in capsys.readouterr().err
 
 
-def test_demo_policy_refuses_indistinct_instructions(copy_tasks) -> None:
-    from trl_harbor import HarborSpec
-
-    suite = copy_tasks("orders_count", "http_500_count")
-    (suite / "http_500_count" / "instruction.md").write_text((suite / "orders_count" / "instruction.md").read_text())
-    spec = HarborSpec(suite, environment_type="local")
-    texts = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
-    with pytest.raises(DemoPolicyError, match="not unique"):
-        build_demo_policy(spec.tasks, texts, spec.env_cls.PROMPT_SUFFIX)
-
-
 def _by_step(rows: list[dict]) -> dict[int, list[dict]]:
     steps: dict[int, list[dict]] = {}
     for row in rows:
@@ -111,82 +115,87 @@ def _by_step(rows: list[dict]) -> dict[int, list[dict]]:
     return steps
 
 
-def _right_commands() -> dict[str, str]:
-    return {d.name: (d / "solution" / "solve.sh").read_text().strip() for d in BUNDLED_SUITE.iterdir() if d.is_dir()}
+def _check_heldout(folder: Path, tasks: int, per_task: int) -> dict:
+    """The held-out evaluation folder is an eval run's: eval.json agrees with its trajectories."""
+    result = json.loads((folder / "eval.json").read_text())
+    rows = read_trajectories(folder / "trajectories.jsonl")
+    assert len(rows) == tasks * per_task == result["rollouts"]
+    assert result["errors"] == 0
+    for score in result["tasks"]:
+        mine = [r for r in rows if r["task"] == score["task"]]
+        assert len(mine) == per_task == score["n"]
+        assert score["passed"] == sum(r["reward"] == 1.0 for r in mine)
+    return result
 
 
 @requires_local
-def test_config_run_trains_and_logs_every_rollout(tmp_path: Path, capsys, close_sandboxes) -> None:
-    """A short real run from a YAML file with a flag on top: the flag wins, every rollout is logged."""
-    config = _yaml(tmp_path, "max_steps: 5\nnum_generations: 2\nper_device_train_batch_size: 4\nindices: [1, 4]\n")
-    out = tmp_path / "run"
-    assert cli_main(["train", "--config", str(config), "--max_steps", "2", "--output_dir", str(out)]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["demo"] is True
-    rows = read_trajectories(out / "trajectories.jsonl")
-    assert len(rows) == 2 * 4 == summary["rollouts"]
-    names = sorted(d.name for d in BUNDLED_SUITE.iterdir() if d.is_dir())
-    assert {row["task"] for row in rows} == {names[1], names[4]}
-    printed = capsys.readouterr().out
-    assert "DEMO POLICY" in printed and "--model Qwen/Qwen3-0.6B" in printed
-    assert "mean reward: first step" in printed
+@pytest.mark.slow
+def test_default_run_pipeline(tmp_path: Path, capsys, close_sandboxes) -> None:
+    """The embedded default on the real starter model, two tiny steps: every phase runs and agrees.
 
-
-@requires_local
-def test_default_run_learns_and_its_trajectories_match(tmp_path: Path, capsys, close_sandboxes) -> None:
-    """The embedded default, unchanged: the mean reward rises and stays up; the log is what ran.
-
-    Rewards come from Harbor's verifier on real sandboxes. The trajectory log must agree with
-    the trainer's own metrics step by step, and a rollout scores 1 exactly when its command was
-    the task's reference solution (the wrong candidates can never be right).
+    Not a test of learning (two steps of two rollouts cannot show it): it checks that the
+    held-out tasks are sampled before and after training with the eval command's machinery, that
+    the numbers the summary prints are those of the files written, that training ran on the
+    starter suite's training tasks with the default prompt, and that the report shows both.
     """
-    out = tmp_path / "demo"
-    assert cli_main(["train", "--output_dir", str(out)]) == 0
+    config = _yaml(tmp_path, "max_steps: 5\nnum_generations: 2\nper_device_train_batch_size: 2\n")
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(config), "--max_steps", "2", "--max_completion_length", "48",
+            "--heldout_rollouts", "1", "--output_dir", str(out)]  # fmt: skip
+    assert cli_main(argv) == 0
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
-    rewards = summary["rewards"]
-    steps = DEMO_DEFAULTS["max_steps"]
-    assert summary["steps"] == steps and len(rewards) == steps
-    # It learns: the mean reward rises from about chance (1 of 4 candidates is right)...
-    assert summary["last_reward"] > summary["first_reward"]
-    early, late = statistics.mean(rewards[:3]), statistics.mean(rewards[-5:])
-    assert early < 0.7, rewards
-    assert late >= 0.9, rewards
-    # ... and stays up: no collapse anywhere in the second half of the run.
-    assert min(rewards[steps // 2 :]) >= 0.75, rewards
-    assert f"last step {summary['last_reward']:.3f}" in printed
+    assert summary["steps"] == 2 and summary["default_run"] is True  # the flag beat the file
+    assert "SmolLM2-135M-Instruct" in summary["model"]
+    assert "DEMO" not in printed and "SmolLM2-135M-Instruct" in printed
 
+    # Training: the starter suite's training tasks only, each rollout logged, the log agreeing with the metrics.
+    train_tasks = {d.name for d in (STARTER / "train").iterdir()}
+    heldout_tasks = sorted(d.name for d in (STARTER / "heldout").iterdir())
     rows = read_trajectories(out / "trajectories.jsonl")
-    per_step = _by_step(rows)
-    batch = DEMO_DEFAULTS["per_device_train_batch_size"]
-    assert sorted(per_step) == list(range(1, steps + 1))
+    assert len(rows) == 2 * 2 == summary["rollouts"]
+    assert {row["task"] for row in rows} <= train_tasks
     history = [r for r in json.loads((out / "log_history.json").read_text()) if "reward" in r]
-    right = _right_commands()
-    for step, logged in zip(range(1, steps + 1), history, strict=True):
-        lines = per_step[step]
-        assert len(lines) == batch
-        assert statistics.mean(line["reward"] for line in lines) == pytest.approx(logged["reward"])
+    for (step, lines), logged in zip(sorted(_by_step(rows).items()), history, strict=True):
+        assert statistics.mean(line["reward"] for line in lines) == pytest.approx(logged["reward"]), step
         for line in lines:
-            assert line["harness"] == "HarborBashEnv" and line["environment_type"] == "local"
-            assert line["infra_error"] is None
-            assert len(line["tool_calls"]) == 1
-            call = line["tool_calls"][0]
-            assert call["tool"] == "bash" and call["duration_s"] >= 0 and isinstance(call["output"], str)
-            command = call["arguments"]["command"]
-            assert command == right[line["task"]] or command in WRONG_COMMANDS
-            assert line["reward"] == (1.0 if command == right[line["task"]] else 0.0), line
-            assert line["reward_components"]["reward"] == line["reward"]  # the verifier's own numbers
-            if line["task"] in ("supplier_profit", "low_stock_value", "longest_session_user"):  # multi-key
-                assert {"exact", "answered"} <= set(line["reward_components"]), line
-            if command == "ls /workdir/data":  # the output is what the sandbox holds
-                assert call["output"].split() == sorted(
-                    p.name for p in (BUNDLED_SUITE / line["task"] / "environment" / "data").iterdir()
-                )
+            assert line["harness"] == "MinimalBashEnv" and line["infra_error"] is None
+            assert line["reward"] in (0.0, 1.0) and line["reward_components"]["reward"] == line["reward"]
+
+    # Held out: sampled before and after, never trained on, and the summary's figures are the files'.
+    assert summary["heldout_tasks"] == len(heldout_tasks) and summary["heldout_rollouts"] == 1
+    before = _check_heldout(out / "heldout-before", len(heldout_tasks), 1)
+    after = _check_heldout(out / "heldout-after", len(heldout_tasks), 1)
+    assert sorted(t["task"] for t in before["tasks"]) == heldout_tasks
+    assert not set(heldout_tasks) & train_tasks
+    for name, result in (("before", before), ("after", after)):
+        assert summary[f"heldout_{name}"]["pass_rate"] == pytest.approx(result["pass_at"]["1"])
+        assert summary[f"heldout_{name}"]["passed"] == sum(t["passed"] for t in result["tasks"])
+        assert result["config"]["seed"] == DEFAULT_RUN["seed"] and result["config"]["few_shot"]
+        assert result["config"]["temperature"] == DEFAULT_RUN["temperature"]
+    line = next(line for line in printed.splitlines() if line.startswith("held-out pass rate"))
+    b, a = summary["heldout_before"], summary["heldout_after"]
+    assert f"base model {b['pass_rate']:.2f} ({b['passed']}/{b['scored']})" in line
+    assert f"trained {a['pass_rate']:.2f} ({a['passed']}/{a['scored']})" in line
+    # The first run's costs are in the progress lines and the summary.
+    assert "  model   loaded in" in printed and "  images  " in printed and " s/step" in printed
+    assert {"model_load_s", "train_s", "heldout_before_s", "heldout_after_s"} <= set(summary["timings"])
+    assert summary["peak_rss_mb"] > 0
+
+    # The report: the reward curve and the held-out comparison.
+    page = (out / "report.html").read_text()
+    assert "Mean reward over steps" in page and "Held-out tasks: before vs after training" in page
+    assert f"<b id=heldout-before>{b['pass_rate']:.3f}</b>" in page
+    # The saved model carries the chat template it was trained with (trl-harbor eval --model OUT works).
+    from trl_harbor.prompting import resolve_chat_template
+
+    saved = json.loads((out / "tokenizer_config.json").read_text()).get("chat_template")
+    if saved is None:
+        saved = (out / "chat_template.jinja").read_text()
+    assert saved == resolve_chat_template("qwen2_5")
 
 
-@requires_local
-def test_model_from_a_local_checkpoint_trains_with_trl_defaults(tmp_path: Path, close_sandboxes) -> None:
-    """``--model PATH`` loads the checkpoint (no demo defaults) and saves the trained model."""
+def _demo_checkpoint(tmp_path: Path) -> Path:
     from trl_harbor import HarborSpec
 
     spec = HarborSpec(BUNDLED_SUITE, environment_type="local")
@@ -195,6 +204,13 @@ def test_model_from_a_local_checkpoint_trains_with_trl_defaults(tmp_path: Path, 
     checkpoint = tmp_path / "checkpoint"
     policy.model.save_pretrained(checkpoint)
     policy.tokenizer.save_pretrained(checkpoint)
+    return checkpoint
+
+
+@requires_local
+def test_model_from_a_local_checkpoint_trains_with_trl_defaults(tmp_path: Path, close_sandboxes) -> None:
+    """``--model PATH`` loads the checkpoint (no default-run defaults) and saves the trained model."""
+    checkpoint = _demo_checkpoint(tmp_path)
     out = tmp_path / "run"
     argv = [
         "train", "--model", str(checkpoint), "--num_tasks", "2", "--max_steps", "1", "--num_generations", "2",
@@ -203,10 +219,57 @@ def test_model_from_a_local_checkpoint_trains_with_trl_defaults(tmp_path: Path, 
     ]  # fmt: skip
     assert cli_main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["demo"] is False and summary["steps"] == 1
+    assert summary["default_run"] is False and summary["steps"] == 1
+    assert summary["heldout_before"] is None  # no --heldout_dataset, no held-out evaluation
     assert (out / "config.json").is_file()  # the trained model was saved
     rows = read_trajectories(out / "trajectories.jsonl")
     assert len(rows) == 4 and all(len(row["tool_calls"]) == 1 for row in rows)
+    assert all(row["harness"] == "HarborBashEnv" for row in rows)
+
+
+@requires_local
+def test_heldout_dataset_measures_any_run(tmp_path: Path, copy_tasks, close_sandboxes) -> None:
+    """``--heldout_dataset`` with ``--model``: sampled before and after with the same seed; both logged.
+
+    The checkpoint's right command for one held-out task is made certain and the other task's
+    impossible, so each pass count is known before and after (one step moves the weights little).
+    """
+    import torch
+
+    from demo_policy import _FIRST_TASK, WRONG_COMMANDS
+    from trl_harbor import HarborSpec
+    from trl_harbor.testing import tool_call_text
+
+    suite = copy_tasks("http_500_count", "orders_count", dest="heldout")
+    spec = HarborSpec(BUNDLED_SUITE, environment_type="local")
+    texts = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
+    policy = build_demo_policy(spec.tasks, texts, spec.env_cls.PROMPT_SUFFIX)
+    slot = {task.name: i for i, task in enumerate(spec.tasks)}
+
+    def token(command: str) -> int:
+        return policy.tokenizer(tool_call_text("bash", {"command": command}), add_special_tokens=False)["input_ids"][0]
+
+    with torch.no_grad():
+        policy.model.lm_head.weight[token(policy.right["http_500_count"]), _FIRST_TASK + slot["http_500_count"]] += 40
+        policy.model.lm_head.weight[token(WRONG_COMMANDS[2]), _FIRST_TASK + slot["orders_count"]] += 40
+    checkpoint = tmp_path / "checkpoint"
+    policy.model.save_pretrained(checkpoint)
+    policy.tokenizer.save_pretrained(checkpoint)
+    out = tmp_path / "run"
+    argv = [
+        "train", "--model", str(checkpoint), "--indices", "0", "--max_steps", "1", "--num_generations", "2",
+        "--per_device_train_batch_size", "2", "--max_completion_length", "128", "--max_tool_calling_iterations", "1",
+        "--optim", "sgd", "--learning_rate", "0.001", "--heldout_dataset", str(suite), "--heldout_rollouts", "3",
+        "--output_dir", str(out),
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for name in ("before", "after"):
+        result = _check_heldout(out / f"heldout-{name}", 2, 3)
+        by_task = {t["task"]: t["passed"] for t in result["tasks"]}
+        assert by_task == {"http_500_count": 3, "orders_count": 0}, (name, by_task)
+        assert summary[f"heldout_{name}"]["passed"] == 3 and summary[f"heldout_{name}"]["scored"] == 6
+        assert result["config"]["max_turns"] == 1 and result["config"]["max_tokens"] == 128
 
 
 @requires_local
@@ -246,16 +309,9 @@ def test_the_example_config_parses() -> None:
 @requires_local
 def test_several_datasets_are_mixed_with_weights(tmp_path: Path, copy_tasks, close_sandboxes) -> None:
     """``--dataset A B --dataset_weights 3 1`` trains on a mix of two suites and logs each suite's reward."""
-    from trl_harbor import HarborSpec
-
     first = copy_tasks("orders_count", dest="first")
     second = copy_tasks("http_500_count", dest="second")
-    spec = HarborSpec(BUNDLED_SUITE, environment_type="local")
-    texts = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
-    policy = build_demo_policy(spec.tasks, texts, spec.env_cls.PROMPT_SUFFIX)
-    checkpoint = tmp_path / "checkpoint"
-    policy.model.save_pretrained(checkpoint)
-    policy.tokenizer.save_pretrained(checkpoint)
+    checkpoint = _demo_checkpoint(tmp_path)
     out = tmp_path / "run"
     argv = [
         "train", "--model", str(checkpoint), "--dataset", str(first), str(second), "--dataset_weights", "3", "1",
@@ -270,6 +326,3 @@ def test_several_datasets_are_mixed_with_weights(tmp_path: Path, copy_tasks, clo
     assert (
         cli_main([*argv[:6], "--dataset_weights", "1", "--output_dir", str(tmp_path / "x")]) == 2
     )  # one weight, two suites
-    assert (
-        cli_main(["train", "--dataset", str(first), str(second), "--output_dir", str(tmp_path / "y")]) == 2
-    )  # demo: one suite

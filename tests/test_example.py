@@ -7,20 +7,34 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, requires_local
+from conftest import BUNDLED_SUITE, REPO, requires_local
 
+from demo_policy import build_demo_policy
 from trl_harbor.env import _alive
 from trl_harbor.sandboxes._lifetime import state_root
 
 
 @requires_local
 def test_example_trains_under_accelerate_with_two_processes(tmp_path: Path) -> None:
-    """Each process has its own environments and sandboxes; both finish and leave nothing."""
+    """Each process has its own environments and sandboxes; both finish and leave nothing.
+
+    The model is the tiny hand-wired checkpoint of ``tests/demo_policy.py`` (the example's default,
+    the 135M starter model, is what ``trl-harbor train``'s own test runs).
+    """
+    from trl_harbor import HarborSpec
+
+    spec = HarborSpec(BUNDLED_SUITE, environment_type="local")
+    policy = build_demo_policy(spec.tasks, [Path(d, "instruction.md").read_text() for d in spec.task_dirs],
+                               spec.env_cls.PROMPT_SUFFIX)  # fmt: skip
+    policy.model.save_pretrained(tmp_path / "checkpoint")
+    policy.tokenizer.save_pretrained(tmp_path / "checkpoint")
     accelerate = Path(sys.executable).parent / "accelerate"
     before = set(os.listdir(state_root()))
     completed = subprocess.run(
         [str(accelerate), "launch", "--num_processes", "2", "--cpu",
-         str(REPO / "examples" / "train_grpo.py"), "--max-steps", "1", "--output-dir", str(tmp_path / "out")],
+         str(REPO / "examples" / "train_grpo.py"), "--model", str(tmp_path / "checkpoint"), "--suite",
+         str(BUNDLED_SUITE), "--agent", "bash", "--no-prompt", "--max-steps", "1", "--num-generations", "4",
+         "--max-completion-length", "128", "--output-dir", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=900, check=False,
         env={**os.environ, "HARBOR_TELEMETRY": "0", "TOKENIZERS_PARALLELISM": "false"},
     )  # fmt: skip

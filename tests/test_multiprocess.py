@@ -1,8 +1,9 @@
 """``trl-harbor train`` under ``accelerate launch``: two CPU processes, each with its own sandboxes.
 
 Real parts throughout: accelerate's launcher (torch's elastic agent, the gloo backend), one
-``GRPOTrainer`` a process, the local sandboxes and Harbor's verifier. The run is the embedded
-default, shortened. What is checked is what a multi-GPU user relies on: every rank's rollouts are
+``GRPOTrainer`` a process, the local sandboxes and Harbor's verifier. The model is the hand-wired
+tiny checkpoint of ``tests/demo_policy.py`` on the bundled suite (the embedded default's 135M model
+would spend the test's time generating; what is checked here is the processes, not the model). What is checked is what a multi-GPU user relies on: every rank's rollouts are
 in the one ``trajectories.jsonl`` exactly once, the summary counts them all, the metrics are the
 trainer's own (reduced across ranks by TRL), and no sandbox outlives the run — when it ends, and
 when the launcher is sent SIGINT mid-step (it passes the signal on to its workers).
@@ -21,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import requires_local
+from conftest import BUNDLED_SUITE, requires_local
 
 from sandbox_helpers import as_a_foreground_job
 
@@ -38,7 +39,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(out: Path, max_steps: int, state: Path) -> subprocess.Popen:
+def _checkpoint(folder: Path) -> Path:
+    from demo_policy import build_demo_policy
+    from trl_harbor import HarborSpec
+
+    spec = HarborSpec(BUNDLED_SUITE, environment_type="local")
+    texts = [Path(d, "instruction.md").read_text() for d in spec.task_dirs]
+    policy = build_demo_policy(spec.tasks, texts, spec.env_cls.PROMPT_SUFFIX)
+    policy.model.save_pretrained(folder)
+    policy.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _launch(out: Path, max_steps: int, state: Path, model: Path) -> subprocess.Popen:
     # ``--multi_gpu`` is accelerate's torchrun launcher; without a GPU the processes train on the CPU
     # (gloo). ``--cpu --num_processes 2`` would start a single process unless MPI is set up.
     argv = [
@@ -46,7 +59,8 @@ def _launch(out: Path, max_steps: int, state: Path) -> subprocess.Popen:
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(_free_port()), "-m", "trl_harbor.cli", "train", "--output_dir", str(out),
         "--max_steps", str(max_steps), "--num_generations", "4", "--per_device_train_batch_size", str(PER_RANK),
-        "--num_tasks", "4",
+        "--num_tasks", "4", "--model", str(model), "--dataset", str(BUNDLED_SUITE), "--max_completion_length", "128",
+        "--max_tool_calling_iterations", "1", "--logging_steps", "1", "--report_to", "none",
     ]  # fmt: skip
     env = {**os.environ, "HARBOR_TELEMETRY": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "TRL_HARBOR_STATE_DIR": str(state)}  # fmt: skip
@@ -67,7 +81,7 @@ class _Run:
     def __init__(self, tmp_path: Path, max_steps: int) -> None:
         self.state = tmp_path / "state"
         self.out = tmp_path / "run"
-        self.child = _launch(self.out, max_steps, self.state)
+        self.child = _launch(self.out, max_steps, self.state, _checkpoint(tmp_path / "checkpoint"))
         self.pids: set[int] = set()
 
     def watch(self) -> None:

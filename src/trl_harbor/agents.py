@@ -3,8 +3,9 @@
 Accepted forms:
 
 - a built-in name from :data:`AGENTS` (``"bash"``, the reference's) or :data:`EXAMPLE_AGENTS`
-  (``"bash_steps"``, ``"jupyter"``, ``"terminal_notes"``: ``bash`` with ``submit_step`` for
-  multi-step tasks, and the harnesses of :mod:`trl_harbor.harnesses`, imported only when
+  (``"bash_steps"``, ``"bash_minimal"``, ``"jupyter"``, ``"terminal_notes"``: ``bash`` with
+  ``submit_step`` for multi-step tasks, ``bash`` with a one-line description and no prompt
+  suffix for small models, and the harnesses of :mod:`trl_harbor.harnesses`, imported only when
   selected, so ``import trl_harbor`` stays light);
 - ``"package.module:ClassName"``, imported from ``sys.path``;
 - ``"path/to/file.py:ClassName"`` (Windows paths such as ``C:\\work\\env.py:MyEnv`` too),
@@ -32,6 +33,7 @@ AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv}
 #: selectable by name and imported on first selection.
 EXAMPLE_AGENTS: dict[str, str] = {
     "bash_steps": "trl_harbor.env:HarborBashStepsEnv",
+    "bash_minimal": "trl_harbor.harnesses.bash_minimal:MinimalBashEnv",
     "jupyter": "trl_harbor.harnesses.jupyter.env:JupyterEnv",
     "terminal_notes": "trl_harbor.harnesses.terminal_notes.env:TerminalNotesEnv",
 }

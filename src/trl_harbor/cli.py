@@ -3,7 +3,7 @@
 Commands:
     check SUITE   Oracle solutions must score 1 and doing nothing must score 0, per task.
     train         GRPO on a task suite (every GRPOConfig field a flag, --config file.yaml);
-                  with no --model, the embedded default run (demo policy, bundled suite, CPU).
+                  with no --model, the embedded default run (a 135M model, starter suite, CPU).
     eval SUITE    A model behind an OpenAI-compatible endpoint on a suite: pass@k, mean reward.
     report DIR    A self-contained HTML page from a train or eval run's logs.
     images        The local sandbox's task images: list, build SUITE, prune, load ARCHIVE NAME.
@@ -172,6 +172,9 @@ def _eval_one(args: argparse.Namespace, suite: str, output_dir: str | None) -> i
     quiet_libraries(args.verbose)  # library deprecations and load bars are not the user's business
     console = Console()
     try:
+        from trl_harbor.prompting import load_few_shot
+
+        few_shot = load_few_shot(args.few_shot) if args.few_shot else None
         config = EvalConfig(
             dataset=suite,
             base_url=args.base_url,
@@ -185,10 +188,17 @@ def _eval_one(args: argparse.Namespace, suite: str, output_dir: str | None) -> i
             concurrency=args.concurrency,
             max_turns=args.max_turns,
             temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
             max_tokens=args.max_tokens,
             pass_threshold=args.pass_threshold,
             options=options_from_args(args),
             output_dir=output_dir,
+            system_prompt=args.system_prompt,
+            few_shot=few_shot,
+            chat_template=args.chat_template,
+            seed=args.seed,
+            batch_size=args.batch_size,
         )
         with Progress(
             TextColumn("rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -273,11 +283,20 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--k", type=int, action="append", help="report pass@k (repeatable; default 1)")
     ev.add_argument("--concurrency", "-c", type=int, default=16, help="rollouts in flight at once (default 16)")
     ev.add_argument("--max-turns", type=int, default=10, help="model turns per rollout (default 10)")
-    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    ev.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
+    ev.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (local model)")
     ev.add_argument("--max-tokens", type=int, default=2048, help="tokens per model turn")
     ev.add_argument("--pass-threshold", type=float, default=1.0, help="a rollout passes at this reward (default 1)")
     add_option_flags(ev)
     ev.add_argument("--output-dir", default="outputs/trl-harbor-eval")
+    ev.add_argument("--system-prompt", default=None, help="a system message in front of every task")
+    ev.add_argument("--few-shot", default=None, metavar="FILE", help="example turns (JSON) in front of every task")
+    ev.add_argument(
+        "--chat-template", default=None, help="local model: a TRL chat template name (qwen2_5) or a .jinja file"
+    )
+    ev.add_argument("--seed", type=int, default=None, help="seed of a local model's sampling")
+    ev.add_argument("--batch-size", type=int, default=16, help="local model: rollouts generated in one batch")
     ev.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     ev.set_defaults(func=_cmd_eval)
     report = commands.add_parser("report", help="a self-contained HTML page from a train or eval run's logs")
@@ -291,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         add_help=False,
         help="GRPO on a suite: every GRPOConfig field as a flag or in --config file.yaml "
-        "(`trl-harbor train --help`); no --model: the embedded demo run",
+        "(`trl-harbor train --help`); no --model: the embedded default run (SmolLM2-135M on CPU)",
     )
     from trl_harbor.images import add_parser as add_images_parser
 

@@ -3,13 +3,19 @@
 The policy is any OpenAI-compatible chat-completions endpoint with tool calling (vLLM, SGLang,
 ``transformers serve``, a hosted API), or, with no ``base_url``, a local checkpoint (a hub id or
 a path, e.g. the output folder of ``trl-harbor train``) generating with ``transformers`` in this
-process, its tool calls parsed the way TRL parses them in training.
+process, its tool calls parsed the way TRL parses them in training, or a model already in memory
+(:class:`LocalPolicy`, what ``trl-harbor train`` measures before and after training).
 
 Each rollout is what training does with the same harness and backend: ``reset`` the harness
 for the task, hand the model its instruction and the harness's tools (the same JSON schemas TRL
 builds), execute the tool calls it makes in the sandbox, and, once it answers without a tool
 call (or runs out of turns), score the rollout with the task's Harbor verifier. Many rollouts
 are in flight at once (``concurrency`` threads: the model's latency and the sandboxes overlap).
+A local model plays every rollout's turn in one batched ``generate`` call (``batch_size`` rows at
+a time), rollouts in a fixed order, so a seeded evaluation samples the same way every time.
+
+The prompt can carry a system message and example turns in front of the task
+(``system_prompt``, ``few_shot``: :mod:`trl_harbor.prompting`), as in training.
 
 ``pass@k`` is the unbiased estimator of Chen et al. (2021) over the ``n`` scored rollouts of a
 task, ``c`` of which passed (reward >= ``pass_threshold``): ``1 - C(n-c, k) / C(n, k)``.
@@ -33,7 +39,7 @@ from typing import Any
 from trl_harbor.options import HarborOptions
 from trl_harbor.tools import tool_schemas
 
-__all__ = ["EndpointError", "EvalConfig", "EvalResult", "TaskScore", "evaluate", "pass_at_k"]
+__all__ = ["EndpointError", "EvalConfig", "EvalResult", "LocalPolicy", "TaskScore", "evaluate", "pass_at_k"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +83,10 @@ class EvalConfig:
         num_rollouts: Rollouts per task (``n``).
         k: The ``k`` values of pass@k to report.
         concurrency: Rollouts in flight at once.
-        max_turns: Model turns per rollout.
-        temperature: Sampling temperature.
+        max_turns: Model turns per rollout (a turn's tool calls are run; then the next turn).
+        temperature: Sampling temperature (0: greedy).
+        top_p: Nucleus sampling: the smallest set of tokens whose probability reaches this.
+        top_k: Sample among the k likeliest tokens (local model only; ``None`` or 0: all).
         max_tokens: Tokens per model turn.
         pass_threshold: A rollout passes when its reward is at least this.
         api_key: Bearer token (default: ``OPENAI_API_KEY``).
@@ -86,6 +94,13 @@ class EvalConfig:
         options: How rollouts run and are graded (command timeout, output cap, reward key,
             infrastructure-failure policy, backend options, ...), as in training.
         output_dir: Where ``eval.json`` and ``trajectories.jsonl`` go.
+        system_prompt: A system message in front of every task (``None``: none).
+        few_shot: Example messages between the system message and the task
+            (:func:`trl_harbor.prompting.load_few_shot`'s form; ``None``: none).
+        chat_template: A local model's chat template: a TRL template name (``qwen2_5``) or a file
+            (``None``: the tokenizer's own). An endpoint applies its own.
+        seed: Seed of a local model's sampling (``None``: not seeded).
+        batch_size: Rollouts whose turn a local model generates in one batch.
     """
 
     dataset: str
@@ -100,16 +115,29 @@ class EvalConfig:
     concurrency: int = 16
     max_turns: int = 10
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
     max_tokens: int = 2048
     pass_threshold: float = 1.0
     api_key: str | None = None
     request_timeout_sec: float = 600.0
     options: HarborOptions = field(default_factory=HarborOptions)
     output_dir: str = "outputs/trl-harbor-eval"
+    system_prompt: str | None = None
+    few_shot: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    seed: int | None = None
+    batch_size: int = 16
 
     def __post_init__(self) -> None:
-        if self.num_rollouts < 1 or self.concurrency < 1 or self.max_turns < 1:
-            raise ValueError("--num-rollouts, --concurrency and --max-turns must be at least 1")
+        if self.num_rollouts < 1 or self.concurrency < 1 or self.max_turns < 1 or self.batch_size < 1:
+            raise ValueError("--num-rollouts, --concurrency, --max-turns and --batch-size must be at least 1")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.chat_template is not None and self.base_url is not None:
+            raise ValueError(
+                "--chat-template sets a local model's template (no --base-url); an endpoint applies its own"
+            )
         bad = [k for k in self.k if k < 1 or k > self.num_rollouts]
         if bad:
             raise ValueError(f"--k {bad}: each k must be between 1 and --num-rollouts ({self.num_rollouts})")
@@ -161,47 +189,128 @@ class EvalResult:
     rollouts_per_minute: float
 
 
-class _LocalPolicy:
-    """A checkpoint generating in this process: the chat template renders the tools, TRL's
-    ``parse_response`` reads the tool calls back (one generation at a time, under a lock)."""
+class LocalPolicy:
+    """A model generating in this process: the chat template renders the tools, TRL's
+    ``parse_response`` reads the tool calls back, as in training.
 
-    def __init__(self, model: str) -> None:
-        import threading
+    Args:
+        model: A causal LM (e.g. ``trainer.model``).
+        tokenizer: Its tokenizer, with the chat template to use; a response parser is added for
+            TRL's known templates when it has none.
+    """
 
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(self, model: Any, tokenizer: Any) -> None:
         from trl.chat_template_utils import add_response_schema
 
-        self.torch = torch
-        self.tokenizer = add_response_schema(AutoTokenizer.from_pretrained(model))
-        self.model = AutoModelForCausalLM.from_pretrained(model)
-        self.model.eval()
-        self.lock = threading.Lock()
+        if (
+            getattr(tokenizer, "response_template", None) is None
+            and getattr(tokenizer, "response_schema", None) is None
+        ):
+            try:
+                tokenizer = add_response_schema(tokenizer)
+            except ValueError:
+                pass  # an unknown template: replies are read as text (no tool calls), as TRL would
+        self.model = model
+        self.tokenizer = tokenizer
 
-    def chat(self, messages: list[dict], tools: list[dict], temperature: float, max_tokens: int) -> dict:
+    @classmethod
+    def from_pretrained(cls, model: str, chat_template: str | None = None) -> LocalPolicy:
+        """Load a checkpoint (hub id or path) for CPU or GPU generation.
+
+        Args:
+            model: The checkpoint.
+            chat_template: A TRL template name or a Jinja file replacing the tokenizer's (``None``: keep it).
+
+        Returns:
+            The policy.
+
+        Raises:
+            OSError: When the checkpoint cannot be loaded.
+            ValueError: For a bad ``chat_template``.
+        """
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        if chat_template is not None:
+            from trl_harbor.prompting import resolve_chat_template
+
+            tokenizer.chat_template = resolve_chat_template(chat_template, option="--chat-template")
+        loaded = AutoModelForCausalLM.from_pretrained(model)
+        if torch.cuda.is_available():
+            loaded = loaded.to("cuda")
+        return cls(loaded, tokenizer)
+
+    def chat_batch(
+        self,
+        conversations: Sequence[list[dict]],
+        tools: list[dict],
+        config: EvalConfig,
+    ) -> list[dict]:
+        """Generate one assistant turn for each conversation, ``config.batch_size`` at a time.
+
+        Args:
+            conversations: OpenAI-style messages per rollout (tool-call arguments as JSON strings).
+            tools: The harness's tool schemas.
+            config: Sampling settings (``temperature``, ``top_p``, ``top_k``, ``max_tokens``, ``batch_size``).
+
+        Returns:
+            One OpenAI-style assistant message per conversation, in order.
+        """
+        import torch
         from trl.chat_template_utils import parse_response
 
-        rendered = []
-        for message in messages:  # the chat template wants tool-call arguments as objects
-            if message.get("tool_calls"):
-                calls = [
-                    {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                    for c in message["tool_calls"]
-                ]
-                message = {**message, "tool_calls": calls}
-            rendered.append(message)
-        prompt = self.tokenizer.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=True)
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
-        with self.lock, self.torch.no_grad():
-            output = self.model.generate(
-                self.torch.tensor([prompt]),
-                do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None,
-                max_new_tokens=max_tokens,
-                pad_token_id=self.tokenizer.pad_token_id,
+        prompts = []
+        for messages in conversations:
+            rendered = []
+            for message in messages:  # chat templates want tool-call arguments as objects
+                if message.get("tool_calls"):
+                    calls = [
+                        {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                        for c in message["tool_calls"]
+                    ]
+                    message = {**message, "tool_calls": calls}
+                rendered.append(message)
+            ids = self.tokenizer.apply_chat_template(
+                rendered, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
             )
-        ids = output[0, len(prompt) :].tolist()
-        parsed = parse_response(self.tokenizer, ids, prefix=prompt, tools=tools)
+            prompts.append(list(ids))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id
+        device = next(self.model.parameters()).device
+        sampling: dict[str, Any] = {"do_sample": False}
+        if config.temperature > 0:
+            sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p,
+                        "top_k": config.top_k or 0}  # fmt: skip
+        was_training = self.model.training
+        self.model.eval()
+        replies: list[dict] = []
+        try:
+            for start in range(0, len(prompts), config.batch_size):
+                chunk = prompts[start : start + config.batch_size]
+                width = max(len(p) for p in chunk)
+                input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+                with torch.no_grad():
+                    output = self.model.generate(
+                        input_ids=input_ids,
+                        attention_mask=mask,
+                        max_new_tokens=config.max_tokens,
+                        pad_token_id=pad,
+                        eos_token_id=eos,
+                        use_cache=True,
+                        **sampling,
+                    )
+                for prompt, row in zip(chunk, output[:, width:].tolist(), strict=True):
+                    if eos in row:
+                        row = row[: row.index(eos) + 1]
+                    replies.append(self._reply(parse_response(self.tokenizer, row, prefix=prompt, tools=tools)))
+        finally:
+            self.model.train(was_training)
+        return replies
+
+    @staticmethod
+    def _reply(parsed: dict) -> dict:
         calls = [
             {"id": f"call_{i}", "type": "function",
              "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"].get("arguments", {}))}}
@@ -210,22 +319,17 @@ class _LocalPolicy:
         return {"role": "assistant", "content": parsed.get("content"), **({"tool_calls": calls} if calls else {})}
 
 
-_LOCAL: dict[str, _LocalPolicy] = {}
+_LOCAL: dict[tuple[str, str | None], LocalPolicy] = {}
 
 
 def _chat(config: EvalConfig, messages: list[dict], tools: list[dict]) -> dict:
-    if config.base_url is None:
-        try:
-            policy = _LOCAL[config.model]
-        except KeyError:
-            raise EndpointError(f"the local model {config.model!r} is not loaded") from None
-        return policy.chat(messages, tools, config.temperature, config.max_tokens)
     body = {
         "model": config.model,
         "messages": messages,
         "tools": tools,
         "temperature": config.temperature,
         "max_tokens": config.max_tokens,
+        **({"top_p": config.top_p} if config.top_p < 1 else {}),
     }
     api_key = config.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Content-Type": "application/json"}
@@ -247,48 +351,92 @@ def _chat(config: EvalConfig, messages: list[dict], tools: list[dict]) -> dict:
         raise EndpointError(f"{url}: the answer has no choices[0].message: {str(payload)[:300]}") from exc
 
 
+def _prefix(config: EvalConfig) -> list[dict]:
+    from trl_harbor.prompting import openai_messages, prompt_prefix
+
+    return openai_messages(prompt_prefix(config.system_prompt, config.few_shot))
+
+
+def _run_calls(tools: dict[str, Callable[..., Any]], reply: dict) -> list[dict]:
+    """Run an assistant message's tool calls in the sandbox; return the tool messages."""
+    results = []
+    for call in reply.get("tool_calls") or []:
+        function = call.get("function") or {}
+        name = function.get("name")
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+            if not isinstance(arguments, dict):
+                raise ValueError("arguments must be a JSON object")
+            output = str(tools[name](**arguments)) if name in tools else f"Error: no tool named {name!r}"
+        except (ValueError, TypeError) as exc:
+            output = f"Error: bad arguments for {name}: {exc}"
+        results.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name, "content": output})
+    return results
+
+
+def _assistant(reply: dict) -> dict:
+    return {"role": "assistant", **{k: v for k, v in reply.items() if k in ("content", "tool_calls")}}
+
+
 def _rollout(config: EvalConfig, factory: Callable[[], Any], row: dict) -> tuple[Any, list[dict], str | None]:
-    """Run one rollout; return its environment, its messages and an endpoint error (or ``None``)."""
+    """Run one rollout against the endpoint; return its environment, its messages and an endpoint error."""
     env = factory()
     prompt = env.reset(**row)
     tools, schemas = tool_schemas(env)
-    messages: list[dict] = [{"role": "user", "content": prompt}]
+    messages: list[dict] = [*_prefix(config), {"role": "user", "content": prompt}]
     try:
         for _ in range(config.max_turns):
             reply = _chat(config, messages, schemas)
-            calls = reply.get("tool_calls") or []
-            kept = {k: v for k, v in reply.items() if k in ("content", "tool_calls")}
-            messages.append({"role": "assistant", **kept})
-            if not calls:
+            messages.append(_assistant(reply))
+            if not reply.get("tool_calls"):
                 break
-            for call in calls:
-                function = call.get("function") or {}
-                name = function.get("name")
-                try:
-                    arguments = json.loads(function.get("arguments") or "{}")
-                    if not isinstance(arguments, dict):
-                        raise ValueError("arguments must be a JSON object")
-                    output = str(tools[name](**arguments)) if name in tools else f"Error: no tool named {name!r}"
-                except (ValueError, TypeError) as exc:
-                    output = f"Error: bad arguments for {name}: {exc}"
-                messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name, "content": output})
+            messages.extend(_run_calls(tools, reply))
     except EndpointError as exc:
         return env, messages, str(exc)
     return env, messages, None
 
 
-def evaluate(config: EvalConfig, on_done: Callable[[int], None] | None = None) -> EvalResult:
-    """Evaluate the endpoint's model on the suite; write ``eval.json`` and ``trajectories.jsonl``.
+def _rollouts_in_step(
+    config: EvalConfig, policy: LocalPolicy, factory: Callable[[], Any], rows: Sequence[dict], pool: ThreadPoolExecutor
+) -> list[tuple[Any, list[dict], str | None]]:
+    """Every rollout's turn generated in one batch, tool calls run at once, until all are done."""
+    envs = [factory() for _ in rows]
+    prefix = _prefix(config)
+    conversations = [
+        [*prefix, {"role": "user", "content": env.reset(**row)}] for env, row in zip(envs, rows, strict=True)
+    ]
+    schemas = tool_schemas(envs[0])[1] if envs else []
+    env_tools = [tool_schemas(env)[0] for env in envs]
+    active = list(range(len(envs)))
+    for _ in range(config.max_turns):
+        if not active:
+            break
+        replies = policy.chat_batch([conversations[i] for i in active], schemas, config)
+        for i, reply in zip(active, replies, strict=True):
+            conversations[i].append(_assistant(reply))
+        active = [i for i, reply in zip(active, replies, strict=True) if reply.get("tool_calls")]
+        outputs = pool.map(lambda i: _run_calls(env_tools[i], conversations[i][-1]), active)
+        for i, results in zip(active, outputs, strict=True):
+            conversations[i].extend(results)
+    return [(env, messages, None) for env, messages in zip(envs, conversations, strict=True)]
+
+
+def evaluate(
+    config: EvalConfig, on_done: Callable[[int], None] | None = None, policy: LocalPolicy | None = None
+) -> EvalResult:
+    """Evaluate a model on the suite; write ``eval.json`` and ``trajectories.jsonl``.
 
     Args:
         config: What to run.
         on_done: Called with the number of rollouts after each finished one (progress).
+        policy: A model in memory to evaluate (``config.model`` then only names it); ``None``:
+            the endpoint at ``config.base_url``, or ``config.model`` loaded locally.
 
     Returns:
         The result.
 
     Raises:
-        ValueError: For a bad suite, harness or selection.
+        ValueError: For a bad suite, harness, selection, chat template or few-shot example.
     """
     from trl_harbor import HarborSpec, release
     from trl_harbor.trajectories import TrajectoryLog
@@ -301,11 +449,18 @@ def evaluate(config: EvalConfig, on_done: Callable[[int], None] | None = None) -
         indices=config.indices,
         options=config.options,
     )
-    if config.base_url is None and config.model not in _LOCAL:
-        try:
-            _LOCAL[config.model] = _LocalPolicy(config.model)
-        except OSError as exc:
-            raise ValueError(f"--model {config.model!r} (no --base-url): cannot load it locally: {exc}") from exc
+    if config.few_shot:
+        from trl_harbor.prompting import check_few_shot_tools, tool_names
+
+        check_few_shot_tools(config.few_shot, tool_names(spec.env_cls), config.agent)
+    if policy is None and config.base_url is None:
+        key = (config.model, config.chat_template)
+        if key not in _LOCAL:
+            try:
+                _LOCAL[key] = LocalPolicy.from_pretrained(config.model, config.chat_template)
+            except OSError as exc:
+                raise ValueError(f"--model {config.model!r} (no --base-url): cannot load it locally: {exc}") from exc
+        policy = _LOCAL[key]
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     log = TrajectoryLog(output_dir / "trajectories.jsonl", environment_type=config.environment_type)
@@ -315,19 +470,31 @@ def evaluate(config: EvalConfig, on_done: Callable[[int], None] | None = None) -
     jobs = [(row, i) for row in rows for i in range(config.num_rollouts)]
     outcomes: dict[str, list[tuple[float | None, int]]] = {Path(row["task_dir"]).name: [] for row in rows}
 
-    def one(row: dict, index: int) -> tuple[str, float | None, int]:
-        env, messages, endpoint_error = _rollout(config, factory, row)
+    skip = len(_prefix(config)) + 1  # the log keeps what follows the task's own message
+
+    def finish(row: dict, index: int, env: Any, messages: list[dict], endpoint_error: str | None):
         reward = None if endpoint_error else env.reward
-        calls = sum(len(m.get("tool_calls") or []) for m in messages if m["role"] == "assistant")
+        calls = sum(len(m.get("tool_calls") or []) for m in messages[skip:] if m["role"] == "assistant")
         extra = {"rollout": index, "endpoint_error": endpoint_error, "model": config.model}
-        log.write([env], [reward], [messages[1:]], extra=[extra])
+        log.write([env], [reward], [messages[skip:]], extra=[extra])
         release(env)  # stop the sandbox now, not when the instance is collected
         return Path(row["task_dir"]).name, reward, calls
+
+    def one(row: dict, index: int) -> tuple[str, float | None, int]:
+        return finish(row, index, *_rollout(config, factory, row))
 
     start = time.monotonic()
     try:
         with ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="trl-harbor-eval") as pool:
-            futures = [pool.submit(one, row, i) for row, i in jobs]
+            if policy is not None:
+                if config.seed is not None:
+                    import torch
+
+                    torch.manual_seed(config.seed)
+                played = _rollouts_in_step(config, policy, factory, [row for row, _ in jobs], pool)
+                futures = [pool.submit(finish, row, i, *done) for (row, i), done in zip(jobs, played, strict=True)]
+            else:
+                futures = [pool.submit(one, row, i) for row, i in jobs]
             for future in as_completed(futures):
                 task, reward, calls = future.result()
                 outcomes[task].append((reward, calls))

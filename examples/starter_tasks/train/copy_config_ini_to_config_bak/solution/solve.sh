@@ -1,0 +1,3 @@
+#!/bin/bash
+# Reference solution (oracle).
+cp /workdir/config.ini /workdir/config.bak

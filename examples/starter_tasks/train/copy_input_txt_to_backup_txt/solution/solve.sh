@@ -1,0 +1,3 @@
+#!/bin/bash
+# Reference solution (oracle).
+cp /workdir/input.txt /workdir/backup.txt

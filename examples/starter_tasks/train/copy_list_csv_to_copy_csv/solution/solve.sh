@@ -1,0 +1,3 @@
+#!/bin/bash
+# Reference solution (oracle).
+cp /workdir/list.csv /workdir/copy.csv

@@ -1,0 +1,3 @@
+#!/bin/bash
+# Reference solution (oracle).
+mkdir /workdir/logs

@@ -1,0 +1,3 @@
+#!/bin/bash
+# Reference solution (oracle).
+echo 315 > /workdir/number.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+# Reference solution (oracle).
+echo 7 > /workdir/answer.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+# Reference solution (oracle).
+echo 88 > /workdir/value.txt

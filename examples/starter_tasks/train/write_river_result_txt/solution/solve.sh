@@ -1,0 +1,3 @@
+#!/bin/bash
+# Reference solution (oracle).
+echo river > /workdir/result.txt
