@@ -43,6 +43,8 @@ from trl_harbor import progress
 if TYPE_CHECKING:
     from trl import GRPOConfig
 
+    from trl_harbor.options import HarborOptions
+
 __all__ = [
     "DEFAULT_RUN",
     "DEFAULT_SYSTEM_PROMPT",
