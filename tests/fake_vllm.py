@@ -87,4 +87,6 @@ class FakeVLLM:
                     },
                 }
             )
-        return web.json_response({"id": "cmpl-fake", "object": "text_completion", "model": self.model_name, "choices": choices})
+        return web.json_response(
+            {"id": "cmpl-fake", "object": "text_completion", "model": self.model_name, "choices": choices}
+        )

@@ -17,9 +17,7 @@ ANSWER = "51.46"
 
 #: The layer that gives the bundled task's image tmux (Terminus-2 drives the terminal with it).
 TMUX_LAYER = (
-    "RUN apt-get update \\\n"
-    " && apt-get install -y --no-install-recommends tmux \\\n"
-    " && rm -rf /var/lib/apt/lists/*\n\n"
+    "RUN apt-get update \\\n && apt-get install -y --no-install-recommends tmux \\\n && rm -rf /var/lib/apt/lists/*\n\n"
 )
 
 
@@ -93,7 +91,7 @@ def terminus_prompt_corpus() -> list[str]:
         (REPO / "examples" / "tasks" / TASK / "instruction.md").read_text(),
         "Current terminal state:\nNew Terminal Output:\nroot@building-b-humidity:/workdir# \n"
         "Are you sure you want to mark the task as complete? This will trigger your solution to be graded "
-        "and you won't be able to make any further corrections. If so, include \"task_complete\": true in "
+        'and you won\'t be able to make any further corrections. If so, include "task_complete": true in '
         "your JSON response again.",
     ]
 

@@ -80,7 +80,9 @@ def test_turns_extend_token_for_token_and_harbor_records_the_same_ids(policy) ->
     for previous, turn in zip(turns, turns[1:], strict=False):
         assert turn.prompt_ids == previous.prompt_ids + previous.completion_ids + turn.bridge_ids
         assert turn.completion_ids[-1] == tokenizer.eos_token_id  # max_tokens=1 was ignored: two tokens
-    assert tokenizer.decode(turns[1].bridge_ids) == "\n<|im_start|>user\nobservation 1<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tokenizer.decode(turns[1].bridge_ids) == "\n<|im_start|>user\nobservation 1<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert route.overridden == {"temperature": 3, "max_tokens": 3}
     detail = chat.rollout_details[0]
     assert detail["prompt_token_ids"] == [t.prompt_ids for t in turns]
@@ -162,10 +164,18 @@ def test_forks_and_retries_are_counted_not_hidden(policy) -> None:
             status, _ = await _post(route.url, {"messages": first})  # the same request again: a retry
             assert status == 200 and route.trace.retries == 1 and len(route.trace.turns) == 1
             reply = route.trace.turns[0].text
-            edited = [*first, {"role": "assistant", "content": reply + " (edited)"}, {"role": "user", "content": "go on"}]
+            edited = [
+                *first,
+                {"role": "assistant", "content": reply + " (edited)"},
+                {"role": "user", "content": "go on"},
+            ]
             status, _ = await _post(route.url, {"messages": edited})  # the agent rewrote the reply: a fork
             assert status == 200
-            extended = [*edited, {"role": "assistant", "content": route.trace.turns[-1].text}, {"role": "user", "content": "more"}]
+            extended = [
+                *edited,
+                {"role": "assistant", "content": route.trace.turns[-1].text},
+                {"role": "user", "content": "more"},
+            ]
             status, _ = await _post(route.url, {"messages": extended})  # extends the new segment
             assert status == 200
             shorter = [{"role": "user", "content": "start over"}]
@@ -213,7 +223,9 @@ def test_http_errors(policy) -> None:
 
     async def go():
         async with serving(endpoint):
-            assert (await _post(f"{endpoint.base_url}/r/nope/v1", {"messages": [{"role": "user", "content": "x"}]}))[0] == 404
+            assert (await _post(f"{endpoint.base_url}/r/nope/v1", {"messages": [{"role": "user", "content": "x"}]}))[
+                0
+            ] == 404
             route = endpoint.open_route()
             status, body = await _post(route.url, {"messages": []})
             assert status == 400 and "malformed" in body["error"]["message"]
