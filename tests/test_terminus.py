@@ -188,3 +188,66 @@ def test_terminus_without_tmux_is_a_configuration_error(bundled_suite: Path) -> 
         runtime.run(endpoint.stop())
     assert rollout.run.ended == "not_started" and rollout.turns == 0
     assert rollout.reward is None and "no tmux" in rollout.infra_error and "apt-get install" in rollout.infra_error
+
+
+@pytest.mark.slow
+def test_trl_harbor_train_runs_terminus(suite: Path, tmp_path: Path) -> None:
+    """``trl-harbor train --agent terminus-2 --model CHECKPOINT``: TRL's rollout_func path from the command line."""
+    import json
+
+    from trl_harbor.cli import main as cli_main
+    from trl_harbor.trajectories import read_trajectories
+
+    model, tokenizer = scripted_policy([RIGHT, WRONG])
+    checkpoint = tmp_path / "policy"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    out = tmp_path / "run"
+    argv = [
+        "train", "--model", str(checkpoint), "--agent", "terminus-2", "--dataset", str(suite),
+        "--environment_type", "local", "--num_generations", "2", "--per_device_train_batch_size", "2",
+        "--max_steps", "1", "--max_completion_length", "1024", "--max_tool_calling_iterations", "3",
+        "--use_cpu", "--report_to", "none", "--save_strategy", "no", "--output_dir", str(out),
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    lines = read_trajectories(out / "trajectories.jsonl")
+    assert len(lines) == 2
+    assert all(line["harness"] == "terminus-2" and line["turns"] >= 2 and line["forks"] == [] for line in lines)
+    assert {line["reward"] for line in lines} <= {0.0, 1.0}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["rollouts"] == 2
+
+
+def test_spec_selects_terminus_and_refuses_what_it_cannot_run(copy_tasks, tmp_path: Path) -> None:
+    from trl_harbor import HarborSpec
+    from trl_harbor.agents import resolve_agent
+    from trl_harbor.loop import loop_reward
+    from trl_harbor.mix import HarborMixError
+    from trl_harbor.suite import TaskSuiteError
+
+    suite = copy_tasks(TASK)
+    spec = HarborSpec(suite, agent="Terminus-2", environment_type="local", env_kwargs={"max_turns": 5})
+    assert spec.loop_agent == "terminus-2" and spec.env_cls is None and spec.environment_factory is None
+    assert spec.agent_options.max_turns == 5 and spec.reward_funcs is loop_reward
+    [prompt] = spec.train_dataset["prompt"]
+    assert prompt[0]["task_dir"] == str(suite / TASK) and prompt[0]["content"].startswith("# March humidity")
+    assert HarborSpec(suite, environment_type="local").rollout_func is None
+    with pytest.raises(TypeError, match="unknown Terminus-2 option"):
+        HarborSpec(suite, agent="terminus-2", env_kwargs={"max_turn": 5})
+    with pytest.raises(ValueError, match="reward_source"):
+        HarborSpec(suite, agent="terminus-2", reward_source="environment")
+    with pytest.raises(ValueError, match="loop-owning agent"):
+        resolve_agent("terminus-2")
+    with pytest.raises(HarborMixError, match="cannot be mixed"):
+        HarborSpec.mix([spec, HarborSpec(suite, environment_type="local")])
+    steps = tmp_path / "steps"
+    (steps / "two").mkdir(parents=True)
+    (steps / "two" / "task.toml").write_text('version = "1.0"\n\n[[steps]]\nname = "a"\n\n[[steps]]\nname = "b"\n')
+    for name in ("a", "b"):
+        (steps / "two" / "steps" / name / "tests").mkdir(parents=True)
+        (steps / "two" / "steps" / name / "instruction.md").write_text("do it")
+        (steps / "two" / "steps" / name / "tests" / "test.sh").write_text("#!/bin/sh\n")
+    (steps / "two" / "environment").mkdir()
+    (steps / "two" / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\n")
+    with pytest.raises(TaskSuiteError, match="single-step tasks only"):
+        HarborSpec(steps, agent="terminus-2", environment_type="local")

@@ -116,7 +116,8 @@ class HarborTrainArguments:
         dataset_weights: With several suites, how often each one's rows come (default: equal;
             they need not sum to 1).
         agent: The harness: ``bash``, ``jupyter``, ``terminal_notes``, ``pkg.mod:Class`` or
-            ``path/to/file.py:Class``.
+            ``path/to/file.py:Class``; or ``terminus-2`` (Harbor's Terminus-2, a loop-owning agent:
+            its turns are ``--max_tool_calling_iterations``, its token budget ``--max_completion_length``).
         environment_type: Harbor sandbox backend: ``local``, ``docker``, ``e2b``, ...,
             or ``module:Class``.
         ek: Backend options as ``key=value`` (``--ek root=host``: the local sandbox on the host root).
@@ -140,7 +141,7 @@ class HarborTrainArguments:
         default=None, metadata={"help": "with several --dataset: the weight of each (default: equal)"}
     )
     agent: str = field(
-        default="bash", metadata={"help": "harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls"}
+        default="bash", metadata={"help": "harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls; or terminus-2"}
     )
     environment_type: str = field(default="local", metadata={"help": "sandbox backend: local, docker, e2b, mod:Cls"})
     ek: list[str] = field(
@@ -363,6 +364,8 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
         ]
         if len(specs) > 1 and demo:
             raise TrainSetupError("the demo run plays one suite; pass --model to train on several --dataset")
+        if demo and specs[0].loop_agent is not None:
+            raise TrainSetupError(f"the demo policy plays the bash harness, not {harbor.agent}; pass --model")
         spec = specs[0] if len(specs) == 1 else HarborSpec.mix(specs, harbor.dataset_weights, seed=config.seed)
         policy = _build_demo(spec, seed=config.seed) if demo else None
     except (ValueError, TypeError, FileNotFoundError, BackendUnavailableError) as exc:
@@ -384,12 +387,14 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
                  f"backend {harbor.environment_type}")  # fmt: skip
         model, tokenizer = harbor.model, None
     environment_factory = spec.environment_factory
+    rollout_func = getattr(spec, "rollout_func", None)  # a loop-owning agent (terminus-2) runs as TRL's rollout_func
     reward_funcs = spec.reward_funcs
     log = None
     if harbor.trajectories:
         log = TrajectoryLog(output_dir / "trajectories.jsonl", environment_type=harbor.environment_type)
         log.path.unlink(missing_ok=True)  # one run, one log
-        environment_factory = log.environment_factory(environment_factory)
+        if environment_factory is not None:
+            environment_factory = log.environment_factory(environment_factory)
         reward_funcs = log.reward_func(reward_funcs)
     torch.manual_seed(config.seed)
     trainer = GRPOTrainer(
@@ -398,6 +403,7 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
         args=config,
         train_dataset=spec.train_dataset,
         environment_factory=environment_factory,
+        rollout_func=rollout_func,
         reward_funcs=reward_funcs,
     )
     total = trainer.args.max_steps if trainer.args.max_steps > 0 else None
@@ -414,6 +420,8 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
     finally:
         progress.set_reporter(previous)
         close_all()
+        if rollout_func is not None:
+            rollout_func.close()  # the capture endpoint
     seconds = time.monotonic() - start
     trainer.save_model(str(output_dir))  # `trl-harbor eval --model OUTPUT_DIR` evaluates it
     history = trainer.state.log_history
