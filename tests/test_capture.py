@@ -202,6 +202,7 @@ def test_drift_shows_what_retokenising_would_have_changed(policy) -> None:
             chat = _harbor_chat(route.url)
             await chat.chat("one")
             await chat.chat("two")
+            await endpoint.settle(route)  # drift is measured after the reply
             return route
 
     route = runtime.run(go())

@@ -69,7 +69,9 @@ __all__ = [
     "LoopRollout",
     "LoopRolloutFunc",
     "loop_agent_name",
+    "loop_metrics",
     "loop_reward",
+    "task_dir_of",
 ]
 
 #: Loop-owning agents selectable by name (every accepted spelling) and the agent each one names.
@@ -285,7 +287,7 @@ class LoopRolloutFunc:
         """
         endpoint = self.endpoint_for(trainer)
         args = trainer.args
-        task_dirs = [_task_dir(prompt) for prompt in prompts]
+        task_dirs = [task_dir_of(prompt) for prompt in prompts]
         max_turns = self.agent_options.max_turns or args.max_tool_calling_iterations or DEFAULT_MAX_TURNS
         step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
         rank = int(getattr(getattr(trainer, "accelerator", None), "process_index", 0) or 0)
@@ -373,6 +375,7 @@ class LoopRolloutFunc:
         finally:
             endpoint.close_route(route)
             await episode.stop()
+            await endpoint.settle(route)
             result.seconds = round(time.monotonic() - result._t0, 3)
         result.row = route.trace.row(0)
         if route.trace.forks and self.fork_policy == "skip":
@@ -416,7 +419,12 @@ def default_sampler(trainer: Any, sampling: SamplingParams) -> Sampler:
     return ModelSampler(model, stop, sampling)
 
 
-def _task_dir(prompt: Any) -> str:
+def task_dir_of(prompt: Any) -> str:
+    """The task folder a loop spec's prompt carries (its message's ``task_dir``).
+
+    Raises:
+        ValueError: For a prompt that carries none.
+    """
     for message in prompt if isinstance(prompt, list) else []:
         if isinstance(message, dict) and message.get("task_dir"):
             return str(message["task_dir"])

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trl_harbor.capture.samplers import Generation, GenerationRequest, Sampler, SamplingParams, derive_seed
-from trl_harbor.capture.trace import Renderer, Trace, Turn
+from trl_harbor.capture.trace import Pending, Renderer, Trace, Turn, drift
 
 __all__ = ["CaptureEndpoint", "Route", "serving"]
 
@@ -92,6 +92,7 @@ class Route:
     sample_seconds: float = 0.0
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _failed: asyncio.Event = field(default_factory=asyncio.Event)
+    _checks: set[asyncio.Future[None]] = field(default_factory=set)
 
     async def wait_failed(self) -> None:
         """Return once the policy backend failed on this route (never, if it does not)."""
@@ -145,8 +146,8 @@ class CaptureEndpoint:
     """An OpenAI-compatible chat-completions server on loopback, one route per rollout.
 
     Start it on the event loop the agents run on (:meth:`start`), open a route per rollout
-    (:meth:`open_route`), give the agent ``route.url``, read ``route.trace`` when the rollout is
-    over, and :meth:`close_route`.
+    (:meth:`open_route`), give the agent ``route.url``; when the rollout is over, :meth:`close_route`,
+    ``await`` :meth:`settle` and read ``route.trace``.
 
     Args:
         sampler: The policy backend (:class:`~.samplers.ModelSampler`, :class:`~.samplers.VLLMSampler`).
@@ -154,7 +155,8 @@ class CaptureEndpoint:
         sampling: How to sample (pinned: the agent's parameters are ignored).
         model_name: The model name the endpoint reports.
         max_model_len: The policy's context (prompt and completion); ``None``: unbounded.
-        check_drift: Measure on every turn what re-tokenising the agent's history would change.
+        check_drift: Measure on every turn what re-tokenising the agent's history would change (after
+            the reply, on a copy of the tokenizer: it does not delay the agent; :meth:`settle` waits for it).
         host: The address to bind (loopback).
         port: The port (0: a free one).
     """
@@ -183,6 +185,7 @@ class CaptureEndpoint:
         self.base_url: str | None = None
         self._runner: Any = None
         self._dispatcher: _Dispatcher | None = None
+        self._drift_renderer: Renderer | None = None
 
     @property
     def running(self) -> bool:
@@ -242,7 +245,7 @@ class CaptureEndpoint:
         route = Route(
             route_id,
             f"{self.base_url}/r/{route_id}/v1",
-            Trace(self.renderer, check_drift=self.check_drift),
+            Trace(self.renderer, check_drift=False),  # measured here, after each reply
             budget=budget,
             seed=seed,
             label=label,
@@ -319,10 +322,24 @@ class CaptureEndpoint:
             route.sample_seconds += time.perf_counter() - began
         turn = route.trace.commit(pending, generation.completion_ids, generation.logprobs, generation.finish_reason)
         route.calls += 1
+        if self.check_drift and pending.kind == "extend":  # diagnostic: measured after the reply, on its own tokenizer
+            job = asyncio.ensure_future(asyncio.to_thread(self._measure_drift, turn, pending))
+            route._checks.add(job)
+            job.add_done_callback(route._checks.discard)
         return web.json_response(self._completion(route, turn))
 
+    def _measure_drift(self, turn: Turn, pending: Pending) -> None:
+        if self._drift_renderer is None:
+            self._drift_renderer = self.renderer.copy()
+        turn.drift = drift(self._drift_renderer, pending)
+
+    async def settle(self, route: Route) -> None:
+        """Wait until the route's trace is complete (its drift checks done); call before reading it."""
+        while route._checks:
+            await asyncio.gather(*list(route._checks), return_exceptions=True)
+
     def _completion(self, route: Route, turn: Turn) -> dict[str, Any]:
-        tokens = self.renderer.tokenizer.convert_ids_to_tokens(turn.completion_ids)
+        tokens = self.renderer.token_strings(turn.completion_ids)
         return {
             "id": f"chatcmpl-{route.id}-{route.calls}",
             "object": "chat.completion",

@@ -21,16 +21,18 @@ the messages, a new segment starts, and the fork is counted with where and why. 
 repeats the previous one exactly is a **retry** (the agent never saw the reply): its turn is
 sampled again in place. For every extending turn the trace also measures **drift**: how many
 tokens a re-tokenisation of the agent's messages would have got wrong — the bug that
-token-in/token-out avoids, made visible.
+token-in/token-out avoids, made visible (:func:`drift`; the capture endpoint measures it off the
+reply's critical path).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Fork", "Pending", "Renderer", "Row", "Trace", "Turn"]
+__all__ = ["Fork", "Pending", "Renderer", "Row", "Trace", "Turn", "common_prefix", "drift"]
 
 #: An assistant message's content that no real conversation contains (locates a turn's end).
 _SENTINEL = "\x00trl-harbor-capture-sentinel\x00"
@@ -70,6 +72,7 @@ class Renderer:
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.lock = threading.Lock()  # a fast tokenizer must not be used by two threads at once
         self.kwargs = dict(chat_template_kwargs or {})
         self.eos_text: str = tokenizer.eos_token
         self.eos_id: int = tokenizer.convert_tokens_to_ids(self.eos_text)
@@ -80,14 +83,22 @@ class Renderer:
                 f"{self.eos_text!r} right after the content; token-in/token-out cannot cut a bridge"
             )
 
+    def copy(self) -> Renderer:
+        """The same template on a copy of the tokenizer (for another thread, without waiting on this one)."""
+        import copy
+
+        return Renderer(copy.deepcopy(self.tokenizer), self.kwargs)
+
     def _text(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs
-        )
+        with self.lock:
+            return self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs
+            )
 
     def encode(self, text: str) -> list[int]:
         """Tokens of a rendered text (no special tokens added: the template wrote them)."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        with self.lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The template's rendering of ``messages`` with the generation prompt, as tokens."""
@@ -114,7 +125,13 @@ class Renderer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of sampled tokens, as the agent gets it (special tokens skipped)."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        with self.lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary's strings of some tokens (for per-token log-probability entries)."""
+        with self.lock:
+            return [str(t) for t in self.tokenizer.convert_ids_to_tokens(list(ids))]
 
 
 @dataclass
@@ -253,11 +270,10 @@ class Trace:
             if not last.completion_ids or last.completion_ids[-1] != renderer.eos_id:
                 bridge = [renderer.eos_id, *bridge]  # a reply cut by its budget: the template closes the turn
             ids = [*self.tokens, *bridge]
-            drift = None
+            pending = Pending("extend", ids, bridge, request)
             if self.check_drift:
-                full = renderer.prompt(request)
-                drift = max(len(full), len(ids)) - common_prefix(full, ids)
-            return Pending("extend", ids, bridge, request, drift=drift)
+                pending.drift = drift(renderer, pending)
+            return pending
         ids = renderer.prompt(request)
         return Pending("fork", ids, ids, request, reason=_divergence(expected, request))
 
@@ -334,6 +350,20 @@ class Trace:
             mask += [1] * len(turn.completion_ids)
             logprobs += turn.logprobs
         return Row(prompt, ids, mask, logprobs)
+
+
+def drift(renderer: Renderer, pending: Pending) -> int:
+    """How many tokens of an extending turn's prompt a re-tokenisation of the agent's messages changes.
+
+    Args:
+        renderer: The chat template (its own tokenizer: this may run on another thread).
+        pending: The turn's prepared prompt.
+
+    Returns:
+        The length past the longest common prefix of the two (0: re-tokenising would be right).
+    """
+    full = renderer.prompt(pending.messages)
+    return max(len(full), len(pending.prompt_ids)) - common_prefix(full, pending.prompt_ids)
 
 
 def _divergence(expected: list[dict[str, Any] | None], request: list[dict[str, Any]]) -> str:
