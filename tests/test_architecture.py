@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"preflight"},
     {"rollout"},
     {"env", "terminus"},
-    {"rewards", "harnesses", "agents", "loop"},
+    {"rewards", "harnesses", "agents", "loop", "loop_async"},
     {"spec"},
     {"mix", "trajectories", "trainer"},
     {"check", "evaluate"},

@@ -232,6 +232,18 @@ def test_spec_selects_terminus_and_refuses_what_it_cannot_run(copy_tasks, tmp_pa
     [prompt] = spec.train_dataset["prompt"]
     assert prompt[0]["task_dir"] == str(suite / TASK) and prompt[0]["content"].startswith("# March humidity")
     assert HarborSpec(suite, environment_type="local").rollout_func is None
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from trl_harbor.capture import VLLMSampler
+    from trl_harbor.loop_async import HarborRolloutWorker
+
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "async"), vllm_server_base_url="http://127.0.0.1:9", num_generations=4,
+        max_completion_length=2048, max_tool_calling_iterations=7, report_to="none", use_cpu=True,
+    )  # fmt: skip
+    worker = HarborRolloutWorker.from_config(spec, args, scripted_policy([RIGHT])[1])
+    assert isinstance(worker.sampler, VLLMSampler) and worker.sampler.base_url == "http://127.0.0.1:9"
+    assert (worker.max_turns, worker.budget, worker.num_generations) == (5, 2048, 4)  # the spec's max_turns wins
     with pytest.raises(TypeError, match="unknown Terminus-2 option"):
         HarborSpec(suite, agent="terminus-2", env_kwargs={"max_turn": 5})
     with pytest.raises(ValueError, match="reward_source"):
@@ -251,3 +263,48 @@ def test_spec_selects_terminus_and_refuses_what_it_cannot_run(copy_tasks, tmp_pa
     (steps / "two" / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\n")
     with pytest.raises(TaskSuiteError, match="single-step tasks only"):
         HarborSpec(steps, agent="terminus-2", environment_type="local")
+
+
+@pytest.mark.slow
+def test_async_grpo_worker_puts_scored_rows_on_its_buffer(suite: Path) -> None:
+    """The AsyncGRPO rollout worker (``AsyncGRPOTrainer`` itself needs a GPU: FlashAttention-3 tree attention)."""
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    from trl_harbor import HarborSpec
+    from trl_harbor.capture import ModelSampler, SamplingParams
+    from trl_harbor.loop_async import HarborRolloutWorker
+
+    model, tokenizer = scripted_policy([RIGHT, WRONG])
+    spec = HarborSpec(suite, agent="terminus-2", environment_type="local", env_kwargs={"pane_height": 8})
+    sampling = SamplingParams(max_tokens=64, seed=0)
+    worker = HarborRolloutWorker(
+        spec.rollout_func, spec.train_dataset, tokenizer,
+        sampler=ModelSampler(model, [tokenizer.eos_token_id], sampling), sampling=sampling,
+        num_generations=2, max_turns=3, budget=1024, max_inflight_groups=1, queue_maxsize=2, seed=0,
+    )  # fmt: skip
+    worker.update_model_version(3)
+    worker.start()
+    try:
+        samples = [worker.rollout_buffer.get(timeout=600) for _ in range(2)]
+        worker.check_health(600)
+    finally:
+        worker.stop()
+    assert all(isinstance(s, RolloutSample) for s in samples)
+    assert {s.group_id for s in samples} == {0} and {s.model_version for s in samples} == {3}
+    rewards = [s.metrics["reward"] for s in samples]
+    assert set(rewards) <= {0.0, 1.0}
+    expected = [0.0, 0.0] if rewards[0] == rewards[1] else [1.0 if r == 1.0 else -1.0 for r in rewards]
+    assert [s.advantage for s in samples] == pytest.approx(expected, abs=1e-6)
+    right = tokenizer.convert_tokens_to_ids(RIGHT)
+    for sample, reward in zip(samples, rewards, strict=True):
+        ids, mask, logprobs = sample.input_ids.tolist(), sample.completion_mask.tolist(), sample.old_log_probs.tolist()
+        assert len(ids) == len(mask) == len(logprobs)
+        trained = [token for token, keep in zip(ids, mask, strict=True) if keep]
+        assert len(trained) >= 4 and trained[1::2] == [tokenizer.eos_token_id] * (len(trained) // 2)
+        assert (trained[-2] == right) == (reward == 1.0)  # the last reply written is what was graded
+        assert all(lp == 0.0 for lp, keep in zip(logprobs, mask, strict=True) if not keep)
+        assert all(
+            lp < 0
+            for lp, keep, token in zip(logprobs, mask, ids, strict=True)
+            if keep and token != tokenizer.eos_token_id
+        )
