@@ -303,3 +303,48 @@ def test_endpoint_serves_concurrent_routes_through_the_vllm_sampler(policy) -> N
     routes = runtime.run(go())
     assert all(len(r.trace.turns) == 2 and not r.trace.forks for r in routes)
     assert len(fake.requests) == 16
+
+
+def test_loop_rows_rewards_and_metrics_from_traces(policy) -> None:
+    """What the rollout_func hands TRL, from traces alone: rows, placeholder rows, fork policies, metrics."""
+    from trl_harbor.capture import Route, Trace
+    from trl_harbor.loop import LoopRollout, LoopRolloutFunc, loop_metrics, loop_reward
+    from trl_harbor.rollout.outcome import Cause, Verification
+
+    _, tokenizer = policy
+    renderer = Renderer(tokenizer)
+    eos = tokenizer.eos_token_id
+    reply = tokenizer.convert_tokens_to_ids(RIGHT)
+
+    def traced(*requests: list[dict]) -> Route:
+        route = Route("r", "http://x/r/r/v1", Trace(renderer))
+        for messages in requests:
+            route.trace.commit(route.trace.prepare(messages), [reply, eos], [-0.5, 0.0], "stop")
+        return route
+
+    first = [{"role": "user", "content": "go"}]
+    linear = traced(first, [*first, {"role": "assistant", "content": RIGHT}, {"role": "user", "content": "next"}])
+    forked = traced(first, [{"role": "user", "content": "summary"}])
+    prompt = [{"role": "user", "content": "go", "task_dir": "/t"}]
+    rollouts = [
+        LoopRollout("t", "/t", route=linear, verification=Verification(1.0)),
+        LoopRollout("t", "/t", route=forked, verification=Verification(0.0)),
+        LoopRollout("t", "/t", route=None, verification=Verification(None, cause=Cause.INFRASTRUCTURE, reason="no")),
+    ]
+    for rollout in rollouts:
+        rollout.row = None if rollout.route is None else rollout.route.trace.row(0)
+    out = LoopRolloutFunc.fields(rollouts, renderer, [prompt] * 3)
+    assert out["env_mask"][0] == [1, 1] + [0] * len(linear.trace.turns[1].bridge_ids) + [1, 1]
+    assert out["completion_ids"][1] == [reply, eos]  # the forked rollout trains on its first segment
+    assert out["completion_ids"][2] == [eos] and out["env_mask"][2] == [0]  # nothing sampled: a row that trains nothing
+    assert out["prompt_ids"][2] == renderer.prompt([{"role": "user", "content": "go"}])
+    assert out["harbor_rollout"] == rollouts
+    logged: dict[str, float] = {}
+    assert loop_reward(harbor_rollout=rollouts, log_metric=logged.__setitem__) == [1.0, 0.0, None]
+    assert logged["harbor/loop/forks"] == 1 and logged["harbor/loop/turns"] == 4 / 3
+    assert logged["harbor/infra_failures"] == 1
+    rollouts[1].skipped = "the history forked; fork_policy='skip'"
+    assert loop_reward(harbor_rollout=rollouts) == [1.0, None, None]
+    assert loop_metrics(rollouts)["harbor/loop/skipped"] == 1
+    with pytest.raises(ValueError, match="harbor_rollout"):
+        loop_reward(environments=[])

@@ -201,7 +201,8 @@ class LoopRolloutFunc:
         options: How rollouts run and are graded.
         agent_options: How Terminus-2 runs.
         sampler: ``trainer -> Sampler`` (default: the trainer's vLLM when ``use_vllm``, else its model).
-        fork_policy: ``"truncate"`` (a forked rollout trains on its first segment) or ``"skip"``.
+        fork_policy: ``"truncate"`` (a forked rollout trains on its first segment) or ``"skip"``
+            (default: the agent options').
         max_tokens_per_turn: The most tokens one model call samples (default: ``max_completion_length``).
         check_drift: Measure re-tokenisation drift on every turn (one extra template rendering).
     """
@@ -213,10 +214,11 @@ class LoopRolloutFunc:
         agent_options: TerminusOptions,
         *,
         sampler: Callable[[Any, SamplingParams], Sampler] | None = None,
-        fork_policy: str = "truncate",
+        fork_policy: str | None = None,
         max_tokens_per_turn: int | None = None,
         check_drift: bool = True,
     ) -> None:
+        fork_policy = agent_options.fork_policy if fork_policy is None else fork_policy
         if fork_policy not in ("truncate", "skip"):
             raise ValueError(f"fork_policy must be 'truncate' or 'skip', got {fork_policy!r}")
         self.backend = backend
@@ -245,7 +247,7 @@ class LoopRolloutFunc:
         Returns:
             The running endpoint.
         """
-        if self.endpoint is not None and self._trainer_id == id(trainer):
+        if self.endpoint is not None and self.endpoint.running and self._trainer_id == id(trainer):
             return self.endpoint
         self.close()
         sampling = sampling_from_trainer(trainer, self.max_tokens_per_turn)

@@ -71,6 +71,8 @@ class TerminusOptions:
         pane_height: The tmux pane's height (lines): the screen the model reads each turn.
         timeout_sec: Seconds the agent may run (``None``: the task's ``[agent] timeout_sec``).
         setup_timeout_sec: Seconds its setup (the tmux session) may take.
+        fork_policy: What a rollout whose history forked trains on: ``"truncate"`` (its first
+            segment) or ``"skip"`` (nothing: its reward is ``None``).
     """
 
     max_turns: int | None = None
@@ -79,8 +81,11 @@ class TerminusOptions:
     pane_height: int = 40
     timeout_sec: float | None = None
     setup_timeout_sec: float = 360.0
+    fork_policy: str = "truncate"
 
     def __post_init__(self) -> None:
+        if self.fork_policy not in ("truncate", "skip"):
+            raise ValueError(f"fork_policy must be 'truncate' or 'skip', got {self.fork_policy!r}")
         if self.max_turns is not None and (isinstance(self.max_turns, bool) or int(self.max_turns) < 1):
             raise ValueError(f"max_turns must be a positive integer, got {self.max_turns!r}")
         if self.parser_name not in ("json", "xml"):

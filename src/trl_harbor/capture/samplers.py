@@ -126,8 +126,16 @@ def sampling_from_trainer(trainer: Any, max_tokens: int | None = None) -> Sampli
 
     Returns:
         The parameters.
+
+    Raises:
+        ValueError: For a ``repetition_penalty`` other than 1 (the endpoint does not apply one).
     """
     args = trainer.args
+    if getattr(args, "repetition_penalty", None) not in (None, 1, 1.0):
+        raise ValueError(
+            f"repetition_penalty={args.repetition_penalty}: the capture endpoint samples without one "
+            "(a penalty would make the sampled log-probabilities differ from the trainer's); leave it at 1.0"
+        )
     return SamplingParams(
         temperature=float(args.temperature),
         top_p=float(args.top_p if args.top_p is not None else 1.0),
