@@ -132,9 +132,11 @@ def policy_distribution(model, tokenizer, temperature: float = 1.0):
 def seed_for(choices: Sequence[Sequence[int]], probs, turns: int, limit: int = 5000) -> int:
     """A trainer seed under which rollout ``i`` of the first step samples the tokens ``choices[i]``, turn by turn.
 
-    The capture endpoint seeds each call from the trainer's seed, the step, the rank, the rollout
-    and the call (``trl_harbor.capture.derive_seed``) and draws with ``torch.multinomial``; this
-    replays those draws for the scripted policy, whose distribution is the same every turn.
+    The rollout function seeds each rollout from the trainer's seed, the step, the batch, the rank
+    and the rollout, and the endpoint each call from that and the call
+    (``trl_harbor.capture.derive_seed``), drawing with ``torch.multinomial``; this replays those
+    draws for the scripted policy (first step, first batch, rank 0), whose distribution is the same
+    every turn.
 
     Args:
         choices: For each rollout, the token (a whole reply) it must sample at each turn.
@@ -152,7 +154,7 @@ def seed_for(choices: Sequence[Sequence[int]], probs, turns: int, limit: int = 5
     for seed in range(limit):
         if all(
             int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(
-                derive_seed(derive_seed(seed, 0, 0, rollout), call)))) == wanted[call]
+                derive_seed(derive_seed(seed, 0, 0, 0, rollout), call)))) == wanted[call]
             for rollout, wanted in enumerate(choices)
             for call in range(turns)
         ):  # fmt: skip

@@ -231,6 +231,7 @@ class LoopRolloutFunc:
         self.endpoint: CaptureEndpoint | None = None
         self.last: list[LoopRollout] = []
         self._trainer_id: int | None = None
+        self._batches = 0
 
     @property
     def __name__(self) -> str:  # TRL names things after their callables
@@ -250,6 +251,7 @@ class LoopRolloutFunc:
         if self.endpoint is not None and self.endpoint.running and self._trainer_id == id(trainer):
             return self.endpoint
         self.close()
+        self._batches = 0
         sampling = sampling_from_trainer(trainer, self.max_tokens_per_turn)
         tokenizer = getattr(trainer, "_tokenizer", None) or trainer.processing_class
         renderer = Renderer(tokenizer, getattr(trainer, "chat_template_kwargs", None) or {})
@@ -293,7 +295,9 @@ class LoopRolloutFunc:
         max_turns = self.agent_options.max_turns or args.max_tool_calling_iterations or DEFAULT_MAX_TURNS
         step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
         rank = int(getattr(getattr(trainer, "accelerator", None), "process_index", 0) or 0)
-        seeds = [derive_seed(args.seed, step, rank, index) for index in range(len(prompts))]
+        # A step may generate more than once (gradient accumulation): the batch counter keeps their seeds apart.
+        seeds = [derive_seed(args.seed, step, self._batches, rank, index) for index in range(len(prompts))]
+        self._batches += 1
         budget = int(args.max_completion_length)
         rollouts = self.run_batch(endpoint, task_dirs, seeds, budget=budget, max_turns=max_turns)
         return self.fields(rollouts, endpoint.renderer, prompts)
