@@ -15,6 +15,8 @@ import pytest
 from docker_daemon import docker_daemon, loopback_registry  # noqa: E402, F401
 
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
+# litellm (Harbor's model client, Terminus-2's) fetches its model price list from GitHub on import unless told not to.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 # Most tests build docker-typed specs only for their datasets, on machines without a Docker daemon;
 # the backend preflight (trl_harbor.preflight) is tested explicitly with preflight=True.
 os.environ.setdefault("TRL_HARBOR_PREFLIGHT", "0")

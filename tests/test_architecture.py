@@ -14,12 +14,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trl_harbor"
 
 #: Lower layers first; a module may import only modules of its own layer or of layers below.
 LAYERS: list[set[str]] = [
-    {"runtime", "progress", "options", "tools", "sandboxes"},
+    {"runtime", "progress", "options", "tools", "sandboxes", "capture"},
     {"suite", "backends"},
     {"preflight"},
     {"rollout"},
-    {"env"},
-    {"rewards", "harnesses", "agents"},
+    {"env", "terminus"},
+    {"rewards", "harnesses", "agents", "loop", "loop_async"},
     {"spec"},
     {"mix", "trajectories", "trainer"},
     {"prompting"},
@@ -144,6 +144,7 @@ def test_imports_flow_down_the_layers() -> None:
         ("sandboxes", "anything of trl_harbor outside sandboxes (it is a Harbor plug-in usable without trl-harbor)"),
         ("rollout", "the TRL surface, the specs or the command line"),
         ("runtime", "anything of trl_harbor"),
+        ("capture", "anything of trl_harbor outside capture (the endpoint serves any trainer and any agent)"),
     ],
 )
 def test_forbidden_imports(module: str, forbidden: str) -> None:
@@ -151,6 +152,7 @@ def test_forbidden_imports(module: str, forbidden: str) -> None:
         "sandboxes": {"sandboxes"},
         "rollout": {"rollout", "runtime", "progress", "options", "backends", "sandboxes"},
         "runtime": {"runtime"},
+        "capture": {"capture"},
     }[module]
     offending = [
         f"{source} imports {target}"

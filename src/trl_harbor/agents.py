@@ -11,6 +11,10 @@ Accepted forms:
 - ``"path/to/file.py:ClassName"`` (Windows paths such as ``C:\\work\\env.py:MyEnv`` too),
   loaded from the file;
 - a ``HarborEnv`` subclass itself.
+
+``"terminus-2"`` is no harness but a loop-owning agent (Harbor's Terminus-2), which
+``HarborSpec`` trains through a ``rollout_func`` (:mod:`trl_harbor.loop`); :func:`resolve_agent`
+refuses it with that explanation.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from types import ModuleType
 
 from trl_harbor.env import HarborBashEnv, HarborEnv
 
-__all__ = ["AGENTS", "EXAMPLE_AGENTS", "resolve_agent"]
+__all__ = ["AGENTS", "EXAMPLE_AGENTS", "LOOP_AGENT_NAMES", "resolve_agent"]
 
 #: Built-in harnesses selectable by name.
 AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv}
@@ -37,6 +41,10 @@ EXAMPLE_AGENTS: dict[str, str] = {
     "jupyter": "trl_harbor.harnesses.jupyter.env:JupyterEnv",
     "terminal_notes": "trl_harbor.harnesses.terminal_notes.env:TerminalNotesEnv",
 }
+
+
+#: Names of loop-owning agents (:mod:`trl_harbor.loop`): selectable in ``HarborSpec``, not harness classes.
+LOOP_AGENT_NAMES: frozenset[str] = frozenset({"terminus-2", "terminus_2", "terminus2"})
 
 
 def _is_file_target(target: str) -> bool:
@@ -87,6 +95,12 @@ def resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
         cls: object = agent
     elif not isinstance(agent, str):
         raise TypeError(f"agent must be a string or a HarborEnv subclass, got {agent!r}")
+    elif agent in LOOP_AGENT_NAMES:
+        raise ValueError(
+            f"agent {agent!r} is a loop-owning agent (Harbor's Terminus-2), not a HarborEnv harness: train it with "
+            "HarborSpec(agent='terminus-2') and GRPOTrainer(rollout_func=spec.rollout_func, ...), or "
+            "`trl-harbor train --agent terminus-2` (see docs/agents.md)."
+        )
     elif agent in AGENTS:
         cls = AGENTS[agent]
     elif agent in EXAMPLE_AGENTS:
@@ -110,7 +124,8 @@ def resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
             raise ValueError(f"agent {agent!r}: {target!r} has no attribute {class_name!r}.") from None
     else:
         raise ValueError(
-            f"Unknown agent {agent!r}. Built-in agents: {sorted([*AGENTS, *EXAMPLE_AGENTS])}. Or pass an import path "
+            f"Unknown agent {agent!r}. Built-in agents: {sorted([*AGENTS, *EXAMPLE_AGENTS, 'terminus-2'])}. "
+            "Or pass an import path "
             "'package.module:ClassName', a file path 'path/to/file.py:ClassName', or a HarborEnv subclass."
         )
     if not (isinstance(cls, type) and issubclass(cls, HarborEnv)):

@@ -314,6 +314,12 @@ class HarborMix:
                 where = f"specs[{names[i]!r}]" if names else f"specs[{i}]"
                 hint = " (pass the specs of a mix, not the mix)" if isinstance(spec, HarborMix) else ""
                 raise TypeError(f"{where} is a {type(spec).__name__}, not a HarborSpec{hint}.")
+            if spec.loop_agent is not None:
+                where = f"specs[{names[i]!r}]" if names else f"specs[{i}]"
+                raise HarborMixError(
+                    f"{where} runs the loop-owning agent {spec.loop_agent!r}, which trains through a rollout_func "
+                    "and cannot be mixed with other specs yet. Fix: train it on its own spec."
+                )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an integer, got {seed!r}.")
         if num_rows is not None and (isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1):

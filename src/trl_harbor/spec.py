@@ -29,10 +29,12 @@ from typing import TYPE_CHECKING, Any
 from trl_harbor.agents import resolve_agent
 from trl_harbor.backends import Backend, resolve_backend
 from trl_harbor.env import HarborEnv, with_environment_reward
+from trl_harbor.loop import LoopRolloutFunc, loop_agent_name, loop_reward
 from trl_harbor.options import OPTION_NAMES, HarborOptions
 from trl_harbor.preflight import check_backend, check_task_configs, preflight_enabled
 from trl_harbor.rewards import harbor_reward
 from trl_harbor.suite import TaskInfo, TaskSuiteError, load_suite, metadata_columns, select_tasks
+from trl_harbor.terminus import TerminusOptions
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -58,19 +60,27 @@ def split_env_kwargs(
     return HarborOptions.merged(options, **overrides), given
 
 
-def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv], backend: Backend) -> None:
+def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv] | None, backend: Backend) -> None:
     """Refuse, when the spec is built, tasks that the harness or the backend cannot run.
 
     Args:
         tasks: The selected tasks.
-        env_cls: The harness.
+        env_cls: The harness (``None``: a loop-owning agent).
         backend: The backend.
 
     Raises:
         TaskSuiteError: Naming every such task, why, and the fix.
     """
     problems = []
-    if not callable(getattr(env_cls, "submit_step", None)):
+    if env_cls is None:  # a loop-owning agent (terminus-2)
+        for task in tasks:
+            if task.steps:
+                problems.append(
+                    f"{task.path}/task.toml: [[steps]] ({task.steps} steps): a loop-owning agent (terminus-2) "
+                    "trains on single-step tasks only for now. Fix: a harness with `submit_step` "
+                    "(agent='bash_steps'), or leave the task out."
+                )
+    elif not callable(getattr(env_cls, "submit_step", None)):
         for task in tasks:
             if task.steps:
                 problems.append(
@@ -176,7 +186,9 @@ class HarborSpec:
             or a local path holding a ``tasks/`` subtree (a path whose children are task
             dirs is accepted too).
         agent: The harness: a built-in name (``"bash"``), ``"package.module:ClassName"``,
-            ``"path/to/file.py:ClassName"``, or a ``HarborEnv`` subclass.
+            ``"path/to/file.py:ClassName"``, or a ``HarborEnv`` subclass; or a loop-owning agent,
+            ``"terminus-2"`` (Harbor's Terminus-2, trained through :attr:`rollout_func`; see
+            ``docs/agents.md``).
         environment_type: Harbor sandbox backend (``"docker"``, ``"e2b"``, ``"daytona"``,
             ..., ``"local"`` for the bundled bubblewrap sandbox, or ``"module:Class"`` for a
             Harbor plug-in).
@@ -190,7 +202,8 @@ class HarborSpec:
             options, ...).
         env_kwargs: Keyword arguments for every environment: :class:`~trl_harbor.HarborOptions`
             fields (``{"command_timeout_sec": 60}``) override ``options``; the rest go to the
-            harness's constructor.
+            harness's constructor (for ``"terminus-2"``: :class:`~trl_harbor.terminus.TerminusOptions`
+            fields, ``{"max_turns": 20}``).
         reward_source: Where the trainer gets the verifier's reward: ``"function"`` (default, as in
             ``trl.experimental.harbor``): from :attr:`reward_funcs`, a batch verified at once, and
             a custom reward function passed instead replaces the verifier; ``"environment"``: the
@@ -238,7 +251,16 @@ class HarborSpec:
         self._agent = agent
         self._include_metadata = include_metadata
         self.options, harness_kwargs = split_env_kwargs(options, env_kwargs)
-        self.env_cls: type[HarborEnv] = resolve_agent(agent)
+        #: The loop-owning agent (``"terminus-2"``), or ``None`` for a harness.
+        self.loop_agent: str | None = loop_agent_name(agent)
+        self.agent_options: TerminusOptions | None = None
+        if self.loop_agent is not None:
+            if reward_source != "function":
+                raise ValueError(f"agent={agent!r} grades in its rollout_func: reward_source must be 'function'")
+            self.agent_options = TerminusOptions.from_kwargs(harness_kwargs)
+            harness_kwargs = {}
+        #: The harness class (``None`` for a loop-owning agent).
+        self.env_cls: type[HarborEnv] | None = None if self.loop_agent else resolve_agent(agent)
         self.backend = resolve_backend(environment_type, dict(self.options.backend_options))
         self.suite = load_suite(dataset, revision=revision)
         self._selected: list[tuple[int, TaskInfo]] = select_tasks(
@@ -254,7 +276,15 @@ class HarborSpec:
         if preflight_enabled(preflight):
             check_backend(self.backend, self.task_dirs)
         transforms = (with_environment_reward,) if reward_source == "environment" else ()
-        self._factory = EnvironmentFactory(agent, self.backend, self.options, harness_kwargs, self.env_cls, transforms)
+        self._factory: EnvironmentFactory | None = None
+        self._rollout_func: LoopRolloutFunc | None = None
+        if self.env_cls is None:
+            assert self.agent_options is not None
+            self._rollout_func = LoopRolloutFunc(self.backend, self.options, self.agent_options)
+        else:
+            self._factory = EnvironmentFactory(
+                agent, self.backend, self.options, harness_kwargs, self.env_cls, transforms
+            )
 
     @property
     def environment_type(self) -> str:
@@ -281,8 +311,15 @@ class HarborSpec:
         """
         from datasets import Dataset
 
+        if self.loop_agent is not None:  # the rollout_func gets only the prompts: each carries its task
+            prompts = [
+                [{"role": "user", "content": _instruction(task), "task_dir": str(task.path)}]
+                for _, task in self._selected
+            ]
+        else:
+            prompts = [[{"role": "user", "content": ""}] for _ in self._selected]
         columns: dict[str, list[Any]] = {
-            "prompt": [[{"role": "user", "content": ""}] for _ in self._selected],
+            "prompt": prompts,
             "task_dir": [str(task.path) for _, task in self._selected],
             "task_index": [index for index, _ in self._selected],
         }
@@ -291,9 +328,22 @@ class HarborSpec:
         return Dataset.from_dict(columns)
 
     @property
-    def environment_factory(self) -> EnvironmentFactory:
-        """A zero-argument, picklable callable returning a fresh harness environment."""
+    def environment_factory(self) -> EnvironmentFactory | None:
+        """A zero-argument, picklable callable returning a fresh harness environment.
+
+        ``None`` for a loop-owning agent, which TRL runs through :attr:`rollout_func` instead.
+        """
         return self._factory
+
+    @property
+    def rollout_func(self) -> LoopRolloutFunc | None:
+        """TRL's ``rollout_func`` of a loop-owning agent (``agent="terminus-2"``), else ``None``.
+
+        Pass it with the other two: ``GRPOTrainer(..., rollout_func=spec.rollout_func,
+        environment_factory=spec.environment_factory, reward_funcs=spec.reward_funcs)`` works for
+        harnesses and loop agents alike (see :mod:`trl_harbor.loop`).
+        """
+        return self._rollout_func
 
     @property
     def reward_funcs(self) -> Callable[..., list[float | None]] | list:
@@ -304,6 +354,8 @@ class HarborSpec:
         ``reward_source="environment"`` the harness owns the reward and this is ``[]`` (TRL then
         needs no reward function).
         """
+        if self.loop_agent is not None:
+            return loop_reward
         return [] if self.reward_source == "environment" else harbor_reward
 
     def __repr__(self) -> str:
@@ -311,3 +363,12 @@ class HarborSpec:
             f"HarborSpec(dataset={str(self._dataset)!r}, agent={self._agent!r}, "
             f"environment_type={self.backend.name!r}, tasks={len(self._selected)})"
         )
+
+
+def _instruction(task: TaskInfo) -> str:
+    """The task's instruction (a loop agent's prompt shows it; the agent writes its own prompt from it)."""
+    instruction = getattr(task.task, "instruction", None)
+    if isinstance(instruction, str):
+        return instruction
+    path = Path(task.path) / "instruction.md"
+    return path.read_text(encoding="utf-8") if path.is_file() else ""

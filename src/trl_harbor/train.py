@@ -163,7 +163,8 @@ class HarborTrainArguments:
         dataset_weights: With several suites, how often each one's rows come (default: equal;
             they need not sum to 1).
         agent: The harness: ``bash``, ``jupyter``, ``terminal_notes``, ``pkg.mod:Class`` or
-            ``path/to/file.py:Class``.
+            ``path/to/file.py:Class``; or ``terminus-2`` (Harbor's Terminus-2, a loop-owning agent:
+            its turns are ``--max_tool_calling_iterations``, its token budget ``--max_completion_length``).
         environment_type: Harbor sandbox backend: ``local``, ``docker``, ``e2b``, ...,
             or ``module:Class``.
         ek: Backend options as ``key=value`` (``--ek root=host``: the local sandbox on the host root).
@@ -197,7 +198,7 @@ class HarborTrainArguments:
         default=None, metadata={"help": "with several --dataset: the weight of each (default: equal)"}
     )
     agent: str = field(
-        default="bash", metadata={"help": "harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls"}
+        default="bash", metadata={"help": "harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls; or terminus-2"}
     )
     environment_type: str = field(default="local", metadata={"help": "sandbox backend: local, docker, e2b, mod:Cls"})
     ek: list[str] = field(
@@ -576,6 +577,17 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
             )
             for suite in suites
         ]
+        if any(s.loop_agent is not None for s in specs):
+            if default_run:
+                raise TrainSetupError(
+                    f"the embedded default run trains the starter model with a tool-calling harness, not "
+                    f"{harbor.agent}; pass --model (and --dataset) to train {harbor.agent}"
+                )
+            if harbor.heldout_dataset:
+                raise TrainSetupError(
+                    f"--heldout_dataset samples the model through a tool-calling harness ({harbor.agent} owns its "
+                    "own loop); evaluate it with `harbor run` instead, or drop --heldout_dataset"
+                )
         spec = specs[0] if len(specs) == 1 else HarborSpec.mix(specs, harbor.dataset_weights, seed=config.seed)
         heldout_spec = None
         if harbor.heldout_dataset:
@@ -640,13 +652,15 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     environment_factory = spec.environment_factory
+    rollout_func = getattr(spec, "rollout_func", None)  # a loop-owning agent (terminus-2) runs as TRL's rollout_func
     reward_funcs = spec.reward_funcs
     log = None
     if harbor.trajectories:
         log = TrajectoryLog(output_dir / "trajectories.jsonl", environment_type=harbor.environment_type)
         if int(os.environ.get("RANK", "0") or 0) == 0:
             log.path.unlink(missing_ok=True)  # one run, one log (every rank appends to it)
-        environment_factory = log.environment_factory(environment_factory)
+        if environment_factory is not None:
+            environment_factory = log.environment_factory(environment_factory)
         reward_funcs = log.reward_func(reward_funcs)
     torch.manual_seed(config.seed)
     trainer = GRPOTrainer(
@@ -655,6 +669,7 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
         args=config,
         train_dataset=with_prompt_prefix(spec.train_dataset, prefix),
         environment_factory=environment_factory,
+        rollout_func=rollout_func,
         reward_funcs=reward_funcs,
     )
     timings["model_load_s"] = round(time.monotonic() - t0, 1)
@@ -695,6 +710,8 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
     finally:
         progress.set_reporter(previous)
         close_all()
+        if rollout_func is not None:
+            rollout_func.close()  # the capture endpoint
     trainer.save_model(str(output_dir))  # `trl-harbor eval --model OUTPUT_DIR` evaluates it
     if tokenizer is not None and main_process:
         tokenizer.save_pretrained(str(output_dir))  # with the chat template it was trained with

@@ -185,7 +185,8 @@ class TrajectoryLog:
         """Wrap a reward function so that each scored batch is written to the log.
 
         Args:
-            func: A reward function taking ``environments=`` (``spec.reward_funcs``).
+            func: A reward function taking ``environments=`` (``spec.reward_funcs``), or a loop
+                agent's taking ``harbor_rollout=`` (the rollouts of ``spec.rollout_func``).
 
         Returns:
             A reward function with the same name and results.
@@ -195,6 +196,8 @@ class TrajectoryLog:
         def logged(*args: Any, **kwargs: Any) -> list[float | None]:
             rewards = func(*args, **kwargs)
             environments = kwargs.get("environments")
+            if environments is None:  # a loop agent's rollout_func hands its rollouts over instead
+                environments = kwargs.get("harbor_rollout")
             if environments is not None:
                 state = kwargs.get("trainer_state")
                 global_step = None if state is None else int(state.global_step)
@@ -261,6 +264,9 @@ class TrajectoryLog:
                     "tampered": list(getattr(verification, "tampered", ())),
                     "killed": getattr(verification, "killed", 0),
                 }
+            fields = getattr(env, "trajectory_fields", None)
+            if callable(fields):  # a loop agent's rollout: turns, forks, drift, how the agent ended
+                line.update(fields())
             if extra is not None:
                 line.update(extra[index])
             lines.append(json.dumps(line, ensure_ascii=False))
