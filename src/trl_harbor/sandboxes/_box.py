@@ -513,7 +513,14 @@ class UserNetwork:
             self._exit_w, exit_w = exit_w, -1
             if await asyncio.to_thread(os.read, ready_r, 1) != b"1":
                 err = await self.proc.stderr.read() if self.proc.stderr else b""
-                raise SandboxStartError(f"slirp4netns failed: {err.decode(errors='replace').strip()}")
+                why = err.decode(errors="replace").strip()
+                if not os.path.exists("/dev/net/tun"):
+                    why += (
+                        " (this machine has no /dev/net/tun, which the sandbox's network needs; in a container: "
+                        "`docker run --device /dev/net/tun`, or a pod's device plug-in; or set the task's "
+                        "network policy to no-network)"
+                    )
+                raise SandboxStartError(f"slirp4netns failed: {why}")
         finally:
             for fd in (ready_r, ready_w, exit_w):
                 if fd >= 0:

@@ -34,6 +34,7 @@ from trl_harbor.sandboxes._mounts import (
     LAYER_VENV,
     SANDBOX_VENV,
     SYSTEM_MOUNTS,
+    can_mount,
     grow_tmpfs,
     inode_bound,
     mount_bounded_tmpfs,
@@ -140,7 +141,7 @@ class SandboxRoot:
         """
         fields = await self._prepare(force_build)
         self.dir = state_root() / new_box_name(self.task.box_name)
-        bounded = bool(box.get("storage_mb")) and os.geteuid() == 0
+        bounded = bool(box.get("storage_mb")) and can_mount()
         config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, storage_guard=not bounded, **box, **fields)
         self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
         try:
