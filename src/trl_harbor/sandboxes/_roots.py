@@ -28,6 +28,7 @@ from trl_harbor.sandboxes import _hostfs
 from trl_harbor.sandboxes._binaries import SYSTEM_PATH, static_binary
 from trl_harbor.sandboxes._box import Box, BoxConfig
 from trl_harbor.sandboxes._cache import CACHE
+from trl_harbor.sandboxes._diagnose import mount_problem
 from trl_harbor.sandboxes._lifetime import new_box_name, state_root
 from trl_harbor.sandboxes._mounts import (
     KERNEL_MOUNTS,
@@ -320,7 +321,7 @@ class ImageRoot(SandboxRoot):
 
     @classmethod
     def preflight(cls) -> None:
-        """Check for buildah, root and a C compiler that links statically (``SandboxUnavailableError``)."""
+        """Check for buildah, root with ``CAP_SYS_ADMIN``, a static C compiler (``SandboxUnavailableError``)."""
         buildah_path()
         if os.geteuid() != 0:
             raise SandboxUnavailableError(
@@ -329,6 +330,9 @@ class ImageRoot(SandboxRoot):
                 "env_kwargs={'root': 'host'} (HarborSpec), --ek root=host (trl-harbor, harbor run); "
                 "the host's /usr is then every task's base image and the Dockerfile's FROM is not honoured"
             )
+        problem = mount_problem()  # root in a container: usually without CAP_SYS_ADMIN
+        if problem:
+            raise SandboxUnavailableError(problem)
         static_binary("supervisor")  # compiled once and cached; its error names the packages
 
     async def _prepare(self, force_build: bool) -> dict[str, Any]:
