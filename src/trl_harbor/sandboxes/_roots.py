@@ -50,11 +50,10 @@ from trl_harbor.sandboxes.errors import (
 )
 from trl_harbor.sandboxes.image import Image, ImageBuilder
 from trl_harbor.sandboxes.oci import (
-    HOST_CA_BUNDLE,
     BuiltImage,
     ImageStore,
     buildah_path,
-    host_ca_bundle,
+    host_ca_env,
     host_proxy_env,
     host_trust_mounts,
 )
@@ -420,11 +419,8 @@ class ImageRoot(SandboxRoot):
 
     @functools.cached_property
     def _trust_env(self) -> dict[str, str]:
-        """The host's proxies, and its CA bundle for tools that ignore the system store (requests)."""
-        found = host_proxy_env()
-        if host_ca_bundle() is not None:
-            found.update({"REQUESTS_CA_BUNDLE": HOST_CA_BUNDLE, "SSL_CERT_FILE": HOST_CA_BUNDLE})
-        return found
+        """The host's proxies, and its CA bundle for tools that ignore the system store (uv, requests, node, git)."""
+        return {**host_proxy_env(), **host_ca_env()}
 
     def walk(self, path: str, depth: int | None, found: dict[str, str]) -> None:
         """Fingerprint a path of an image root: the image's entries under the sandbox's own changes.
