@@ -49,7 +49,14 @@ def _mounts() -> list[str]:
     return args
 
 
-def in_container(daemon, options: tuple[str, ...], script: str, timeout: float = 900, **files: Path):
+def in_container(
+    daemon,
+    options: tuple[str, ...],
+    script: str,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+    **files: Path,
+):
     """Run ``script`` (sh) as root in a fresh container with ``options``; the container is always removed.
 
     Args:
@@ -57,6 +64,7 @@ def in_container(daemon, options: tuple[str, ...], script: str, timeout: float =
         options: ``docker run`` options (security settings).
         script: The shell script; ``$PY`` is this test's Python, ``$SUITE`` the bundled suite.
         timeout: Seconds it may take.
+        env: Variables to set in it, over the defaults.
         **files: Host files bound read-only at ``/run/<name>``.
 
     Returns:
@@ -66,7 +74,7 @@ def in_container(daemon, options: tuple[str, ...], script: str, timeout: float =
     extra = [arg for key, path in files.items() for arg in ("-v", f"{path}:/run/{key}:ro")]
     env = {
         "PYTHONPATH": str(REPO / "src"), "HARBOR_TELEMETRY": "0", "HF_HUB_OFFLINE": "1", "TRL_HARBOR_PREFLIGHT": "1",
-        "TRL_HARBOR_CACHE_DIR": "/cache", "PY": sys.executable, "SUITE": str(SUITE),
+        "TRL_HARBOR_CACHE_DIR": "/cache", "PY": sys.executable, "SUITE": str(SUITE), **(env or {}),
     }  # fmt: skip
     prologue = "set -e; if [ -d /run/host-containers ]; then cp -r /run/host-containers /etc/containers; fi; cd /tmp\n"
     command = [
@@ -112,6 +120,14 @@ def test_default_settings_fail_at_the_preflight_naming_cause_and_fix(docker_daem
     message = " ".join(no_cap.stderr.split())
     assert "needs CAP_SYS_ADMIN" in message and "--cap-add SYS_ADMIN" in message, message
     assert "--ek root=host" in message, message
+
+    # Everything granted, but the image cache on the container's own overlay root: buildah could not build there.
+    on_overlay = in_container(
+        docker_daemon, (*DOCUMENTED, *TASK_IMAGES), check, timeout=120, env={"TRL_HARBOR_CACHE_DIR": "/root/cache"}
+    )
+    assert on_overlay.returncode == 2, on_overlay.stdout[-2000:] + on_overlay.stderr[-2000:]
+    message = " ".join(on_overlay.stderr.split())
+    assert "/root/cache, which is on an overlay file system" in message and "--tmpfs /cache:exec" in message, message
 
 
 def test_documented_settings_run_the_bundled_suite_on_the_host_root(docker_daemon) -> None:
@@ -213,3 +229,14 @@ def test_mount_problem_only_for_root_without_cap_sys_admin() -> None:
     assert mount_problem(Facts(uid=0, sys_admin=True)) is None
     message = mount_problem(Facts(uid=0, container="docker"))
     assert "--cap-add SYS_ADMIN" in message and "--ek root=host" in message
+
+
+def test_cache_problem_only_on_an_overlay_without_fuse() -> None:
+    from trl_harbor.sandboxes._diagnose import cache_problem, file_system_of
+
+    mounts = "overlay / overlay rw 0 0\ntmpfs /cache tmpfs rw 0 0\n"
+    assert file_system_of(Path("/cache/images/x"), mounts) == "tmpfs"
+    assert file_system_of(Path("/cachex"), mounts) == "overlay"  # a prefix of the name is not the mount
+    assert "on an overlay file system" in cache_problem(Path("/root/.cache/trl-harbor"), mounts, fuse=False)
+    assert cache_problem(Path("/root/.cache/trl-harbor"), mounts, fuse=True) is None  # fuse-overlayfs can work
+    assert cache_problem(Path("/cache"), mounts, fuse=False) is None

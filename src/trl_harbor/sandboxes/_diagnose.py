@@ -300,3 +300,46 @@ def mount_problem(facts: Facts | None = None) -> str | None:
         "(env_kwargs={'root': 'host'}, --ek root=host; FROM is then not honoured), which needs no CAP_SYS_ADMIN; "
         f"{ALTERNATIVES}."
     )
+
+
+def file_system_of(path: Path, mounts_text: str | None = None) -> str | None:
+    """The type of the file system holding ``path`` (or its nearest existing parent), from the mount table.
+
+    Args:
+        path: Any path; it need not exist yet.
+        mounts_text: ``/proc/self/mounts`` (default: this process's).
+    """
+    mounts_text = mounts_text if mounts_text is not None else (_read("/proc/self/mounts") or "")
+    target = os.path.realpath(path)
+    best, kind = "", None
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def cache_problem(cache_dir: Path, mounts_text: str | None = None, fuse: bool | None = None) -> str | None:
+    """Why task images cannot be built in ``cache_dir`` (an overlay, e.g. a container's own root), or ``None``.
+
+    buildah's layers are overlays whose upper folders cannot be on an overlay; it then falls back to
+    ``fuse-overlayfs``, which needs ``/dev/fuse`` (a container has none by default).
+
+    Args:
+        cache_dir: The image cache (``cache_dir`` option, ``TRL_HARBOR_CACHE_DIR``, ``~/.cache/trl-harbor``).
+        mounts_text: ``/proc/self/mounts`` (default: this process's).
+        fuse: Whether ``/dev/fuse`` exists (default: looked up).
+    """
+    fuse = os.path.exists("/dev/fuse") if fuse is None else fuse
+    if fuse or file_system_of(cache_dir, mounts_text) != "overlay":
+        return None
+    return (
+        f"the local sandbox builds task images in {cache_dir}, which is on an overlay file system (a "
+        "container's own root): buildah cannot stack its layers there, and its fallback (fuse-overlayfs) "
+        "needs /dev/fuse. Fix: put the cache on a volume or a tmpfs (TRL_HARBOR_CACHE_DIR=/cache with "
+        "`docker run -v cache:/cache` or `--tmpfs /cache:exec`; in a pod, an emptyDir), or the cache_dir option"
+    )

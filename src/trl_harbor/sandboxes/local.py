@@ -36,8 +36,8 @@ from harbor.models.task.config import NetworkMode
 from pydantic import Field
 
 from trl_harbor.sandboxes import _hostfs
-from trl_harbor.sandboxes._binaries import bwrap_path
-from trl_harbor.sandboxes._diagnose import namespace_problem
+from trl_harbor.sandboxes._binaries import bwrap_path, default_cache_dir
+from trl_harbor.sandboxes._diagnose import cache_problem, namespace_problem
 from trl_harbor.sandboxes._lifetime import sweep_stale_once
 from trl_harbor.sandboxes._roots import ROOTS, ImageRoot, RootTask, SandboxRoot, VerifierRoot
 from trl_harbor.sandboxes.errors import (
@@ -160,7 +160,8 @@ class LocalEnvironment(BaseEnvironment):
             SandboxUnavailableError: If bubblewrap is missing or cannot make a sandbox's namespaces
                 here (in a container: the message names the cause and the container settings that
                 allow them), or (``root="image"``, the default) buildah or a C compiler that links
-                statically is missing, or this process is not root, or is root without ``CAP_SYS_ADMIN``.
+                statically is missing, or this process is not root, or is root without ``CAP_SYS_ADMIN``,
+                or the image cache is on an overlay (a container's own root) without ``/dev/fuse``.
         """
         super().preflight(kwargs)
         bwrap_path()
@@ -171,6 +172,11 @@ class LocalEnvironment(BaseEnvironment):
         if problem:
             raise SandboxUnavailableError(problem)
         ROOTS[root].preflight()
+        if root == "image":
+            cache = options.cache_dir if isinstance(options, LocalEnvironmentOptions) else None
+            problem = cache_problem(Path(cache) if cache else default_cache_dir())
+            if problem:
+                raise SandboxUnavailableError(problem)
 
     def _validate_definition(self) -> None:
         if not self.environment_dir.is_dir():
