@@ -213,7 +213,7 @@ def test_uv_trusts_the_host_ca_at_build_and_in_the_sandbox(loopback_registry, ca
         FROM {loopback_registry.base}
         RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check uv \\
             && /opt/venv/bin/uv pip install --no-cache --python /opt/venv/bin/python six \\
-            && env | grep -E '^(SSL_CERT_FILE|REQUESTS_CA_BUNDLE|NODE_EXTRA_CA_CERTS|GIT_SSL_CAINFO|UV_NATIVE_TLS)=' \\
+            && env | grep -E '^(SSL_CERT_FILE|REQUESTS_CA_BUNDLE|NODE_EXTRA_CA_CERTS|GIT_SSL_CAINFO|UV_NATIVE_TLS|PIP_CERT)=' \\
                | sort > /build-trust.txt
         ENV PATH="/opt/venv/bin:$PATH"
         """,
@@ -232,17 +232,20 @@ def test_uv_trusts_the_host_ca_at_build_and_in_the_sandbox(loopback_registry, ca
                     None,
                 ),
                 ("echo $NODE_EXTRA_CA_CERTS $GIT_SSL_CAINFO $REQUESTS_CA_BUNDLE $UV_NATIVE_TLS", None),
+                # The build left no empty /etc/pip.conf in the image: the sandbox has the host's.
+                ("cat /etc/pip.conf", None),
             ],
         )
     )
     assert results[0].stdout.strip() == "six", results[0].stdout + results[0].stderr
     bundle = "/run/trl-harbor/host-ca.crt"
     assert results[1].stdout.split() == [
-        f"GIT_SSL_CAINFO={bundle}", f"NODE_EXTRA_CA_CERTS={bundle}", f"REQUESTS_CA_BUNDLE={bundle}",
+        f"GIT_SSL_CAINFO={bundle}", f"NODE_EXTRA_CA_CERTS={bundle}", f"PIP_CERT={bundle}", f"REQUESTS_CA_BUNDLE={bundle}",
         f"SSL_CERT_FILE={bundle}", "UV_NATIVE_TLS=1",
     ]  # fmt: skip
     assert results[2].stdout.strip().splitlines()[-1] == "0", results[2].stdout + results[2].stderr
     assert results[3].stdout.split() == [bundle, bundle, bundle, "1"]
+    assert results[4].stdout.split() == ["[global]", "cert", "=", bundle], results[4].stdout
     for built in ImageStore(cache_dir).images():  # build arguments, not the image's ENV
         assert not {"SSL_CERT_FILE", "UV_NATIVE_TLS", "NODE_EXTRA_CA_CERTS"} & set(built.record.config.env)
 

@@ -536,9 +536,13 @@ class ImageStore(BuildCache[BuiltImage]):
             for name, value in host_proxy_env().items():
                 args += ["--build-arg", f"{name}={value}"]
             for source, target in host_trust_mounts(self.storage_dir / "trust"):
-                args += ["-v", f"{source}:{target}:ro"]
+                # Not /etc/pip.conf: buildah leaves a mount's target in the step's layer, and an empty pip.conf
+                # in the image would hide the host's from its sandboxes. pip takes PIP_CERT instead.
+                if target != "/etc/pip.conf":
+                    args += ["-v", f"{source}:{target}:ro"]
             trust = host_ca_env()
             if trust:
+                trust["PIP_CERT"] = HOST_CA_BUNDLE
                 # uv, npm, git and requests keep trust stores of their own: the variables naming the host's
                 # bundle reach each RUN as build arguments, declared in every stage of a copy of the Dockerfile.
                 copy = self.storage_dir / "trust" / f"{key}.Dockerfile"
