@@ -8,6 +8,10 @@ sandboxes started concurrently, each as a median over many runs, next to a plain
 ``subprocess.run(["true"])`` (the cost of starting any process at all on this
 machine). Ratios, not absolute times, are what carries across machines.
 
+A second table per root breaks one start down into its phases (each a median over the
+same starts, and its ratio to a bare ``bwrap ... true`` with a box's namespaces, measured
+in the same run): what a start costs beyond bubblewrap itself, and where.
+
 ``--root image`` runs the task on its own image (``FROM`` a Debian image that a
 registry on loopback serves, as in the tests; needs root, buildah, docker-registry,
 skopeo, mmdebstrap) and also reports the cold pull + build + first start and the
@@ -31,6 +35,112 @@ from harbor.models.trial.paths import TrialPaths
 from harbor.verifier.verifier import Verifier
 
 from trl_harbor.backends import create_environment
+from trl_harbor.sandboxes import _box, _cgroups, _roots, _storage
+from trl_harbor.sandboxes import local as _local
+from trl_harbor.sandboxes._binaries import SYSTEM_PATH, bwrap_path
+from trl_harbor.sandboxes._diagnose import _BWRAP_PROBE
+from trl_harbor.sandboxes.local import LocalEnvironment
+
+#: The phases of one start, timed by wrapping the function that does each: ``(label, owner, attribute)``.
+#: Nested phases are reported as they are (``bwrap + supervisor ready`` holds what is not listed below it).
+PHASES = (
+    ("sweep of dead owners' boxes", _local, "sweep_stale_once"),
+    ("image/layer lookup (cached)", _roots.HostRoot, "_prepare"),
+    ("image lookup (cached)", _roots.ImageRoot, "_prepare"),
+    ("bounded tree (tmpfs mount)", _roots, "mount_bounded_tmpfs"),
+    ("tree: copy of the layer", _roots.HostRoot, "_make_tree"),
+    ("tree: overlay mount, hosts", _roots.ImageRoot, "_mount_tree"),
+    ("cgroups: create", _cgroups.Cgroups, "create"),
+    ("spawn bubblewrap", _box.Box, "_spawn"),
+    ("until ready (all below)", _box.Box, "_until_ready"),
+    ("  uid/gid maps", _box, "map_ids"),
+    ("  cgroups: join", _cgroups.Cgroups, "join"),
+    ("  user-mode network", _box.UserNetwork, "attach"),
+    ("  storage guard: baseline", type(_storage.GUARD), "watch"),
+    ("search-path probe (once per image)", _roots.ImageRoot, "_probe_search_paths"),
+    ("upload environment dir", LocalEnvironment, "_upload_environment_dir_after_start"),
+)
+
+
+class PhaseTimer:
+    """Times each of :data:`PHASES` per start while active (wraps, then restores, the functions)."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = {}
+        self.current: dict[str, float] = {}
+        self._saved: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> PhaseTimer:
+        for label, owner, name in PHASES:
+            own = owner.__dict__ if isinstance(owner, type) else vars(owner)
+            original = own.get(name, getattr(owner, name, None))
+            if original is None:
+                continue
+            self._saved.append((owner, name, own.get(name)))
+            setattr(owner, name, self._wrap(label, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._saved):
+            if original is None:
+                delattr(owner, name)  # inherited: the base class's again
+            else:
+                setattr(owner, name, original)
+        self._saved = []
+
+    def _wrap(self, label: str, original):
+        timer = self
+        func = original.__func__ if isinstance(original, staticmethod) else original
+
+        if asyncio.iscoroutinefunction(func):
+
+            async def timed(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return await func(*args, **kwargs)
+                finally:
+                    timer.current[label] = timer.current.get(label, 0.0) + time.perf_counter() - t
+        else:
+
+            def timed(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    timer.current[label] = timer.current.get(label, 0.0) + time.perf_counter() - t
+
+        return staticmethod(timed) if isinstance(original, staticmethod) else timed
+
+    def done(self, total: float) -> None:
+        """Close one start that took ``total`` seconds."""
+        for label, _, _ in PHASES:
+            if label in self.current:
+                self.samples.setdefault(label, []).append(self.current[label])
+        self.samples.setdefault("total", []).append(total)
+        self.current = {}
+
+
+def bare_bwrap(runs: int) -> float:
+    """Median of ``bwrap`` with a box's namespaces (user, PID, IPC, UTS, network, ``/proc``) running ``true``."""
+    samples = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        subprocess.run([bwrap_path(), *_BWRAP_PROBE], check=True, env={"PATH": SYSTEM_PATH})
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def breakdown(timer: PhaseTimer, bwrap: float) -> list[tuple[str, float, str]]:
+    """The breakdown table's rows: each phase's median and its ratio to a bare bwrap."""
+    med = statistics.median
+    rows = [("bare `bwrap ... true` (same namespaces)", bwrap, "1.00x")]
+    total = med(timer.samples["total"])
+    for label, _, _ in PHASES:
+        if label in timer.samples:
+            value = med(timer.samples[label])
+            rows.append((label, value, f"{value / bwrap:.2f}x"))
+    rows.append(("whole start", total, f"{total / bwrap:.2f}x"))
+    return rows
 
 
 def _task(root: Path) -> Path:
@@ -88,12 +198,16 @@ async def measure(runs: int, concurrent: int, base: str | None = None) -> list[t
         subprocess.run(["true"], check=True)
         baseline.append(time.perf_counter() - t)
 
+    bwrap = bare_bwrap(runs * 2)
     starts, first, stops, execs, verifies = [], [], [], [], []
+    timer = PhaseTimer()
     for _ in range(runs):
         env = bench.env()
         t = time.perf_counter()
-        await env.start(force_build=False)
+        with timer:
+            await env.start(force_build=False)
         starts.append(time.perf_counter() - t)
+        timer.done(starts[-1])
         await env.exec("true")
         first.append(time.perf_counter() - t)
         for _ in range(3):
@@ -138,12 +252,12 @@ async def measure(runs: int, concurrent: int, base: str | None = None) -> list[t
         (f"{concurrent} concurrent exec('true')", parallel_exec, ""),
         *extra,
     ]
-    return rows
+    return rows, breakdown(timer, bwrap)
 
 
-def _print(title: str, rows: list[tuple[str, float, str]]) -> None:
+def _print(title: str, rows: list[tuple[str, float, str]], versus: str = "vs baseline") -> None:
     width = max(len(r[0]) for r in rows)
-    print(f"\n{title}\n{'measure':<{width}}  {'median':>10}  vs baseline")
+    print(f"\n{title}\n{'measure':<{width}}  {'median':>10}  {versus}")
     print("-" * (width + 40))
     for name, seconds, note in rows:
         print(f"{name:<{width}}  {seconds * 1000:>8.2f}ms  {note}")
@@ -156,7 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", choices=("host", "image", "both"), default="both", help="sandbox roots to measure")
     args = parser.parse_args(argv)
     if args.root in ("host", "both"):
-        _print("root='host' (the host's /usr)", asyncio.run(measure(args.runs, args.concurrent)))
+        rows, phases = asyncio.run(measure(args.runs, args.concurrent))
+        _print("root='host' (the host's /usr)", rows)
+        _print("root='host': where one start's time goes", phases, "vs bare bwrap")
     if args.root in ("image", "both"):
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from registry import serve_loopback_registry
@@ -165,8 +281,9 @@ def main(argv: list[str] | None = None) -> None:
             tempfile.TemporaryDirectory(prefix="trl-harbor-registry-") as workdir,
             serve_loopback_registry(Path(workdir)) as registry,
         ):
-            rows = asyncio.run(measure(args.runs, args.concurrent, base=registry.base))
+            rows, phases = asyncio.run(measure(args.runs, args.concurrent, base=registry.base))
         _print("root='image' (FROM a Debian bookworm image on a loopback registry)", rows)
+        _print("root='image': where one start's time goes", phases, "vs bare bwrap")
     print(f"\n(python {sys.version.split()[0]}, {args.runs} runs per median)")
 
 

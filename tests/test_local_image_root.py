@@ -203,6 +203,53 @@ def test_task_venv_at_opt_venv_with_pip_through_host_trust(loopback_registry, ca
     assert "ModuleNotFoundError" in results[2].stdout
 
 
+def test_uv_trusts_the_host_ca_at_build_and_in_the_sandbox(loopback_registry, cache_dir, tmp_path):  # noqa: F811
+    """Behind this network's TLS interception: ``uv pip install`` in a RUN step (uv has trust roots of its
+    own, and failed with UnknownIssuer), and again in the sandbox; npm, node, git and requests are pointed
+    at the host's bundle too, in RUN steps and in commands, without being stored in the image."""
+    task = _task(
+        tmp_path,
+        f"""\
+        FROM {loopback_registry.base}
+        RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check uv \\
+            && /opt/venv/bin/uv pip install --no-cache --python /opt/venv/bin/python six \\
+            && env | grep -E '^(SSL_CERT_FILE|REQUESTS_CA_BUNDLE|NODE_EXTRA_CA_CERTS|GIT_SSL_CAINFO|UV_NATIVE_TLS|PIP_CERT)=' \\
+               | sort > /build-trust.txt
+        ENV PATH="/opt/venv/bin:$PATH"
+        """,
+        network="public",
+    )
+    results = run(
+        _session(
+            task,
+            tmp_path,
+            cache_dir,
+            [
+                ("python -c 'import six; print(six.__name__)'", None),
+                ("cat /build-trust.txt", None),
+                (
+                    "uv pip install --no-cache --python /opt/venv/bin/python idna >/dev/null && python -c 'import idna'; echo $?",
+                    None,
+                ),
+                ("echo $NODE_EXTRA_CA_CERTS $GIT_SSL_CAINFO $REQUESTS_CA_BUNDLE $UV_NATIVE_TLS", None),
+                # The build left no empty /etc/pip.conf in the image: the sandbox has the host's.
+                ("cat /etc/pip.conf", None),
+            ],
+        )
+    )
+    assert results[0].stdout.strip() == "six", results[0].stdout + results[0].stderr
+    bundle = "/run/trl-harbor/host-ca.crt"
+    assert results[1].stdout.split() == [
+        f"GIT_SSL_CAINFO={bundle}", f"NODE_EXTRA_CA_CERTS={bundle}", f"PIP_CERT={bundle}", f"REQUESTS_CA_BUNDLE={bundle}",
+        f"SSL_CERT_FILE={bundle}", "UV_NATIVE_TLS=1",
+    ]  # fmt: skip
+    assert results[2].stdout.strip().splitlines()[-1] == "0", results[2].stdout + results[2].stderr
+    assert results[3].stdout.split() == [bundle, bundle, bundle, "1"]
+    assert results[4].stdout.split() == ["[global]", "cert", "=", bundle], results[4].stdout
+    for built in ImageStore(cache_dir).images():  # build arguments, not the image's ENV
+        assert not {"SSL_CERT_FILE", "UV_NATIVE_TLS", "NODE_EXTRA_CA_CERTS"} & set(built.record.config.env)
+
+
 @pytest.mark.slow
 def test_apt_get_at_build_and_verify_time(loopback_registry, cache_dir, tmp_path):  # noqa: F811
     """Bugs 4 and 6: apt-get mixed with other commands in one RUN, and apt-get in the sandbox."""

@@ -199,3 +199,14 @@ def test_registry_mirror_from_registries_conf(loopback_registry, tmp_path, monke
         assert (image.rootfs / "marker").read_text() == "mirrored\n"
     finally:
         store.release_mounts()
+
+
+def test_with_build_args_declares_the_trust_variables_in_every_stage() -> None:
+    """Each stage gets the declarations right after its FROM (continued lines too); heredoc bodies are not FROMs."""
+    from trl_harbor.sandboxes.oci import with_build_args
+
+    text = "# escape=`\nFROM python:3.12 AS b\nRUN <<EOF\nFROM nothing\nEOF\nfrom `\n  debian\nCOPY --from=b /x /y\n"
+    assert with_build_args(text, ("A", "B")).splitlines() == [
+        "# escape=`", "FROM python:3.12 AS b", "ARG A", "ARG B", "RUN <<EOF", "FROM nothing", "EOF",
+        "from `", "  debian", "ARG A", "ARG B", "COPY --from=b /x /y",
+    ]  # fmt: skip

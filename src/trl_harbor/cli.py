@@ -82,7 +82,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from trl_harbor.backends import resolve_backend
     from trl_harbor.check import check_suite
+    from trl_harbor.preflight import BackendUnavailableError, check_backend, preflight_enabled
     from trl_harbor.suite import TaskSuiteError, candidate_task_dirs
 
     console = Console(stderr=False)
@@ -99,6 +101,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
         missing = wanted - {d.name for d in task_dirs}
         if missing:
             console.print(f"[red]no such task in {args.suite}: {', '.join(sorted(missing))}")
+            return 2
+    if preflight_enabled(None):
+        # A backend that cannot start sandboxes here fails once, with its cause and fix, not as one row per task.
+        try:
+            check_backend(resolve_backend(args.environment_type, dict(options.backend_options)))
+        except (BackendUnavailableError, ValueError) as error:
+            print(f"trl-harbor check: {error}", file=sys.stderr)
             return 2
     with Progress(
         TextColumn("checking"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

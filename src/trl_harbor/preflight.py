@@ -122,6 +122,12 @@ def _unavailable(environment_type: str, exc: BaseException) -> str:
     else:
         cause = str(exc) if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
     cause = cause.strip().rstrip(".")
+    if environment_type == "local":  # the local backend's own message names the cause and the fixes
+        return (
+            f"environment_type='local' cannot start sandboxes on this machine: {cause}. Every rollout would fail "
+            "to start. To build the spec anyway (e.g. only for its dataset), pass preflight=False or set "
+            "TRL_HARBOR_PREFLIGHT=0."
+        )
     detail = _docker_info() if environment_type in ("docker", "podman") or "docker" in cause.lower() else ""
     return (
         f"environment_type={environment_type!r} cannot start sandboxes on this machine: {cause}"

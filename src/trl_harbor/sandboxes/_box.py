@@ -39,6 +39,7 @@ from trl_harbor.sandboxes._binaries import (
     which,
 )
 from trl_harbor.sandboxes._cgroups import Cgroups
+from trl_harbor.sandboxes._diagnose import namespace_problem
 from trl_harbor.sandboxes._hostfs import remove_tree
 from trl_harbor.sandboxes._mounts import LAYER_VENV, host_system_args, kernel_fs_args, prepare_rootfs, unmount
 from trl_harbor.sandboxes.errors import SandboxCommandError, SandboxError, SandboxStartError, SandboxTimeoutError
@@ -353,6 +354,9 @@ class Box:
             with contextlib.suppress(asyncio.TimeoutError):
                 stderr = await asyncio.wait_for(proc.stderr.read(), timeout=2)
             why = stderr.decode(errors="replace").strip() or "no error output"
+            diagnosis = await asyncio.to_thread(namespace_problem, self.config.image_root)
+            if diagnosis:
+                why += f"; {diagnosis}"
             raise SandboxStartError(f"bubblewrap failed to start the sandbox: {why}")
         if self._cgroups.paths:
             # The box's processes so far (bwrap and the supervisor) join its cgroups before any
@@ -513,7 +517,14 @@ class UserNetwork:
             self._exit_w, exit_w = exit_w, -1
             if await asyncio.to_thread(os.read, ready_r, 1) != b"1":
                 err = await self.proc.stderr.read() if self.proc.stderr else b""
-                raise SandboxStartError(f"slirp4netns failed: {err.decode(errors='replace').strip()}")
+                why = err.decode(errors="replace").strip()
+                if not os.path.exists("/dev/net/tun"):
+                    why += (
+                        " (this machine has no /dev/net/tun, which the sandbox's network needs; in a container: "
+                        "`docker run --device /dev/net/tun`, or a pod's device plug-in; or set the task's "
+                        "network policy to no-network)"
+                    )
+                raise SandboxStartError(f"slirp4netns failed: {why}")
         finally:
             for fd in (ready_r, ready_w, exit_w):
                 if fd >= 0:

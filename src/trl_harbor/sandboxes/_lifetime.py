@@ -29,7 +29,7 @@ def state_root() -> Path:
     """Where sandboxes keep their private trees.
 
     ``$TRL_HARBOR_STATE_DIR`` if set; else a per-user folder on ``/dev/shm`` when it is
-    a writable tmpfs (creating and removing a sandbox's tree is 40x faster there than
+    a writable tmpfs that allows programs to run (creating and removing a sandbox's tree is 40x faster there than
     on a journaled disk, and what the agent writes counts against the sandbox's own
     memory limit); else a per-user folder in the temporary directory.
     """
@@ -50,7 +50,10 @@ def _shm_is_tmpfs() -> bool:
         mounts = Path("/proc/mounts").read_text().splitlines()
     except OSError:
         return False
-    return any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts) and os.access("/dev/shm", os.W_OK)
+    # A container's /dev/shm is usually mounted noexec (Docker's, a pod's): a tree there could run nothing.
+    return any(
+        line.split()[1:3] == ["/dev/shm", "tmpfs"] and "noexec" not in line.split()[3].split(",") for line in mounts
+    ) and os.access("/dev/shm", os.W_OK)
 
 
 def new_box_name(prefix: str) -> str:

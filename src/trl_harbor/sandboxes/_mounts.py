@@ -100,6 +100,29 @@ def prepare_rootfs(root: Path) -> None:
             path.symlink_to(target)
 
 
+#: ``CAP_SYS_ADMIN``'s bit in ``/proc/self/status``'s capability masks.
+_CAP_SYS_ADMIN = 21
+
+
+@cache
+def can_mount() -> bool:
+    """Whether this process may mount file systems itself: root with ``CAP_SYS_ADMIN``.
+
+    Root in a container usually lacks it (Docker's and Kubernetes' default capability sets drop
+    it): the host side's overlays and bounded trees are then out of reach, whatever the uid.
+    """
+    if os.geteuid() != 0:
+        return False
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+    return False
+
+
 @cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)

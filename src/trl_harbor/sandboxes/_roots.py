@@ -28,12 +28,14 @@ from trl_harbor.sandboxes import _hostfs
 from trl_harbor.sandboxes._binaries import SYSTEM_PATH, static_binary
 from trl_harbor.sandboxes._box import Box, BoxConfig
 from trl_harbor.sandboxes._cache import CACHE
+from trl_harbor.sandboxes._diagnose import mount_problem
 from trl_harbor.sandboxes._lifetime import new_box_name, state_root
 from trl_harbor.sandboxes._mounts import (
     KERNEL_MOUNTS,
     LAYER_VENV,
     SANDBOX_VENV,
     SYSTEM_MOUNTS,
+    can_mount,
     grow_tmpfs,
     inode_bound,
     mount_bounded_tmpfs,
@@ -48,11 +50,10 @@ from trl_harbor.sandboxes.errors import (
 )
 from trl_harbor.sandboxes.image import Image, ImageBuilder
 from trl_harbor.sandboxes.oci import (
-    HOST_CA_BUNDLE,
     BuiltImage,
     ImageStore,
     buildah_path,
-    host_ca_bundle,
+    host_ca_env,
     host_proxy_env,
     host_trust_mounts,
 )
@@ -140,7 +141,7 @@ class SandboxRoot:
         """
         fields = await self._prepare(force_build)
         self.dir = state_root() / new_box_name(self.task.box_name)
-        bounded = bool(box.get("storage_mb")) and os.geteuid() == 0
+        bounded = bool(box.get("storage_mb")) and can_mount()
         config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, storage_guard=not bounded, **box, **fields)
         self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
         try:
@@ -319,7 +320,7 @@ class ImageRoot(SandboxRoot):
 
     @classmethod
     def preflight(cls) -> None:
-        """Check for buildah, root and a C compiler that links statically (``SandboxUnavailableError``)."""
+        """Check for buildah, root with ``CAP_SYS_ADMIN``, a static C compiler (``SandboxUnavailableError``)."""
         buildah_path()
         if os.geteuid() != 0:
             raise SandboxUnavailableError(
@@ -328,6 +329,9 @@ class ImageRoot(SandboxRoot):
                 "env_kwargs={'root': 'host'} (HarborSpec), --ek root=host (trl-harbor, harbor run); "
                 "the host's /usr is then every task's base image and the Dockerfile's FROM is not honoured"
             )
+        problem = mount_problem()  # root in a container: usually without CAP_SYS_ADMIN
+        if problem:
+            raise SandboxUnavailableError(problem)
         static_binary("supervisor")  # compiled once and cached; its error names the packages
 
     async def _prepare(self, force_build: bool) -> dict[str, Any]:
@@ -415,11 +419,8 @@ class ImageRoot(SandboxRoot):
 
     @functools.cached_property
     def _trust_env(self) -> dict[str, str]:
-        """The host's proxies, and its CA bundle for tools that ignore the system store (requests)."""
-        found = host_proxy_env()
-        if host_ca_bundle() is not None:
-            found.update({"REQUESTS_CA_BUNDLE": HOST_CA_BUNDLE, "SSL_CERT_FILE": HOST_CA_BUNDLE})
-        return found
+        """The host's proxies, and its CA bundle for tools that ignore the system store (uv, requests, node, git)."""
+        return {**host_proxy_env(), **host_ca_env()}
 
     def walk(self, path: str, depth: int | None, found: dict[str, str]) -> None:
         """Fingerprint a path of an image root: the image's entries under the sandbox's own changes.

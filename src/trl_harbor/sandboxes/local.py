@@ -36,7 +36,8 @@ from harbor.models.task.config import NetworkMode
 from pydantic import Field
 
 from trl_harbor.sandboxes import _hostfs
-from trl_harbor.sandboxes._binaries import bwrap_path
+from trl_harbor.sandboxes._binaries import bwrap_path, default_cache_dir
+from trl_harbor.sandboxes._diagnose import cache_problem, namespace_problem
 from trl_harbor.sandboxes._lifetime import sweep_stale_once
 from trl_harbor.sandboxes._roots import ROOTS, ImageRoot, RootTask, SandboxRoot, VerifierRoot
 from trl_harbor.sandboxes.errors import (
@@ -156,14 +157,26 @@ class LocalEnvironment(BaseEnvironment):
         """Check options and that bubblewrap is installed, before any trial is queued.
 
         Raises:
-            SandboxUnavailableError: If bubblewrap is missing, or (``root="image"``, the default)
-                buildah or a C compiler that links statically, or this process is not root.
+            SandboxUnavailableError: If bubblewrap is missing or cannot make a sandbox's namespaces
+                here (in a container: the message names the cause and the container settings that
+                allow them), or (``root="image"``, the default) buildah or a C compiler that links
+                statically is missing, or this process is not root, or is root without ``CAP_SYS_ADMIN``,
+                or the image cache is on an overlay (a container's own root) without ``/dev/fuse``.
         """
         super().preflight(kwargs)
         bwrap_path()
         options = cls.parse_options(kwargs)
-        if isinstance(options, LocalEnvironmentOptions):
-            ROOTS[options.root].preflight()
+        root = options.root if isinstance(options, LocalEnvironmentOptions) else "image"
+        # Inside containers and pods: why namespaces are refused, and the settings that allow them.
+        problem = namespace_problem(task_images=root == "image")
+        if problem:
+            raise SandboxUnavailableError(problem)
+        ROOTS[root].preflight()
+        if root == "image":
+            cache = options.cache_dir if isinstance(options, LocalEnvironmentOptions) else None
+            problem = cache_problem(Path(cache) if cache else default_cache_dir())
+            if problem:
+                raise SandboxUnavailableError(problem)
 
     def _validate_definition(self) -> None:
         if not self.environment_dir.is_dir():

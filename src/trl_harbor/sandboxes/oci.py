@@ -207,6 +207,57 @@ def host_trust_mounts(scratch: Path) -> list[tuple[str, str]]:
     return mounts
 
 
+#: What makes each tool that keeps its own trust store take the host's bundle: OpenSSL and uv
+#: (``SSL_CERT_FILE``; ``UV_NATIVE_TLS`` so that uv reads it rather than its built-in roots), requests
+#: (certifi otherwise), Node and npm (their own bundled roots otherwise), git.
+CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "GIT_SSL_CAINFO", "UV_NATIVE_TLS")
+
+
+def host_ca_env() -> dict[str, str]:
+    """The variables (:data:`CA_VARIABLES`) naming the host bundle at :data:`HOST_CA_BUNDLE` (empty without one)."""
+    if host_ca_bundle() is None:
+        return {}
+    return {name: "1" if name == "UV_NATIVE_TLS" else HOST_CA_BUNDLE for name in CA_VARIABLES}
+
+
+def with_build_args(dockerfile_text: str, names: tuple[str, ...]) -> str:
+    """The Dockerfile with ``ARG NAME`` declared for ``names`` at the start of every stage.
+
+    A build argument reaches ``RUN`` steps only where the stage declares it (the proxy variables
+    excepted, which builders predefine). Declared with no default and given with ``--build-arg``,
+    they are in each ``RUN``'s environment, not in the image's configuration, and an ``ENV`` or
+    ``ARG`` of the Dockerfile that sets one wins, as it comes later. Heredoc bodies are not
+    instructions; the ``escape`` parser directive is honoured.
+    """
+    escape = "\\"
+    match = re.match(r"(?:\s*#[^\n]*\n)*?\s*#\s*escape\s*=\s*(\S)", dockerfile_text, re.IGNORECASE)
+    if match:
+        escape = match.group(1)
+    declarations = [f"ARG {name}" for name in names]
+    out: list[str] = []
+    in_from = False
+    heredoc: str | None = None
+    for line in dockerfile_text.splitlines():
+        out.append(line)
+        stripped = line.strip()
+        if heredoc is not None:
+            if stripped == heredoc:
+                heredoc = None
+            continue
+        if not in_from:
+            if re.match(r"from\s", stripped, re.IGNORECASE):
+                in_from = True
+            else:
+                found = re.search(r"<<-?([\"']?)(\w+)\1", line) if not stripped.startswith("#") else None
+                heredoc = found.group(2) if found else None
+                continue
+        if stripped.endswith(escape):
+            continue  # the FROM goes on
+        in_from = False
+        out.extend(declarations)
+    return "\n".join(out) + "\n"
+
+
 def host_proxy_env() -> dict[str, str]:
     """The host's proxy variables (both spellings), as ``docker build`` forwards them."""
     found = {}
@@ -485,7 +536,20 @@ class ImageStore(BuildCache[BuiltImage]):
             for name, value in host_proxy_env().items():
                 args += ["--build-arg", f"{name}={value}"]
             for source, target in host_trust_mounts(self.storage_dir / "trust"):
-                args += ["-v", f"{source}:{target}:ro"]
+                # Not /etc/pip.conf: buildah leaves a mount's target in the step's layer, and an empty pip.conf
+                # in the image would hide the host's from its sandboxes. pip takes PIP_CERT instead.
+                if target != "/etc/pip.conf":
+                    args += ["-v", f"{source}:{target}:ro"]
+            trust = host_ca_env()
+            if trust:
+                trust["PIP_CERT"] = HOST_CA_BUNDLE
+                # uv, npm, git and requests keep trust stores of their own: the variables naming the host's
+                # bundle reach each RUN as build arguments, declared in every stage of a copy of the Dockerfile.
+                copy = self.storage_dir / "trust" / f"{key}.Dockerfile"
+                copy.write_text(with_build_args(dockerfile.read_text(), tuple(trust)))
+                args[args.index(str(dockerfile))] = str(copy)
+                for name, value in trust.items():
+                    args += ["--build-arg", f"{name}={value}"]
         args.append(str(environment_dir))
         logger.info("building the image of task %r (%s)", task_name, environment_dir)
         rc, stdout, stderr = await self.buildah.run(*args)
