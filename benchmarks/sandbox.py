@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import subprocess
 import sys
@@ -164,8 +165,23 @@ class Bench:
 
 
 async def measure(runs: int, concurrent: int, base: str | None = None) -> list[tuple[str, float, str]]:
-    """Measure one sandbox root: the host's (``base`` is ``None``) or the task's image ``FROM base``."""
+    """Measure one sandbox root: the host's (``base`` is ``None``) or the task's image ``FROM base``.
+
+    Its scratch folder (task, trials, image cache) is removed afterwards, buildah's mounts of the
+    cached image first.
+    """
     scratch = Path(tempfile.mkdtemp(prefix="trl-harbor-bench-"))
+    try:
+        return await _measure(scratch, runs, concurrent, base)
+    finally:
+        if (scratch / "cache").exists():
+            from trl_harbor.sandboxes.oci import ImageStore
+
+            ImageStore(scratch / "cache").release_mounts()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+async def _measure(scratch: Path, runs: int, concurrent: int, base: str | None) -> list[tuple[str, float, str]]:
     task_dir = _task(scratch)
     kwargs: dict = {"root": "host"}
     extra: list[tuple[str, float, str]] = []

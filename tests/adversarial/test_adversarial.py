@@ -38,6 +38,7 @@ from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import BASE_DOCKERFILE, live_processes_with, make_task, wait_until
 from trl_harbor import HarborSpec, close_all
+from trl_harbor.sandboxes.oci import ImageStore
 
 #: Real sandboxes on the local backend (never skipped: where bubblewrap is missing they fail).
 requires_local = pytest.mark.local
@@ -313,6 +314,7 @@ def image_arena(loopback_registry, tmp_path_factory: pytest.TempPathFactory) -> 
     yield arena
     arena.close()
     close_all()
+    ImageStore(cache).release_mounts()  # buildah keeps the built images mounted; rmtree cannot remove those
     shutil.rmtree(cache, ignore_errors=True)
     os.environ.pop("TRL_HARBOR_ADVERSARIAL_CANARY", None)
 
