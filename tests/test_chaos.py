@@ -26,7 +26,7 @@ import pytest
 from conftest import BUNDLED_SUITE, requires_local
 
 from demo_policy import build_demo_policy
-from sandbox_helpers import as_a_foreground_job
+from sandbox_helpers import as_a_foreground_job, live_processes_with
 from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
 
 BATCH = 8  # rollouts per step (4 tasks x 2 generations)
@@ -75,19 +75,7 @@ def _describe(pid: int) -> str:
 
 def _processes_of(pid: int) -> list[int]:
     """Live host processes that belong to the sandboxes of the run ``pid`` (bwrap, supervisors, commands)."""
-    marker = f"{state_root()}/{pid}-".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in cmdline and state not in ("Z", "X"):
-            found.append(int(name))
-    return found
+    return live_processes_with(f"{state_root()}/{pid}-")
 
 
 def _leftovers(pid: int) -> list[str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, requires_local
 
-from sandbox_helpers import as_a_foreground_job
+from sandbox_helpers import as_a_foreground_job, live_processes_with
 
 pytestmark = [requires_local, pytest.mark.slow]
 
@@ -111,17 +111,7 @@ class _Run:
         return self.child.communicate()[0]
 
     def running_sandboxes(self) -> list[int]:
-        marker = str(self.state).encode()
-        found = []
-        for name in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-                state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if marker in cmdline and state not in ("Z", "X"):
-                found.append(int(name))
-        return found
+        return live_processes_with(str(self.state))
 
     def leftovers(self, within: float = 30.0) -> list[str]:
         """State folders, cgroups and processes of the run's sandboxes still there (waiting a little)."""
