@@ -34,15 +34,20 @@ requires_local = pytest.mark.local
 
 
 @pytest.fixture(scope="session", autouse=True)
-def bundled_images() -> None:
+def bundled_images() -> Iterator[None]:
     """Build the bundled suite's images once, up front (the local sandbox's default root is the task's image).
 
     A cold build (Debian bootstrapped with mmdebstrap where no registry is reachable, then one
     shared ``apt-get install python3`` layer) takes about a minute; tests should not pay it inside
     their own time limits. Cached builds take under a second. Where task images cannot be built
     (not root, no buildah), nothing is built and the tests that need them fail with the reason.
+
+    At the end of the session the default image cache's mounts (buildah mounts each image a
+    sandbox uses, and keeps it mounted) are released: the suite leaves nothing mounted, and the
+    next run mounts what it uses again.
     """
     if os.geteuid() != 0 or shutil.which("buildah") is None:
+        yield
         return
     import subprocess
 
@@ -53,6 +58,10 @@ def bundled_images() -> None:
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    yield
+    from trl_harbor.sandboxes.oci import ImageStore
+
+    ImageStore().release_mounts()
 
 
 @pytest.fixture(scope="session")
