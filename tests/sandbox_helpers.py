@@ -167,7 +167,13 @@ unprivileged_test = pytest.mark.skipif(
 )
 
 
-def run_unprivileged(script: str, *, state_mb: int = 256, timeout: float = 300) -> subprocess.CompletedProcess:
+#: The subordinate ids :func:`run_unprivileged` gives its user with ``subids=True``.
+SUBIDS = "200000:65536"
+
+
+def run_unprivileged(
+    script: str, *, state_mb: int = 256, timeout: float = 300, subids: bool = False, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run a Python ``script`` as an unprivileged user (no cgroups, no root), as a laptop user would.
 
     It runs in a private mount namespace: a ``state_mb`` tmpfs is the sandboxes' state root (never
@@ -180,6 +186,9 @@ def run_unprivileged(script: str, *, state_mb: int = 256, timeout: float = 300) 
         script: The Python source to run.
         state_mb: Size of the state root's tmpfs.
         timeout: Seconds before the run is stopped.
+        subids: Give the user subordinate ids (:data:`SUBIDS`, as distributions' ``useradd`` does), in
+            ``/etc/subuid`` and ``/etc/subgid`` seen in the run's mount namespace only.
+        env: More environment variables for the script.
 
     Returns:
         The finished process (stdout and stderr as text).
@@ -195,6 +204,13 @@ def run_unprivileged(script: str, *, state_mb: int = 256, timeout: float = 300) 
         setup = (
             f"mount -t tmpfs -o size={state_mb}m,mode=0755 trl-harbor-test {work}/state && chown {NOBODY} {work}/state"
         )
+        if subids:  # /etc/subuid may not exist: an overlay of /etc, in the run's mount namespace only
+            (work / "etc-upper").mkdir()
+            (work / "etc-work").mkdir()
+            setup += (
+                f" && mount -t overlay overlay -o lowerdir=/etc,upperdir={work}/etc-upper,workdir={work}/etc-work /etc"
+                f" && echo nobody:{SUBIDS} > /etc/subuid && echo nobody:{SUBIDS} > /etc/subgid"
+            )
         home = Path("/root")
         if base.is_relative_to(home):
             (work / "base").mkdir()
@@ -202,18 +218,22 @@ def run_unprivileged(script: str, *, state_mb: int = 256, timeout: float = 300) 
                 f" && mount --bind {base} {work}/base && mount -t tmpfs -o mode=0755 tmpfs {home}"
                 f" && mkdir -p {base} && mount --bind {work}/base {base}"
             )
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": f"{work}/home",
-            "TMPDIR": f"{work}/tmp",
-            "TRL_HARBOR_CACHE_DIR": f"{work}/cache",
-            "TRL_HARBOR_STATE_DIR": f"{work}/state",
-            "HARBOR_TELEMETRY": "0",
-        }
+        extra_env, env = (
+            env,
+            {
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "HOME": f"{work}/home",
+                "TMPDIR": f"{work}/tmp",
+                "TRL_HARBOR_CACHE_DIR": f"{work}/cache",
+                "TRL_HARBOR_STATE_DIR": f"{work}/state",
+                "HARBOR_TELEMETRY": "0",
+            },
+        )
         # PYTHONPATH too: a run against another checkout than the venv's (a worktree) tests that checkout.
-        for name in ("TRL_HARBOR_STORAGE_GUARD", "TRL_HARBOR_SUPERVISOR", "PYTHONPATH"):
+        for name in ("TRL_HARBOR_STORAGE_GUARD", "TRL_HARBOR_SUPERVISOR", "PYTHONPATH", "CONTAINERS_REGISTRIES_CONF"):
             if name in os.environ:
                 env[name] = os.environ[name]
+        env.update(extra_env or {})
         command = (
             f"{setup} && exec setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups "
             f"{sys.executable} {work}/script.py {work} {REPO / 'tests'}"

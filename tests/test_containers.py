@@ -32,8 +32,6 @@ DOCUMENTED = (
     "--device",
     "/dev/net/tun",
 )
-#: Task images as root also need the host side's mounts.
-TASK_IMAGES = ("--cap-add", "SYS_ADMIN")
 #: The bundled task the host root cannot run: it installs python3-dateutil, which only the host could provide.
 HOST_ROOT_FAILS = "late_invoices"
 
@@ -99,12 +97,9 @@ def test_default_settings_fail_at_the_preflight_naming_cause_and_fix(docker_daem
     message = " ".join(default.stderr.split())
     assert "cannot create a user namespace" in message and "seccomp filter" in message, message
     assert "Docker container" in message, message
-    for setting in (
-        "--security-opt seccomp=unconfined",
-        "--security-opt systempaths=unconfined",
-        "--cap-add SYS_ADMIN",
-    ):
+    for setting in ("--security-opt seccomp=unconfined", "--security-opt systempaths=unconfined"):
         assert setting in message, message
+    assert "--cap-add" not in message, message  # task images need no capability added
     assert "environment_type='docker'" in message, message
     assert "No permissions to create new namespace" in message, message  # bubblewrap's own words, kept
 
@@ -114,16 +109,9 @@ def test_default_settings_fail_at_the_preflight_naming_cause_and_fix(docker_daem
     assert "cannot mount its own /proc" in message and "masks parts of /proc" in message, message
     assert "--security-opt systempaths=unconfined" in message, message
 
-    # The documented settings without CAP_SYS_ADMIN: the namespaces work, task images cannot be mounted.
-    no_cap = in_container(docker_daemon, DOCUMENTED, check, timeout=120)
-    assert no_cap.returncode == 2, no_cap.stdout[-2000:] + no_cap.stderr[-2000:]
-    message = " ".join(no_cap.stderr.split())
-    assert "needs CAP_SYS_ADMIN" in message and "--cap-add SYS_ADMIN" in message, message
-    assert "--ek root=host" in message, message
-
     # Everything granted, but the image cache on the container's own overlay root: buildah could not build there.
     on_overlay = in_container(
-        docker_daemon, (*DOCUMENTED, *TASK_IMAGES), check, timeout=120, env={"TRL_HARBOR_CACHE_DIR": "/root/cache"}
+        docker_daemon, DOCUMENTED, check, timeout=120, env={"TRL_HARBOR_CACHE_DIR": "/root/cache"}
     )
     assert on_overlay.returncode == 2, on_overlay.stdout[-2000:] + on_overlay.stderr[-2000:]
     message = " ".join(on_overlay.stderr.split())
@@ -144,7 +132,8 @@ def test_documented_settings_run_the_bundled_suite_on_the_host_root(docker_daemo
 
 
 def test_documented_settings_run_the_bundled_suite_on_task_images(docker_daemon) -> None:
-    """With CAP_SYS_ADMIN as well, task images build (buildah) and run in the container: the whole suite passes."""
+    """No capability added: task images build (buildah) and run in the container's root's own user namespace
+    (``_userns.py``, as without root): the whole suite passes."""
     from registry import base_image_archive
 
     script = (
@@ -152,7 +141,7 @@ def test_documented_settings_run_the_bundled_suite_on_task_images(docker_daemon)
         '"$PY" -m trl_harbor.cli check "$SUITE" -j 4 --json'
     )
     started = time.perf_counter()
-    done = in_container(docker_daemon, (*DOCUMENTED, *TASK_IMAGES), script, **{"base.tar": base_image_archive()})
+    done = in_container(docker_daemon, DOCUMENTED, script, **{"base.tar": base_image_archive()})
     seconds = time.perf_counter() - started
     report = _report(done)
     failed = {task["task"]: task["why"] for task in report["tasks"] if not task["passed"]}
@@ -180,7 +169,7 @@ def test_on_this_host_the_probe_finds_nothing() -> None:
 
     assert bwrap_problem() == ""
     assert probe() == {"step": None}
-    assert namespace_problem(task_images=True) is None
+    assert namespace_problem() is None
 
 
 def test_explain_names_the_sysctl_that_turns_user_namespaces_off() -> None:
@@ -200,9 +189,9 @@ def test_explain_in_a_pod_gives_the_security_context() -> None:
     from trl_harbor.sandboxes._diagnose import Facts, explain
 
     pod = Facts(container="kubernetes", seccomp=True, masked_proc=("/proc/kcore", "/proc/sys"))
-    message = explain({"step": "userns", "errno": "EPERM"}, "", pod, task_images=True)
+    message = explain({"step": "userns", "errno": "EPERM"}, "", pod)
     assert "Kubernetes container" in message and "seccompProfile: {type: Unconfined}" in message
-    assert "procMount: Unmasked" in message and "capabilities: {add: [SYS_ADMIN]}" in message
+    assert "procMount: Unmasked" in message and "capabilities:" not in message  # task images need none added
     message = explain({"step": "proc", "errno": "EPERM"}, "", pod)
     assert "/proc/kcore, /proc/sys" in message and "procMount: Unmasked" in message and "SYS_ADMIN" not in message
 
@@ -220,15 +209,6 @@ def test_explain_in_podman_and_without_a_known_cause() -> None:
         "at step 'mountns' (EPERM)" in message and "bwrap: oops" in message and "environment_type='docker'" in message
     )
     assert explain({"step": None}, "", Facts()) is None
-
-
-def test_mount_problem_only_for_root_without_cap_sys_admin() -> None:
-    from trl_harbor.sandboxes._diagnose import Facts, mount_problem
-
-    assert mount_problem(Facts(uid=1000)) is None  # not root: the image root's own error says so
-    assert mount_problem(Facts(uid=0, sys_admin=True)) is None
-    message = mount_problem(Facts(uid=0, container="docker"))
-    assert "--cap-add SYS_ADMIN" in message and "--ek root=host" in message
 
 
 def test_cache_problem_only_on_an_overlay_without_fuse() -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from trl_harbor.sandboxes import _lifetime, _storage
+from trl_harbor.sandboxes import _lifetime, _storage, _userns
 from trl_harbor.sandboxes._binaries import (
     SYSTEM_PATH,
     bwrap_path,
@@ -45,8 +45,6 @@ from trl_harbor.sandboxes._mounts import LAYER_VENV, host_system_args, kernel_fs
 from trl_harbor.sandboxes.errors import SandboxCommandError, SandboxError, SandboxStartError, SandboxTimeoutError
 
 NetworkMode = Literal["none", "user", "host"]
-#: uids and gids an image-rooted box maps (identity: the image root's owners are kept).
-ID_MAP_RANGE = 65536
 #: The user-mode stack's DNS forwarder, as seen from the box.
 SLIRP_GATEWAY_DNS = "10.0.2.3"
 # What the sandbox's root may do: Docker's default capability set. Notably absent:
@@ -91,29 +89,36 @@ def namespace_args(
     return args
 
 
-async def map_ids(info_fd: int, block_fd: int) -> int:
-    """Map uids and gids ``0..ID_MAP_RANGE-1`` of the box to the same host ids (root only), return its init's PID.
+async def map_ids(info_fd: int, block_fd: int, host: _userns.Host) -> int:
+    """Map the box's uids and gids to the same ids of ``host`` (``host.id_map``), return its init's PID.
 
-    bubblewrap waits on ``block_fd`` meanwhile. Then nested user namespaces are forbidden in the
-    box (their root would regain every capability in them), as ``--disable-userns`` does for
-    host-rooted boxes: ``user.max_user_namespaces = 0``, set from inside it by ``nsenter``.
+    ``host`` is this process as root, else this user's holder (``_userns.py``), whose ids those are.
+    bubblewrap waits on ``block_fd`` meanwhile.
     """
     pid = await asyncio.to_thread(read_child_pid, info_fd)
+    await asyncio.to_thread(host.call, write_id_maps, pid, host.id_map)
+    os.write(block_fd, b"1")
+    return pid
+
+
+def write_id_maps(pid: int, id_map: str) -> None:
+    """Write ``id_map`` as the uid and gid maps of the box whose init is ``pid``, and forbid nested
+    user namespaces in it (their root would regain every capability in them), as ``--disable-userns``
+    does for host-rooted boxes: ``user.max_user_namespaces = 0``, set from inside it by ``nsenter``."""
     try:
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{name}", "w") as handle:
-                handle.write(f"0 0 {ID_MAP_RANGE}\n")
+                handle.write(id_map)
     except OSError as error:
         raise SandboxStartError(f"could not map the image's users into the sandbox: {error}") from error
     result = subprocess.run(
-        [which("nsenter") or "nsenter", f"--user=/proc/{pid}/ns/user", "--", "/bin/sh", "-c",
+        # Credentials kept (the host's uid is the box's root): with one id, groups cannot be dropped.
+        [which("nsenter") or "nsenter", f"--user=/proc/{pid}/ns/user", "--preserve-credentials", "--", "/bin/sh", "-c",
          "echo 0 > /proc/sys/user/max_user_namespaces"],
         capture_output=True, text=True, env={"PATH": SYSTEM_PATH},
     )  # fmt: skip
     if result.returncode != 0:
         raise SandboxStartError(f"could not forbid nested user namespaces in the sandbox: {result.stderr.strip()}")
-    os.write(block_fd, b"1")
-    return pid
 
 
 def read_child_pid(fd: int) -> int:
@@ -148,7 +153,7 @@ class BoxConfig:
         extra_ro_binds: More ``(host path, box path)`` read-only mounts.
         image_root: ``rootfs`` is a complete image root (its own ``/usr``, ``/etc``):
             nothing of the host is mounted, the supervisor is linked statically, and
-            the box's user namespace maps uids and gids 0-65535 (needs root), so the
+            the box's user namespace maps uids and gids 0-65535 (of the holder's without root), so the
             image's users, ``chown`` and ``useradd`` work.
         network_switchable: The network may be switched between ``"none"`` and ``"user"``
             while the box runs (:meth:`Box.set_network`), e.g. no network for the agent and
@@ -203,9 +208,7 @@ def _bwrap_command(c: BoxConfig, state_dir: Path, info_fd: int | None, block_fd:
         *(() if c.image_root else host_system_args()),
     ]
     if c.network == "user" or c.network_switchable:
-        resolv = state_dir / "resolv.conf"
-        resolv.write_text(f"nameserver {SLIRP_GATEWAY_DNS}\n")
-        args += ["--ro-bind", str(resolv), "/etc/resolv.conf"]
+        args += ["--ro-bind", str(state_dir / "resolv.conf"), "/etc/resolv.conf"]
     args += kernel_fs_args(storage_bound=bool(c.storage_mb))
     if c.layer_venv is not None:
         args += ["--bind" if c.layer_writable else "--ro-bind", str(c.layer_venv), LAYER_VENV]
@@ -236,12 +239,6 @@ def _supervisor(config: BoxConfig) -> str | None:
     if not config.image_root:
         prepare_rootfs(config.rootfs)
         return supervisor_binary()
-    if os.geteuid() != 0:
-        raise SandboxStartError(
-            "sandboxes on task images need root for now (the image's users are mapped "
-            "into the sandbox, and its copy-on-write root is mounted on the host); run as "
-            "root, or run tasks on the host root (environment kwarg root='host')"
-        )
     return static_binary("supervisor")
 
 
@@ -254,6 +251,8 @@ class Box:
     def __init__(self, config: BoxConfig, state_dir: Path, name: str | None = None, owned_dir: Path | None = None):
         self.config = config
         self.owned_dir = owned_dir
+        #: Where its mounts and tree are handled: this process, or (task images without root) the holder.
+        self.host = _userns.host() if config.image_root else _userns.DIRECT
         self.state_dir = state_dir
         #: Runs commands in the box, lists and kills its processes.
         self.supervisor = SupervisorClient(state_dir / "supervisor.sock")
@@ -300,6 +299,10 @@ class Box:
 
     async def _spawn(self, binary: str | None) -> tuple[int | None, int | None]:
         """Run bubblewrap with the supervisor as the box's init; return the host's ends of its info and block pipes."""
+        if self.config.network == "user" or self.config.network_switchable:
+            # Written where bubblewrap reads it (the holder's view of the tree, without root).
+            resolv = self.state_dir / "resolv.conf"
+            await asyncio.to_thread(self.host.call, _write_text, resolv, f"nameserver {SLIRP_GATEWAY_DNS}\n")
         info_r = info_w = block_r = block_w = exe_fd = None
         own = self.config.join is None  # a joined box has no namespaces of its own to map or network to attach
         if own and (self.config.network == "user" or self.config.network_switchable or self.config.image_root):
@@ -314,7 +317,7 @@ class Box:
         listener.bind(self.supervisor.address)
         listener.listen(128)
         limits = _rlimits(self.config, bool(self._cgroups.paths))
-        command = [*_bwrap_command(self.config, self.state_dir, info_w, block_r), *supervisor]
+        command = [*self.host.command(), *_bwrap_command(self.config, self.state_dir, info_w, block_r), *supervisor]
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *pdeathsig_prefix(), *command, str(listener.fileno()), *map(str, limits),
@@ -344,7 +347,7 @@ class Box:
         """Finish the box's namespaces, wait for its supervisor's "ready", then bound and connect it."""
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        child_pid = None if block_w is None or info_r is None else await map_ids(info_r, block_w)
+        child_pid = None if block_w is None or info_r is None else await map_ids(info_r, block_w, self.host)
         if binary is None:
             proc.stdin.write(supervisor_source())
         proc.stdin.close()
@@ -354,7 +357,7 @@ class Box:
             with contextlib.suppress(asyncio.TimeoutError):
                 stderr = await asyncio.wait_for(proc.stderr.read(), timeout=2)
             why = stderr.decode(errors="replace").strip() or "no error output"
-            diagnosis = await asyncio.to_thread(namespace_problem, self.config.image_root)
+            diagnosis = await asyncio.to_thread(namespace_problem)
             if diagnosis:
                 why += f"; {diagnosis}"
             raise SandboxStartError(f"bubblewrap failed to start the sandbox: {why}")
@@ -426,7 +429,7 @@ class Box:
         self._release()
         if self.owned_dir is not None:
             with contextlib.suppress(OSError):
-                remove_tree(self.owned_dir)
+                self.host.call(remove_tree, self.owned_dir)
 
     async def kill(self) -> None:
         """Kill every process of the box, wait for bubblewrap, and remove its state."""
@@ -448,7 +451,7 @@ class Box:
         """Detach the box's host mounts (idempotent)."""
         while self.mounts:
             with contextlib.suppress(OSError):
-                unmount(self.mounts.pop())
+                self.host.call(unmount, self.mounts.pop())
 
     def _closing(self) -> bool:
         """Mark the box stopped (no more commands, no more storage polls); ``False`` if it already was."""
@@ -651,6 +654,10 @@ async def _read_answer(reader: asyncio.StreamReader, output_cap: int) -> dict:
         streams.append((await reader.readexactly(size)).decode("utf-8", "replace"))
         dropped += lost
     return {"rc": rc, "timed_out": bool(flags & 1), "stdout": streams[0], "stderr": streams[1], "dropped": dropped}
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.write_text(text)
 
 
 def _process_tree(pid: int) -> list[int]:

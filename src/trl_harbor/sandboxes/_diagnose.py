@@ -14,8 +14,8 @@ the first one the kernel refused:
 Where every step passes and bubblewrap still fails, a seccomp filter is refusing one of the other
 calls it makes (``pivot_root`` under Docker's default profile, even with ``CAP_SYS_ADMIN``).
 
-Image roots need more as root: the host side mounts each sandbox's overlay and bounded tree, which
-needs ``CAP_SYS_ADMIN`` (:func:`mount_problem`); a container's root usually lacks it.
+Task images need nothing more: root without ``CAP_SYS_ADMIN`` (a container's, usually) mounts their
+trees in a user namespace of its own, as a user that is not root does (``_userns.py``).
 
 The refusal is matched against what the machine says about itself (:class:`Facts`): a container
 (Docker's ``/.dockerenv``, podman's ``/run/.containerenv``, Kubernetes' service variables, cgroup
@@ -36,7 +36,6 @@ from functools import cache
 from pathlib import Path
 
 from trl_harbor.sandboxes._binaries import SYSTEM_PATH, bwrap_path
-from trl_harbor.sandboxes._mounts import can_mount
 
 #: The namespaces and mounts every box asks bubblewrap for, on the host's own root.
 _BWRAP_PROBE = (
@@ -111,7 +110,6 @@ class Facts:
         seccomp: Whether a seccomp filter confines this process.
         masked_proc: Mounts over parts of ``/proc`` (a container runtime's masks and read-only binds).
         sysctls: The values of the sysctls that turn user namespaces off, by path (where they exist).
-        sys_admin: Whether this process has ``CAP_SYS_ADMIN``.
         uid: This process's effective uid.
     """
 
@@ -119,7 +117,6 @@ class Facts:
     seccomp: bool = False
     masked_proc: tuple[str, ...] = ()
     sysctls: dict[str, str] = field(default_factory=dict)
-    sys_admin: bool = False
     uid: int = 0
 
     @classmethod
@@ -128,7 +125,7 @@ class Facts:
         sysctls = {path: value for path, _, _ in _SYSCTLS if (value := _read(path)) is not None}
         return cls(
             container=container(), seccomp=_seccomp(), masked_proc=tuple(masked_proc()), sysctls=sysctls,
-            sys_admin=can_mount(), uid=os.geteuid(),
+            uid=os.geteuid(),
         )  # fmt: skip
 
 
@@ -164,31 +161,29 @@ def masked_proc() -> list[str]:
     return found
 
 
-def runtime_settings(kind: str | None, task_images: bool = False) -> str:
+def runtime_settings(kind: str | None) -> str:
     """The container settings that let sandboxes run in a container of runtime ``kind``.
 
     Args:
         kind: What :func:`container` says (``None``: Docker's settings are given).
-        task_images: Whether sandboxes run on task images, which as root also need ``CAP_SYS_ADMIN``.
     """
     if kind == "kubernetes":
-        caps = ", capabilities: {add: [SYS_ADMIN]}" if task_images else ""
         return (
             "in the pod's container spec: securityContext: {seccompProfile: {type: Unconfined}, "
-            f"procMount: Unmasked{caps}}} (procMount needs Kubernetes' ProcMountType feature, and hostUsers: "
+            "procMount: Unmasked} (procMount needs Kubernetes' ProcMountType feature, and hostUsers: "
             "false where the cluster requires it), appArmorProfile: {type: Unconfined} on nodes with AppArmor, "
             "and a /dev/net/tun device for tasks that may use the network"
         )
     tool = "podman" if kind == "podman" else "docker"
     masks = "--security-opt unmask=ALL" if kind == "podman" else "--security-opt systempaths=unconfined"
     return (
-        f"run the container with `{tool} run --security-opt seccomp=unconfined {masks}"
-        f"{' --cap-add SYS_ADMIN' if task_images else ''}` (`--device /dev/net/tun` too for tasks that may use "
+        f"run the container with `{tool} run --security-opt seccomp=unconfined {masks}` "
+        "(`--device /dev/net/tun` too for tasks that may use "
         "the network, `--security-opt apparmor=unconfined` where the host has AppArmor)"
     )
 
 
-def explain(result: dict, bwrap_error: str = "", facts: Facts | None = None, task_images: bool = False) -> str | None:
+def explain(result: dict, bwrap_error: str = "", facts: Facts | None = None) -> str | None:
     """What a failed bubblewrap start and the step probe's result mean here, and the fix.
 
     Args:
@@ -196,7 +191,6 @@ def explain(result: dict, bwrap_error: str = "", facts: Facts | None = None, tas
             (``"userns"``, ``"map"``, ``"mountns"``, ``"proc"``, ``"probe"``) and its ``errno`` name.
         bwrap_error: What bubblewrap printed when it failed (empty: it did not fail).
         facts: What the machine says about itself (default: :meth:`Facts.here`).
-        task_images: Whether the sandboxes run on task images (the fix then adds ``CAP_SYS_ADMIN``).
 
     Returns:
         The cause and the fix, or ``None`` when nothing was refused.
@@ -208,7 +202,7 @@ def explain(result: dict, bwrap_error: str = "", facts: Facts | None = None, tas
     kind = facts.container
     where = f"this process runs in a {kind.capitalize()} container" if kind else "this process runs on the host"
     said = f" (bubblewrap: {bwrap_error.strip()})" if bwrap_error.strip() else ""
-    fix = f"Fix: {runtime_settings(kind, task_images)}; {ALTERNATIVES}."
+    fix = f"Fix: {runtime_settings(kind)}; {ALTERNATIVES}."
     if step == "userns":
         if kind and facts.seccomp and code in ("EPERM", "ENOSYS"):
             return (
@@ -268,38 +262,15 @@ def bwrap_problem() -> str:
 
 
 @cache
-def namespace_problem(task_images: bool = False) -> str | None:
-    """Why sandboxes cannot be made here, with the fix, or ``None`` (probed once per process).
-
-    Args:
-        task_images: Whether the sandboxes run on task images (the advice then adds ``CAP_SYS_ADMIN``).
-    """
+def namespace_problem() -> str | None:
+    """Why sandboxes cannot be made here, with the fix, or ``None`` (probed once per process)."""
     try:
         error = bwrap_problem()
         if not error:
             return None
-        return explain(probe(), error, task_images=task_images)
+        return explain(probe(), error)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"the local sandbox's namespace probe could not run ({exc})"
-
-
-def mount_problem(facts: Facts | None = None) -> str | None:
-    """Why task images cannot be mounted here as root (no ``CAP_SYS_ADMIN``), with the fix, or ``None``.
-
-    Args:
-        facts: What the machine says about itself (default: :meth:`Facts.here`).
-    """
-    facts = facts or Facts.here()
-    if facts.uid != 0 or facts.sys_admin:
-        return None
-    where = f"this process is root in a {facts.container.capitalize()} container" if facts.container else "this root"
-    return (
-        f"the local sandbox runs each task on its own image (root='image', the default), whose copy-on-write root "
-        f"and bounded tree the host side mounts, which needs CAP_SYS_ADMIN, and {where} without it. Fix: "
-        f"{runtime_settings(facts.container, task_images=True)}; or choose the host root explicitly "
-        "(env_kwargs={'root': 'host'}, --ek root=host; FROM is then not honoured), which needs no CAP_SYS_ADMIN; "
-        f"{ALTERNATIVES}."
-    )
 
 
 def file_system_of(path: Path, mounts_text: str | None = None) -> str | None:

@@ -12,48 +12,16 @@ import atexit
 import contextlib
 import os
 import signal
-import tempfile
 import uuid
 import weakref
 from collections.abc import Iterator
-from functools import cache
 from pathlib import Path
 from typing import Any
 
-from trl_harbor.sandboxes import _cgroups
+from trl_harbor.sandboxes import _cgroups, _userns
+from trl_harbor.sandboxes._binaries import state_root
 from trl_harbor.sandboxes._hostfs import remove_tree
 from trl_harbor.sandboxes._mounts import unmount_under
-
-
-def state_root() -> Path:
-    """Where sandboxes keep their private trees.
-
-    ``$TRL_HARBOR_STATE_DIR`` if set; else a per-user folder on ``/dev/shm`` when it is
-    a writable tmpfs that allows programs to run (creating and removing a sandbox's tree is 40x faster there than
-    on a journaled disk, and what the agent writes counts against the sandbox's own
-    memory limit); else a per-user folder in the temporary directory.
-    """
-    configured = os.environ.get("TRL_HARBOR_STATE_DIR")
-    if configured:
-        base = Path(configured)
-    elif _shm_is_tmpfs():
-        base = Path("/dev/shm") / f"trl-harbor-{os.getuid()}"
-    else:
-        base = Path(tempfile.gettempdir()) / f"trl-harbor-{os.getuid()}"
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return base
-
-
-@cache
-def _shm_is_tmpfs() -> bool:
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return False
-    # A container's /dev/shm is usually mounted noexec (Docker's, a pod's): a tree there could run nothing.
-    return any(
-        line.split()[1:3] == ["/dev/shm", "tmpfs"] and "noexec" not in line.split()[3].split(",") for line in mounts
-    ) and os.access("/dev/shm", os.W_OK)
 
 
 def new_box_name(prefix: str) -> str:
@@ -118,10 +86,24 @@ def sweep_stale() -> int:
         for entry in os.scandir(state_root()):
             if _owner_dead(entry.name):
                 unmount_under(Path(entry.path))
-                remove_tree(Path(entry.path))
+                _remove_stale(Path(entry.path))
                 removed += 1
     _cgroups.remove_stale(_owner_dead)
     return removed
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove a dead owner's tree; one of a task image without root holds its users' files, which
+    only a holder (``_userns.py``) may remove."""
+    if not path.is_dir() or path.is_symlink():  # a holder's socket
+        path.unlink(missing_ok=True)
+        return
+    try:
+        remove_tree(path)
+    except PermissionError:
+        if os.geteuid() == 0:
+            raise
+        _userns.host().call(remove_tree, path)
 
 
 def _bubblewraps() -> Iterator[tuple[int, str]]:

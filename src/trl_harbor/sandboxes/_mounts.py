@@ -11,6 +11,7 @@ from functools import cache
 from pathlib import Path
 
 from trl_harbor.sandboxes._hostfs import remove_tree
+from trl_harbor.sandboxes._userns import in_user_namespace
 from trl_harbor.sandboxes.errors import SandboxStartError
 
 LAYER_VENV = "/opt/venv-layer"
@@ -100,29 +101,6 @@ def prepare_rootfs(root: Path) -> None:
             path.symlink_to(target)
 
 
-#: ``CAP_SYS_ADMIN``'s bit in ``/proc/self/status``'s capability masks.
-_CAP_SYS_ADMIN = 21
-
-
-@cache
-def can_mount() -> bool:
-    """Whether this process may mount file systems itself: root with ``CAP_SYS_ADMIN``.
-
-    Root in a container usually lacks it (Docker's and Kubernetes' default capability sets drop
-    it): the host side's overlays and bounded trees are then out of reach, whatever the uid.
-    """
-    if os.geteuid() != 0:
-        return False
-    try:
-        status = Path("/proc/self/status").read_text()
-    except OSError:
-        return False
-    for line in status.splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
-    return False
-
-
 @cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
@@ -143,8 +121,11 @@ def mount_overlay(lower: Path | list[Path], upper: Path, work: Path, target: Pat
     # redirect_dir and metacopy off (the defaults of most kernels, said here for all): every change
     # the sandbox makes is then a plain entry, a whiteout or an opaque folder in ``upper``, which is
     # what the seal's fingerprints read (ImageRoot.walk in _roots.py).
-    options = f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,metacopy=off".encode()
-    if _libc().mount(b"overlay", str(target).encode(), b"overlay", 0, options) != 0:
+    options = f"lowerdir={lower},upperdir={upper},workdir={work},metacopy=off"
+    # In a user namespace (task images without root: this user's holder, _userns.py) the overlay keeps
+    # its xattrs in user.overlay.*, and redirects must not be followed either.
+    options += ",userxattr,redirect_dir=nofollow" if in_user_namespace() else ",redirect_dir=off"
+    if _libc().mount(b"overlay", str(target).encode(), b"overlay", 0, options.encode()) != 0:
         code = ctypes.get_errno()
         raise SandboxStartError(f"mounting the sandbox's copy-on-write root failed: {os.strerror(code)}")
 

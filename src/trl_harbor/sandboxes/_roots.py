@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import fnmatch
 import functools
+import logging
 import os
 import posixpath
 import shlex
@@ -24,28 +25,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trl_harbor.sandboxes import _hostfs
+from trl_harbor.sandboxes import _hostfs, _userns
 from trl_harbor.sandboxes._binaries import SYSTEM_PATH, static_binary
 from trl_harbor.sandboxes._box import Box, BoxConfig
 from trl_harbor.sandboxes._cache import CACHE
-from trl_harbor.sandboxes._diagnose import mount_problem
 from trl_harbor.sandboxes._lifetime import new_box_name, state_root
 from trl_harbor.sandboxes._mounts import (
     KERNEL_MOUNTS,
     LAYER_VENV,
     SANDBOX_VENV,
     SYSTEM_MOUNTS,
-    can_mount,
     grow_tmpfs,
     inode_bound,
     mount_bounded_tmpfs,
     mount_overlay,
 )
+from trl_harbor.sandboxes._userns import can_mount, overlay_xattr
 from trl_harbor.sandboxes._view import SearchPaths, Snapshot, search_paths, snapshot
 from trl_harbor.sandboxes.errors import (
     SandboxCommandError,
     SandboxStartError,
-    SandboxUnavailableError,
     SandboxUserError,
 )
 from trl_harbor.sandboxes.image import Image, ImageBuilder
@@ -58,6 +57,7 @@ from trl_harbor.sandboxes.oci import (
     host_trust_mounts,
 )
 
+logger = logging.getLogger(__name__)
 _ROOT_USERS = (None, 0, "0", "root")
 MiB = 1 << 20
 #: Prints the image's interpreters' import paths, one folder a line: Python's (``sys.path`` and the
@@ -120,6 +120,8 @@ class SandboxRoot:
         self.box: Box | None = None
         #: The sandbox's folder in the state root (its tree, its box's state), once started.
         self.dir: Path | None = None
+        #: Where the host-side work on its tree runs: this process, or (task images without root) the holder.
+        self.host: _userns.Host = _userns.DIRECT
 
     @property
     def rootfs(self) -> Path:
@@ -141,14 +143,14 @@ class SandboxRoot:
         """
         fields = await self._prepare(force_build)
         self.dir = state_root() / new_box_name(self.task.box_name)
-        bounded = bool(box.get("storage_mb")) and can_mount()
+        bounded = bool(box.get("storage_mb")) and (can_mount() or self.host.rootless)
         config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, storage_guard=not bounded, **box, **fields)
         self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
         try:
-            if bounded:  # as root: the kernel bounds the tree's bytes and inodes, exactly
-                self.dir.mkdir()
+            self.dir.mkdir()
+            if bounded:  # the kernel bounds the tree's bytes and inodes, exactly
                 storage = box["storage_mb"] * MiB
-                mount_bounded_tmpfs(self.dir, storage, inode_bound(box["storage_mb"]))
+                self.host.call(mount_bounded_tmpfs, self.dir, storage, inode_bound(box["storage_mb"]))
                 self.box.mounts.append(self.dir)  # detached last (the root's overlay is on it)
             await self._launch()
         except BaseException:
@@ -161,7 +163,7 @@ class SandboxRoot:
             await self.box.kill()
             self.box = None
         if self.dir is not None:
-            await _off_loop(_hostfs.remove_tree, self.dir)
+            await _off_loop(self.host.call, _hostfs.remove_tree, self.dir)
             self.dir = None
 
     async def run(
@@ -320,18 +322,17 @@ class ImageRoot(SandboxRoot):
 
     @classmethod
     def preflight(cls) -> None:
-        """Check for buildah, root with ``CAP_SYS_ADMIN``, a static C compiler (``SandboxUnavailableError``)."""
+        """Check for buildah, a static C compiler, and, without root's ``CAP_SYS_ADMIN``, that this user's
+        holder starts (``SandboxUnavailableError``; ``_userns.py``)."""
         buildah_path()
-        if os.geteuid() != 0:
-            raise SandboxUnavailableError(
-                "the local sandbox runs each task on its own image (root='image', the default), "
-                "which needs root for now; run as root, or choose the host root explicitly: "
-                "env_kwargs={'root': 'host'} (HarborSpec), --ek root=host (trl-harbor, harbor run); "
-                "the host's /usr is then every task's base image and the Dockerfile's FROM is not honoured"
-            )
-        problem = mount_problem()  # root in a container: usually without CAP_SYS_ADMIN
-        if problem:
-            raise SandboxUnavailableError(problem)
+        if not can_mount():  # not root, or root without CAP_SYS_ADMIN (a container's, usually)
+            host = _userns.host()  # started here, so that what it lacks is said at spec build
+            if host.ids == 1:
+                logger.warning(
+                    "task images without root: this user has no subordinate ids, so sandboxes map one id; %s. "
+                    "To build and run images as Docker does, %s",
+                    _userns.SINGLE_ID_LIMITS, _userns.SUBID_FIX,
+                )  # fmt: skip
         static_binary("supervisor")  # compiled once and cached; its error names the packages
 
     async def _prepare(self, force_build: bool) -> dict[str, Any]:
@@ -341,16 +342,21 @@ class ImageRoot(SandboxRoot):
             # A prebuilt image ([environment] docker_image) with no Dockerfile: FROM it.
             context = await asyncio.to_thread(store.prebuilt_context, self.task.docker_image)
         self.image = await store.get(context, self.task.name, force=force_build)
+        self.host = store.buildah.host
         binds = [(await asyncio.to_thread(static_binary, "runas"), RUNAS)]
         if self.task.host_trust:
             mounts = host_trust_mounts(store.storage_dir / "trust")
-            has_pip_conf = os.path.lexists(self.image.rootfs / "etc" / "pip.conf")
+            has_pip_conf = self.host.call(os.path.lexists, self.image.rootfs / "etc" / "pip.conf")
             binds += [m for m in mounts if not (m[1] == "/etc/pip.conf" and has_pip_conf)]
         return {"extra_ro_binds": binds, "image_root": True}
 
     async def _launch(self) -> None:
         assert self.image is not None
-        await asyncio.to_thread(self._mount_tree)
+        assert self.dir is not None
+        await asyncio.to_thread(
+            self.host.call, mount_tree, self.dir, self.image.rootfs, self.task.hostname, self.task.workdir
+        )
+        self.running_box().mounts.append(self.rootfs)
         await self.running_box().start()
         await self._probe_search_paths()  # before anything but the image runs in the box
         if self.image.config.entrypoint:
@@ -371,27 +377,17 @@ class ImageRoot(SandboxRoot):
                 section = found[line]
             elif line.startswith("/"):
                 section.append(line)
-        CACHE.remember(key, search_paths(self.image.rootfs, path, found["#python"], modules=found["#modules"]))
+        probed = self.host.call(search_paths, self.image.rootfs, path, found["#python"], (), found["#modules"])
+        CACHE.remember(key, probed)
 
     @property
     def search(self) -> SearchPaths:
         """Where the image's verifier looks code up (probed at the first start of this image)."""
         assert self.image is not None
         path = {**{"PATH": DOCKER_DEFAULT_PATH}, **self.image.config.env}["PATH"]
-        return CACHE.recall(("search", str(self.image.rootfs), path)) or search_paths(self.image.rootfs, path, ())
-
-    def _mount_tree(self) -> None:
-        assert self.dir is not None and self.box is not None and self.image is not None
-        for name in ("upper", "work", "rootfs", "run"):
-            (self.dir / name).mkdir(parents=True)
-        mount_overlay(self.image.rootfs, self.dir / "upper", self.dir / "work", self.rootfs)
-        self.box.mounts.append(self.rootfs)
-        # As Docker does: the sandbox's own /etc/hosts and /etc/hostname (a client of `localhost` works).
-        _hostfs.write_text(self.rootfs, "/etc/hosts", DOCKER_HOSTS.format(hostname=self.task.hostname))
-        _hostfs.write_text(self.rootfs, "/etc/hostname", self.task.hostname + "\n")
-        if self.task.workdir:
-            # Made without following links (the image's tree is the task author's).
-            os.close(_hostfs._open_dir(self.rootfs, _hostfs._parts(self.task.workdir), create=True))
+        return CACHE.recall(("search", str(self.image.rootfs), path)) or self.host.call(
+            search_paths, self.image.rootfs, path, ()
+        )
 
     async def _start_entrypoint(self, entrypoint: list[str]) -> None:
         """Run the image's ENTRYPOINT in the background, its arguments Harbor's keep-alive command (as Docker's)."""
@@ -421,6 +417,12 @@ class ImageRoot(SandboxRoot):
     def _trust_env(self) -> dict[str, str]:
         """The host's proxies, and its CA bundle for tools that ignore the system store (uv, requests, node, git)."""
         return {**host_proxy_env(), **host_ca_env()}
+
+    def fingerprints(self, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:
+        """Fingerprint sandbox paths from the host (in the holder without root: the agent's users' files too)."""
+        if not self.host.rootless:
+            return super().fingerprints(patterns)
+        return self.host.call(_image_fingerprints, self.task, self.image, self.dir, list(patterns))
 
     def walk(self, path: str, depth: int | None, found: dict[str, str]) -> None:
         """Fingerprint a path of an image root: the image's entries under the sandbox's own changes.
@@ -464,6 +466,7 @@ class VerifierRoot(ImageRoot):
         super().__init__(agent.task)
         self.agent = agent
         self.image = agent.image
+        self.host = agent.host
         self.allowed = list(allowed)
         #: What the snapshot held back, and the agent's sockets it binds (set by :meth:`open`).
         self.view: Snapshot | None = None
@@ -475,17 +478,11 @@ class VerifierRoot(ImageRoot):
             raise SandboxCommandError("the agent's sandbox is not running")
         self.dir = self.agent.dir / "verifier"  # on the agent's file system (the snapshot links), out of its sight
         try:
-            await asyncio.to_thread(self._make_view)
-            assert self.view is not None
-            # Bound from the agent's tree: never through a link the agent made since (a host file).
-            root = os.path.realpath(self.agent.rootfs)
-            sources = [(os.path.realpath(self.agent.rootfs / path.lstrip("/")), path) for path in self.view.sockets]
-            sockets = [(source, path) for source, path in sources if source.startswith(root + "/")]
-            accounts = [
-                (str(self.image.rootfs / "etc" / name), f"/run/trl-harbor/{name}")
-                for name in ("passwd", "group")
-                if (self.image.rootfs / "etc" / name).is_file()
-            ]
+            assert self.image is not None
+            self.view, sockets, accounts = await asyncio.to_thread(
+                self.host.call, make_view, self.agent.dir, self.dir, self.image.rootfs, self.agent.search,
+                self.workdir, self.allowed,
+            )  # fmt: skip
             config = dataclasses.replace(
                 agent_box.config, rootfs=self.rootfs, join=agent_box.init_pid, extra_binds=sockets,
                 extra_ro_binds=[*agent_box.config.extra_ro_binds, *accounts],
@@ -503,15 +500,54 @@ class VerifierRoot(ImageRoot):
             await self.stop()
             raise
 
-    def _make_view(self) -> None:
-        assert self.dir is not None and self.agent.dir is not None and self.image is not None
-        for name in ("snapshot", "upper", "work", "rootfs", "run"):
-            (self.dir / name).mkdir(parents=True)
-        self.view = snapshot(
-            self.agent.dir / "upper", self.image.rootfs, self.dir / "snapshot", self.agent.search, self.workdir,
-            self.allowed,
-        )  # fmt: skip
-        mount_overlay([self.dir / "snapshot", self.image.rootfs], self.dir / "upper", self.dir / "work", self.rootfs)
+
+def mount_tree(box_dir: Path, image_root: Path, hostname: str, workdir: str | None) -> None:
+    """Make an image-rooted sandbox's tree: its overlay over the image root at ``box_dir/rootfs``."""
+    for name in ("upper", "work", "rootfs", "run"):
+        (box_dir / name).mkdir(parents=True)
+    rootfs = box_dir / "rootfs"
+    mount_overlay(image_root, box_dir / "upper", box_dir / "work", rootfs)
+    # As Docker does: the sandbox's own /etc/hosts and /etc/hostname (a client of `localhost` works).
+    _hostfs.write_text(rootfs, "/etc/hosts", DOCKER_HOSTS.format(hostname=hostname))
+    _hostfs.write_text(rootfs, "/etc/hostname", hostname + "\n")
+    if workdir:
+        # Made without following links (the image's tree is the task author's).
+        os.close(_hostfs._open_dir(rootfs, _hostfs._parts(workdir), create=True))
+
+
+def make_view(
+    agent_dir: Path, view_dir: Path, image_root: Path, search: SearchPaths, workdir: str, allowed: list[str]
+) -> tuple[Snapshot, list[tuple[str, str]], list[tuple[str, str]]]:
+    """Make the verifier's view of an agent's tree at ``view_dir/rootfs``: the snapshot of the agent's
+    layer between the image and the verifier's own upper layer.
+
+    Returns:
+        The snapshot, the agent's unix sockets to bind in (``(host path, sandbox path)``), and the
+        image's account files to bind at ``/run/trl-harbor`` (the view's own may be the agent's).
+    """
+    for name in ("snapshot", "upper", "work", "rootfs", "run"):
+        (view_dir / name).mkdir(parents=True)
+    view = snapshot(agent_dir / "upper", image_root, view_dir / "snapshot", search, workdir, allowed)
+    mount_overlay([view_dir / "snapshot", image_root], view_dir / "upper", view_dir / "work", view_dir / "rootfs")
+    # Bound from the agent's tree: never through a link the agent made since (a host file).
+    root = os.path.realpath(agent_dir / "rootfs")
+    sources = [(os.path.realpath(agent_dir / "rootfs" / path.lstrip("/")), path) for path in view.sockets]
+    sockets = [(source, path) for source, path in sources if source.startswith(root + "/")]
+    accounts = [
+        (str(image_root / "etc" / name), f"/run/trl-harbor/{name}")
+        for name in ("passwd", "group")
+        if (image_root / "etc" / name).is_file()
+    ]
+    return view, sockets, accounts
+
+
+def _image_fingerprints(
+    task: RootTask, image: BuiltImage, box_dir: Path, patterns: list[tuple[str, int | None]]
+) -> dict[str, str]:
+    """:meth:`ImageRoot.fingerprints`, run in the holder (see ``_userns.py``)."""
+    root = ImageRoot(task)
+    root.image, root.dir = image, box_dir
+    return SandboxRoot.fingerprints(root, patterns)
 
 
 def _mount_of(path: str, mounts: tuple[str, ...]) -> str | None:
@@ -566,7 +602,7 @@ def layer_entry(host: Path) -> str | None:
     if not stat.S_ISDIR(info.st_mode):
         return "other"
     try:
-        opaque = os.getxattr(host, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
+        opaque = os.getxattr(host, overlay_xattr("opaque"), follow_symlinks=False) == b"y"
     except OSError:
         opaque = False
     return "opaque" if opaque else "dir"

@@ -43,6 +43,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trl_harbor.sandboxes._userns import overlay_xattr
+
 __all__ = ["CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot", "search_paths", "snapshot", "stem"]
 
 #: Configuration that decides how code starts (globs; ``~`` is every home folder).
@@ -686,7 +688,7 @@ class _Walker:
         try:
             info = os.fstat(fd)
             try:
-                opaque = os.getxattr(fd, "trusted.overlay.opaque") == b"y"
+                opaque = os.getxattr(fd, overlay_xattr("opaque")) == b"y"
             except OSError:
                 opaque = False
             try:
@@ -789,7 +791,7 @@ def _mkdir_like(path: str, info: os.stat_result, opaque: bool) -> None:
         os.chown(path, info.st_uid, info.st_gid)
     os.chmod(path, stat.S_IMODE(info.st_mode))
     if opaque:
-        os.setxattr(path, "trusted.overlay.opaque", b"y", follow_symlinks=False)
+        os.setxattr(path, overlay_xattr("opaque"), b"y", follow_symlinks=False)
 
 
 def _judged_by_content(path: str) -> bool:

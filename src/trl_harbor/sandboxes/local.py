@@ -160,15 +160,15 @@ class LocalEnvironment(BaseEnvironment):
             SandboxUnavailableError: If bubblewrap is missing or cannot make a sandbox's namespaces
                 here (in a container: the message names the cause and the container settings that
                 allow them), or (``root="image"``, the default) buildah or a C compiler that links
-                statically is missing, or this process is not root, or is root without ``CAP_SYS_ADMIN``,
-                or the image cache is on an overlay (a container's own root) without ``/dev/fuse``.
+                statically is missing, or (without root's ``CAP_SYS_ADMIN``) this user's namespace holder
+                cannot start, or the image cache is on an overlay (a container's own root) without ``/dev/fuse``.
         """
         super().preflight(kwargs)
         bwrap_path()
         options = cls.parse_options(kwargs)
         root = options.root if isinstance(options, LocalEnvironmentOptions) else "image"
         # Inside containers and pods: why namespaces are refused, and the settings that allow them.
-        problem = namespace_problem(task_images=root == "image")
+        problem = namespace_problem()
         if problem:
             raise SandboxUnavailableError(problem)
         ROOTS[root].preflight()
@@ -376,22 +376,26 @@ class LocalEnvironment(BaseEnvironment):
 
     # -- files -----------------------------------------------------------------
 
+    async def _on_tree(self, func: Any, *args: Any) -> None:
+        """Run ``func(rootfs, *args)`` (an ``_hostfs`` copy) where the sandbox's tree is seen with root's rights."""
+        await asyncio.to_thread(self._sandbox.host.call, func, self._sandbox.rootfs, *args)
+
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         """Copy a host file into the sandbox (never through a link the agent planted)."""
         self._sandbox.check_writable(target_path)
-        await asyncio.to_thread(_hostfs.upload_file, self._sandbox.rootfs, Path(source_path), target_path)
+        await self._on_tree(_hostfs.upload_file, Path(source_path), target_path)
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         """Copy the contents of a host directory into a sandbox directory."""
         self._sandbox.check_writable(target_dir)
-        await asyncio.to_thread(_hostfs.upload_dir, self._sandbox.rootfs, Path(source_dir), target_dir)
+        await self._on_tree(_hostfs.upload_dir, Path(source_dir), target_dir)
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         """Copy a sandbox file to the host; refuses links, so no host file is ever read."""
         self._sandbox.check_writable(source_path)
-        await asyncio.to_thread(_hostfs.download_file, self._sandbox.rootfs, source_path, Path(target_path))
+        await self._on_tree(_hostfs.download_file, source_path, Path(target_path))
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         """Copy a sandbox directory's regular files and folders to the host, skipping links."""
         self._sandbox.check_writable(source_dir)
-        await asyncio.to_thread(_hostfs.download_dir, self._sandbox.rootfs, source_dir, Path(target_dir))
+        await self._on_tree(_hostfs.download_dir, source_dir, Path(target_dir))

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from trl_harbor.sandboxes import _userns
 from trl_harbor.sandboxes._binaries import SYSTEM_PATH, default_cache_dir, which
 from trl_harbor.sandboxes._cache import BuildCache, KeyedLocks
 from trl_harbor.sandboxes._hostfs import remove_tree
@@ -308,16 +309,27 @@ class Buildah:
         self.debian_bootstrap = debian_bootstrap
         self._locks = KeyedLocks()
 
+    @property
+    def host(self) -> _userns.Host:
+        """Where buildah runs: here as root, else in this user's holder, as its root (``_userns.py``)."""
+        return _userns.host()
+
     def _argv(self) -> list[str]:
         return [
+            *self.host.command(),
             buildah_path(),
             "--root", str(self.storage_dir / "storage"),
             "--runroot", str(self.storage_dir / "run"),
+            "--storage-driver", "overlay",
+            # One id (no subordinate ids): the layers' other owners cannot exist; their files become root's.
+            *(["--storage-opt", "overlay.ignore_chown_errors=true"] if self.host.ids == 1 else []),
         ]  # fmt: skip
 
     async def run(self, *args: str, timeout: float = 3600) -> tuple[int, str, str]:
         """Run ``buildah ARGS`` on this storage: its exit code, stdout and stderr (killed if cancelled or late)."""
         env = {k: v for k, v in os.environ.items() if k != "BUILDAH_ISOLATION"}
+        if self.host.rootless:  # buildah is root in the holder's namespaces: it must not make its own
+            env.update(_CONTAINERS_USERNS_CONFIGURED="1", _CONTAINERS_ROOTLESS_UID=str(os.getuid()))
         proc = await asyncio.create_subprocess_exec(
             *self._argv(), *args,
             stdin=asyncio.subprocess.DEVNULL,
@@ -337,7 +349,10 @@ class Buildah:
 
     def run_sync(self, *args: str) -> None:
         """Run ``buildah ARGS`` on this storage, blocking, for clean-ups whose failure does not matter."""
-        subprocess.run([*self._argv(), *args], capture_output=True, check=False)
+        env = dict(os.environ)
+        if self.host.rootless:
+            env.update(_CONTAINERS_USERNS_CONFIGURED="1", _CONTAINERS_ROOTLESS_UID=str(os.getuid()))
+        subprocess.run([*self._argv(), *args], capture_output=True, check=False, env=env)
 
     async def inspect(self, image_id: str) -> ImageConfig:
         """``docker run``'s settings of a built image (``ImageBuildError`` if buildah cannot inspect it)."""
@@ -506,7 +521,7 @@ class ImageStore(BuildCache[BuiltImage]):
             return False
         rc, stdout, _ = await self.buildah.run("mount", image.record.container)
         path = Path(stdout.strip().splitlines()[-1]) if rc == 0 and stdout.strip() else None
-        if path is None or not path.is_dir():
+        if path is None or not self.buildah.host.call(os.path.isdir, path):
             return False
         image.mountpoint = path
         return True
@@ -561,9 +576,11 @@ class ImageStore(BuildCache[BuiltImage]):
                 raise BaseImageUnavailableError(
                     _pull_error(", ".join(bases) or "the base image", output, self.cache_dir)
                 )
+            one_id = self.buildah.host.ids == 1
+            hint = f"\n({_userns.SINGLE_ID_LIMITS}; to build it, {_userns.SUBID_FIX})" if one_id else ""
             raise ImageBuildError(
                 f"task {task_name!r}: building {dockerfile} with buildah failed (exit code {rc}). "
-                f"Its last output:\n{output[-4000:]}"
+                f"Its last output:\n{output[-4000:]}{hint}"
             )
         image_id = (out / "iid").read_text().strip()
         config = await self.buildah.inspect(image_id)
@@ -576,7 +593,7 @@ class ImageStore(BuildCache[BuiltImage]):
         rc, stdout, stderr = await self.buildah.run("mount", container)
         if rc != 0:
             raise ImageBuildError(f"task {task_name!r}: buildah could not mount the image it built: {stderr.strip()}")
-        prepare_image_root(Path(stdout.strip().splitlines()[-1]), config.workdir)
+        self.buildah.host.call(prepare_image_root, Path(stdout.strip().splitlines()[-1]), config.workdir)
         record = ImageRecord(
             key=key,
             image_id=image_id,
@@ -627,7 +644,7 @@ class ImageStore(BuildCache[BuiltImage]):
     def release_mounts(self) -> None:
         """Detach what buildah's storage keeps mounted (e.g. before deleting the cache folder)."""
         self.buildah.run_sync("umount", "--all")
-        unmount_under(self.storage_dir)
+        self.buildah.host.call(unmount_under, self.storage_dir)
 
     async def prune_bases(self) -> None:
         """Remove base images no longer needed from buildah's storage."""
