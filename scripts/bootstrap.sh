@@ -28,6 +28,8 @@ command -v slirp4netns >/dev/null || need+=(slirp4netns)
 for tool in buildah skopeo umoci mmdebstrap docker-registry; do
   command -v "$tool" >/dev/null || need+=("$tool")
 done
+# Task images without root map a user's subordinate ids with newuidmap/newgidmap (buildah needs them too).
+command -v newuidmap >/dev/null || need+=(uidmap)
 # `trl-harbor report --png` and its test render the page in headless Chromium.
 command -v chromium >/dev/null || need+=(chromium)
 # Sandboxes on task images run a statically linked supervisor: a C compiler and libc.a.
