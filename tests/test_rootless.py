@@ -6,10 +6,12 @@ Each test runs as ``nobody`` (no root, no sudo, no cgroups) in a private mount n
 loaded into the user's own cache as ``debian:bookworm-slim`` (the bundled suite's ``FROM``); every
 ``RUN`` step runs for real (``apt-get install`` over the network).
 
-The same tests as for root run unchanged (``test_local_image_root.py``: the image's system folders,
-users and ``useradd``, ``ENTRYPOINT``, pip and uv behind this machine's TLS interception, apt at build
-and verify time, the fingerprints; ``test_local_isolation.py``: no network unless allowed, the task's
-tests and solution out of reach, planted links), and the bundled suite passes ``trl-harbor check``.
+The same tests as for root run (the two that read a tree do it where it is mounted) (``test_local_image_root.py``: ``COPY`` into ``/etc`` and
+``/usr/local/bin``, users and ``useradd``, ``ENTRYPOINT``, pip and uv behind this machine's TLS
+interception, apt at build and verify time, Harbor's oracle and verifier as the task's users, the
+fingerprints, a killed owner's sandbox swept; ``test_local_isolation.py``: no network unless allowed,
+the task's tests and solution out of reach, planted links; a multi-stage build), and the bundled
+suite passes ``trl-harbor check``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def test_the_root_tests_of_task_images_and_isolation_pass_without_root() -> None
     out = _as_nobody(
         "import pytest\n"
         "sys.exit(pytest.main(['-p', 'no:cacheprovider', '-q', '-o', 'addopts=', "
-        "'tests/test_local_image_root.py', 'tests/test_local_isolation.py']))\n",
+        "'tests/test_local_image_root.py', 'tests/test_local_isolation.py', "
+        "'tests/test_local_oci.py::test_multi_stage_build_exports_root_and_config']))\n",
         timeout=2400,
     )
     summary = out.strip().splitlines()[-1]
