@@ -7,11 +7,11 @@ loaded into the user's own cache as ``debian:bookworm-slim`` (the bundled suite'
 ``RUN`` step runs for real (``apt-get install`` over the network).
 
 The same tests as for root run (the two that read a tree do it where it is mounted):
-``test_local_image_root.py``: ``COPY`` into ``/etc`` and ``/usr/local/bin``, users and ``useradd``, ``ENTRYPOINT``, pip and uv behind this machine's TLS
-interception, apt at build and verify time, Harbor's oracle and verifier as the task's users, the
-fingerprints, a killed owner's sandbox swept; ``test_local_isolation.py``: no network unless allowed,
-the task's tests and solution out of reach, planted links; a multi-stage build), and the bundled
-suite passes ``trl-harbor check``.
+``test_local_image_root.py`` (``COPY`` into ``/etc`` and ``/usr/local/bin``, users and ``useradd``,
+``ENTRYPOINT``, pip and uv behind this machine's TLS interception, apt at build and verify time,
+Harbor's oracle and verifier as the task's users, the fingerprints, a killed owner's sandbox swept),
+``test_local_isolation.py`` (no network unless allowed, the task's tests and solution out of reach,
+planted links) and a multi-stage build; and the bundled suite passes ``trl-harbor check``.
 """
 
 from __future__ import annotations
