@@ -230,7 +230,8 @@ def run_unprivileged(
             },
         )
         # PYTHONPATH too: a run against another checkout than the venv's (a worktree) tests that checkout.
-        for name in ("TRL_HARBOR_STORAGE_GUARD", "TRL_HARBOR_SUPERVISOR", "PYTHONPATH", "CONTAINERS_REGISTRIES_CONF"):
+        # Not the session's CONTAINERS_REGISTRIES_CONF: it is in root's temporary folder, out of the user's reach.
+        for name in ("TRL_HARBOR_STORAGE_GUARD", "TRL_HARBOR_SUPERVISOR", "PYTHONPATH"):
             if name in os.environ:
                 env[name] = os.environ[name]
         env.update(extra_env or {})
