@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,12 +71,13 @@ CMD ["serve"]
     (context / "tool.sh").chmod(0o755)
     image = asyncio.run(store.get(context, "multi"))
     root = image.rootfs
-    assert (root / "etc/myapp/built.txt").read_text() == "hello from stage one\n"
-    assert (root / "etc/myapp/app.conf").read_text() == "mode=1\n"
-    assert (root / "usr/local/bin/tool").stat().st_mode & 0o111
-    assert (root / "home/agent").is_dir()
-    assert "agent:" in (root / "etc/passwd").read_text()
-    assert not (root / "app/secret.txt").exists(), ".dockerignore must keep secret.txt out"
+    host = store.buildah.host  # read where the image is mounted: this process as root, the holder without root
+    assert host.call(Path.read_text, root / "etc/myapp/built.txt") == "hello from stage one\n"
+    assert host.call(Path.read_text, root / "etc/myapp/app.conf") == "mode=1\n"
+    assert host.call(os.stat, root / "usr/local/bin/tool").st_mode & 0o111
+    assert host.call(os.path.isdir, root / "home/agent")
+    assert "agent:" in host.call(Path.read_text, root / "etc/passwd")
+    assert not host.call(os.path.exists, root / "app/secret.txt"), ".dockerignore must keep secret.txt out"
     config = image.config
     assert config.env["PATH"].startswith("/opt/tool/bin:/usr/local/sbin:")
     assert config.env["APP_MODE"] == "test"
@@ -90,7 +92,7 @@ CMD ["serve"]
     (context / "app.conf").write_text("mode=2\n")
     changed = asyncio.run(store.get(context, "multi"))
     assert changed.path != image.path
-    assert (changed.rootfs / "etc/myapp/app.conf").read_text() == "mode=2\n"
+    assert host.call(Path.read_text, changed.rootfs / "etc/myapp/app.conf") == "mode=2\n"
 
 
 def test_concurrent_requests_share_one_build(store, loopback_registry, tmp_path):  # noqa: F811
