@@ -288,11 +288,6 @@ def host() -> Host:
         return _HOLDER[1]
 
 
-def running_holder() -> Host | None:
-    """This process's holder if it has started one (the sweep removes rootless trees through it)."""
-    return _HOLDER[1] if _HOLDER is not None and _HOLDER[0] == os.getpid() and _HOLDER[1].proc.poll() is None else None
-
-
 @cache
 def in_user_namespace() -> bool:
     """Whether this process runs in a user namespace other than the machine's (overlays keep ``user.`` xattrs)."""
