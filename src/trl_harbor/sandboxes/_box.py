@@ -6,7 +6,7 @@ bubblewrap once with a supervisor as the box's init (``_supervisor.py``), runs c
 it over a Unix socket (:class:`SupervisorClient`), and tears everything down on ``kill``.
 
 Its :class:`BoxConfig` says what it gets: its namespaces (all its own today, set up from the
-config by :func:`namespace_args` and :func:`map_ids` alone, so a box that joins another's has one
+config by :func:`namespace_args` and :func:`write_id_maps` alone, so a box that joins another's has one
 place to say so), its mounts (``_mounts.py``), its network (none, or :class:`UserNetwork`), its
 limits (``_cgroups.py`` as root, else rlimits; the storage guard of ``_storage.py``).
 """
@@ -62,7 +62,7 @@ def namespace_args(
     *, network: NetworkMode, switchable: bool, hostname: str, block_fd: int | None, joined: bool = False
 ) -> list[str]:
     """bubblewrap's namespace, capability and process options for a box (see ``BoxConfig``); with
-    ``block_fd``, it waits on it while the host maps the box's ids (:func:`map_ids`), else maps uid 0.
+    ``block_fd``, it waits on it while the host maps the box's ids (:func:`write_id_maps`), else maps uid 0.
     A ``joined`` box runs in another box's user and network namespaces (entered before bubblewrap)."""
     own_user = () if joined else (
         "--unshare-user", "--uid", "0", "--gid", "0",
@@ -76,29 +76,17 @@ def namespace_args(
         "--hostname", hostname,
     ]  # fmt: skip
     if joined:
-        return args  # the joined box's user namespace already forbids nested ones (map_ids)
+        return args  # the joined box's user namespace already forbids nested ones (write_id_maps)
     if network != "host":
         args.append("--unshare-net")
     if network != "user" and not switchable and block_fd is None:
-        # (Mapped ids: bubblewrap cannot combine this with --userns-block-fd; map_ids
+        # (Mapped ids: bubblewrap cannot combine this with --userns-block-fd; write_id_maps
         # sets the same limit from the host.)
         # No nested user namespaces (their root would regain every capability in
         # them). Not with slirp4netns: it must join the box's own user namespace to
         # reach its network, which the nesting hides.
         args.append("--disable-userns")
     return args
-
-
-async def map_ids(info_fd: int, block_fd: int, host: _userns.Host) -> int:
-    """Map the box's uids and gids to the same ids of ``host`` (``host.id_map``), return its init's PID.
-
-    ``host`` is this process as root, else this user's holder (``_userns.py``), whose ids those are.
-    bubblewrap waits on ``block_fd`` meanwhile.
-    """
-    pid = await asyncio.to_thread(read_child_pid, info_fd)
-    await asyncio.to_thread(host.call, write_id_maps, pid, host.id_map)
-    os.write(block_fd, b"1")
-    return pid
 
 
 def write_id_maps(pid: int, id_map: str) -> None:
@@ -121,11 +109,28 @@ def write_id_maps(pid: int, id_map: str) -> None:
         raise SandboxStartError(f"could not forbid nested user namespaces in the sandbox: {result.stderr.strip()}")
 
 
-def read_child_pid(fd: int) -> int:
-    """The host PID of the box's init, from bubblewrap's ``--info-fd`` (blocking)."""
+def _settle_once(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def read_child_pid(fd: int) -> int:
+    """The host PID of the box's init, from bubblewrap's ``--info-fd`` (read as it comes, on the loop:
+    a worker thread blocked on it would hold up other starts' work in the loop's executor)."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
     data = b""
     while b"}" not in data:
-        chunk = os.read(fd, 4096)
+        readable = loop.create_future()
+        loop.add_reader(fd, _settle_once, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            continue
         if not chunk:
             break
         data += chunk
@@ -260,6 +265,7 @@ class Box:
         self._network = UserNetwork()
         self._child_pid: int | None = None
         self._cgroups = Cgroups(name or state_dir.name, config.memory_mb, config.cpus, config.pids_max)
+        self._reserved = False
         #: Host mounts (the copy-on-write root) to detach when the box goes.
         self.mounts: list[Path] = []
         #: Why the storage guard killed the box (see ``_storage.py``), or ``None``.
@@ -281,7 +287,7 @@ class Box:
             raise SandboxStartError("this process is exiting: no new sandbox starts")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         binary = _supervisor(self.config)
-        self._cgroups.create()
+        self.reserve()
         info_r, block_w = await self._spawn(binary)
         try:
             if _lifetime.EXITING:  # the exit's sweep may have run while bubblewrap was being started
@@ -297,6 +303,19 @@ class Box:
                     with contextlib.suppress(OSError):
                         os.close(fd)
 
+    def reserve(self) -> None:
+        """Create the box's cgroups (once) and start the kernel's wait for moving into them.
+
+        The wait (a grace period: :func:`~trl_harbor.sandboxes._cgroups.prime_moves`) runs in the
+        background: started before the box's tree is made, it is mostly over by the time
+        :meth:`_settle` moves the box in."""
+        if self._reserved:
+            return
+        self._reserved = True
+        self._cgroups.create()
+        if self._cgroups.paths:
+            Cgroups.primed()
+
     async def _spawn(self, binary: str | None) -> tuple[int | None, int | None]:
         """Run bubblewrap with the supervisor as the box's init; return the host's ends of its info and block pipes."""
         if self.config.network == "user" or self.config.network_switchable:
@@ -305,7 +324,7 @@ class Box:
             await asyncio.to_thread(self.host.call, _write_text, resolv, f"nameserver {SLIRP_GATEWAY_DNS}\n")
         info_r = info_w = block_r = block_w = exe_fd = None
         own = self.config.join is None  # a joined box has no namespaces of its own to map or network to attach
-        if own and (self.config.network == "user" or self.config.network_switchable or self.config.image_root):
+        if own:  # its init's PID: for its cgroups, id maps and network
             info_r, info_w = os.pipe()
         if own and self.config.image_root:
             block_r, block_w = os.pipe()
@@ -347,7 +366,7 @@ class Box:
         """Finish the box's namespaces, wait for its supervisor's "ready", then bound and connect it."""
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        child_pid = None if block_w is None or info_r is None else await map_ids(info_r, block_w, self.host)
+        child_pid = None if info_r is None else await self._settle(info_r, block_w)
         if binary is None:
             proc.stdin.write(supervisor_source())
         proc.stdin.close()
@@ -362,11 +381,9 @@ class Box:
                 why += f"; {diagnosis}"
             raise SandboxStartError(f"bubblewrap failed to start the sandbox: {why}")
         if self._cgroups.paths:
-            # The box's processes so far (bwrap and the supervisor) join its cgroups before any
-            # command runs; every later process is forked from them and so is counted too.
+            # Every process of the box so far is in its cgroups before any command runs (normally
+            # :meth:`_settle` put them there: none is moved here); later ones are forked from them.
             self._cgroups.join(_process_tree(proc.pid))
-        if info_r is not None and child_pid is None:
-            child_pid = await asyncio.to_thread(read_child_pid, info_r)
         self._child_pid = child_pid
         if self.config.network == "user" and child_pid is not None and self.config.join is None:
             # Only once bubblewrap has finished setting up the namespace's loopback:
@@ -376,6 +393,28 @@ class Box:
             # What the box holds now (the task's files) is its baseline: its bound counts what it writes.
             tree = self.owned_dir or self.config.rootfs
             await asyncio.to_thread(_storage.GUARD.watch, self, tree, self.config.storage_mb * 1024 * 1024)
+
+    async def _settle(self, info_r: int, block_w: int | None) -> int:
+        """Map the box's ids (image roots) and put its processes in its cgroups; its init's PID.
+
+        The first cgroup move waits for a kernel grace period after a quiet spell (~8 ms; started
+        early by :meth:`reserve`): it runs alongside bubblewrap's set-up, not before it. bubblewrap
+        waits on ``block_w`` (image roots) only for the id maps. Until its first command the box
+        forks nothing (bubblewrap runs ``--as-pid-1``; the supervisor forks per connection), and no
+        command is sent before this returns: every later process is forked inside the cgroups.
+        """
+        proc = self._proc
+        assert proc is not None
+        joining = self._cgroups.moved([proc.pid])
+        try:
+            pid = await read_child_pid(info_r)
+            if block_w is not None:
+                await asyncio.to_thread(self.host.call, write_id_maps, pid, self.host.id_map)
+                os.write(block_w, b"1")
+        finally:
+            await joining
+        await self._cgroups.moved([pid])  # forked before bubblewrap moved: moved now
+        return pid
 
     async def set_network(self, network: NetworkMode) -> None:
         """Attach (``"user"``) or detach (``"none"``) the box's user-mode network; open connections break.

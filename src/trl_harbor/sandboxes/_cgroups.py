@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -9,12 +10,17 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 ROOT = Path("/sys/fs/cgroup")
+#: The one thread that moves processes between cgroups: the kernel runs moves one at a time (under
+#: its cgroup mutex), and a move waiting on a grace period must not hold a worker of the loop's
+#: default executor, which every start's other file work needs.
+_MOVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-harbor-cgroup-moves")
 
 
 class Cgroups:
@@ -86,12 +92,26 @@ class Cgroups:
         self.paths.append(path)
         return path
 
+    def moved(self, pids: list[int]) -> asyncio.Future:
+        """:meth:`join` on the mover thread (a future of the running loop)."""
+        return asyncio.get_running_loop().run_in_executor(_MOVER, self.join, pids)
+
+    @staticmethod
+    def primed() -> asyncio.Future:
+        """:func:`prime_moves` on the mover thread (a future of the running loop; it never fails)."""
+        return asyncio.get_running_loop().run_in_executor(_MOVER, prime_moves)
+
     def join(self, pids: list[int]) -> None:
-        """Move processes into every cgroup of the box (those that exited meanwhile are skipped)."""
+        """Move processes into every cgroup of the box (members already, or exited meanwhile: skipped).
+
+        Each move takes the kernel's thread-group lock for writing, which after a quiet spell waits
+        for an RCU grace period (~8 ms here): a process already in place is not written again."""
         for path in self.paths:
+            members = set((path / "cgroup.procs").read_text().split())
             for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    (path / "cgroup.procs").write_text(str(pid))
+                if str(pid) not in members:
+                    with contextlib.suppress(ProcessLookupError):
+                        (path / "cgroup.procs").write_text(str(pid))
 
     def exhaustion(self) -> str | None:
         """Which limit the box's processes ran into, from the cgroups' event counters (``None``: none)."""
@@ -146,3 +166,23 @@ def remove_stale(is_stale: Callable[[str], bool]) -> None:
                     stale = Cgroups(entry.name, None, None, None)
                     stale.paths = [Path(entry.path)]
                     stale.kill_and_remove()
+
+
+def prime_moves() -> None:
+    """Start now the kernel grace period that a box's first cgroup move would wait for.
+
+    A cgroup move takes the kernel's thread-group lock for writing, whose first taking after a
+    quiet spell waits for an RCU grace period (~8 ms here); moves within a grace period after it do
+    not wait. Writing this process's PID into the cgroup it is already in takes that lock and moves
+    nothing: run on the mover thread as a start begins (:meth:`Cgroups.primed`), the wait overlaps
+    the start's own work (its tree, spawning bubblewrap) instead of following it."""
+    mode = Cgroups.mode()
+    if mode is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == ("pids" if mode == "v1" else ""):
+                where = ROOT / ("pids" if mode == "v1" else "") / path.lstrip("/")
+                (where / "cgroup.procs").write_text(str(os.getpid()))
+                return

@@ -147,6 +147,7 @@ class SandboxRoot:
         config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, storage_guard=not bounded, **box, **fields)
         self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
         try:
+            self.box.reserve()  # its cgroups: the kernel's wait to move into them overlaps making the tree
             self.dir.mkdir()
             if bounded:  # the kernel bounds the tree's bytes and inodes, exactly
                 storage = box["storage_mb"] * MiB
