@@ -50,7 +50,7 @@ PHASES = (
     ("image lookup (cached)", _roots.ImageRoot, "_prepare"),
     ("bounded tree (tmpfs mount)", _roots, "mount_bounded_tmpfs"),
     ("tree: copy of the layer", _roots.HostRoot, "_make_tree"),
-    ("tree: overlay mount, hosts", _roots.ImageRoot, "_mount_tree"),
+    ("tree: overlay mount, hosts", _roots, "mount_tree"),
     ("cgroups: create", _cgroups.Cgroups, "create"),
     ("cgroups: grace-period wait (background, from create)", _cgroups, "prime_moves"),
     ("spawn bubblewrap", _box.Box, "_spawn"),
