@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/sandbox.py [--runs 30] [--root host|image|both]
 
 Prints one table per sandbox root: sandbox start, start + first command,
-``exec("true")`` round trip, Harbor verification of a trivial task, stop, and 64
-sandboxes started concurrently, each as a median over many runs, next to a plain
+``exec("true")`` round trip, Harbor verification of a trivial task, stop, 64
+sandboxes started concurrently, and a start while those 64 run, each as a median over many runs, next to a plain
 ``subprocess.run(["true"])`` (the cost of starting any process at all on this
 machine). Ratios, not absolute times, are what carries across machines.
 
@@ -248,6 +248,13 @@ async def _measure(scratch: Path, runs: int, concurrent: int, base: str | None) 
     t = time.perf_counter()
     await asyncio.gather(*(e.exec("true") for e in envs))
     parallel_exec = time.perf_counter() - t
+    crowded = []  # one start while the concurrent ones still run: does a start depend on how many run?
+    for _ in range(runs):
+        env = bench.env()
+        t = time.perf_counter()
+        await env.start(force_build=False)
+        crowded.append(time.perf_counter() - t)
+        await env.stop(delete=True)
     await asyncio.gather(*(e.stop(delete=True) for e in envs))
 
     floor = statistics.median(baseline)
@@ -266,6 +273,7 @@ async def _measure(scratch: Path, runs: int, concurrent: int, base: str | None) 
             "(target <= 1 s on 2 cores, issue #20)",
         ),
         (f"{concurrent} concurrent exec('true')", parallel_exec, ""),
+        (f"start, {concurrent} others running", med(crowded), f"{med(crowded) / med(starts):.2f}x the start alone"),
         *extra,
     ]
     return rows, breakdown(timer, bwrap)

@@ -114,9 +114,11 @@ def _settle_once(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-async def read_child_pid(fd: int) -> int:
+async def read_child_pid(fd: int) -> int | None:
     """The host PID of the box's init, from bubblewrap's ``--info-fd`` (read as it comes, on the loop:
-    a worker thread blocked on it would hold up other starts' work in the loop's executor)."""
+    a worker thread blocked on it would hold up other starts' work in the loop's executor).
+
+    ``None`` when bubblewrap closed it without a word: it failed, and its standard error says why."""
     loop = asyncio.get_running_loop()
     os.set_blocking(fd, False)
     data = b""
@@ -134,6 +136,8 @@ async def read_child_pid(fd: int) -> int:
         if not chunk:
             break
         data += chunk
+    if not data:
+        return None
     try:
         return int(json.loads(data[: data.index(b"}") + 1])["child-pid"])
     except (ValueError, KeyError) as error:
@@ -380,6 +384,8 @@ class Box:
             if diagnosis:
                 why += f"; {diagnosis}"
             raise SandboxStartError(f"bubblewrap failed to start the sandbox: {why}")
+        if info_r is not None and child_pid is None:
+            raise SandboxStartError("bubblewrap started the sandbox without reporting its process")
         if self._cgroups.paths:
             # Every process of the box so far is in its cgroups before any command runs (normally
             # :meth:`_settle` put them there: none is moved here); later ones are forked from them.
@@ -394,8 +400,9 @@ class Box:
             tree = self.owned_dir or self.config.rootfs
             await asyncio.to_thread(_storage.GUARD.watch, self, tree, self.config.storage_mb * 1024 * 1024)
 
-    async def _settle(self, info_r: int, block_w: int | None) -> int:
-        """Map the box's ids (image roots) and put its processes in its cgroups; its init's PID.
+    async def _settle(self, info_r: int, block_w: int | None) -> int | None:
+        """Map the box's ids (image roots) and put its processes in its cgroups; its init's PID
+        (``None``: bubblewrap failed before it made one, and says why on its standard error).
 
         The first cgroup move waits for a kernel grace period after a quiet spell (~8 ms; started
         early by :meth:`reserve`): it runs alongside bubblewrap's set-up, not before it. bubblewrap
@@ -408,12 +415,13 @@ class Box:
         joining = self._cgroups.moved([proc.pid])
         try:
             pid = await read_child_pid(info_r)
-            if block_w is not None:
+            if pid is not None and block_w is not None:
                 await asyncio.to_thread(self.host.call, write_id_maps, pid, self.host.id_map)
                 os.write(block_w, b"1")
         finally:
             await joining
-        await self._cgroups.moved([pid])  # forked before bubblewrap moved: moved now
+        if pid is not None:
+            await self._cgroups.moved([pid])  # forked before bubblewrap moved: moved now
         return pid
 
     async def set_network(self, network: NetworkMode) -> None:

@@ -532,12 +532,6 @@ def _module_file(path: str) -> bool:
     return path.endswith((".py", ".pyc", ".pyo", ".pyw")) or ".so" in posixpath.basename(path)
 
 
-def _globs(globs: Sequence[str]) -> re.Pattern[str]:
-    """One expression matching a path that one of ``globs`` matches, or that is under one."""
-    parts = [f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g.rstrip('/') + '/*')})" for g in globs]
-    return re.compile("|".join(parts) or "(?!)")
-
-
 @functools.lru_cache(maxsize=256)
 def _rule(lower: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...]) -> _Rule:
     """The rule for an image (which never changes), made once: listing what it ships is the costly part."""
