@@ -533,3 +533,48 @@ def test_the_sweep_kills_a_bubblewrap_left_holding_a_dead_owners_box(tmp_path: P
         if stuck.poll() is None:
             stuck.kill()
             stuck.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroups (and so parked launchers) need root")
+def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tmp_path: Path) -> None:
+    """Once a box is up, a launcher is parked in fresh cgroups; the next box's bubblewrap is that process,
+    with the box's limits on those cgroups (no move, so no wait for the kernel); close_all-time release."""
+    from trl_harbor.sandboxes import _box
+    from trl_harbor.sandboxes._cgroups import ROOT
+    from trl_harbor.sandboxes.local import release_parked
+
+    async def scenario():
+        first = open_env(task, tmp_path, root="host")
+        await first.start(force_build=False)
+        second = open_env(task, tmp_path, root="host")
+        try:
+            for _ in range(500):
+                if _box._PARKED is not None:
+                    break
+                await asyncio.sleep(0.01)
+            parked = _box._PARKED
+            assert parked is not None, "no launcher was parked after a start"
+            launcher_pid, group = parked.proc.pid, parked.cgroups.name
+            await second.start(force_build=False)
+            box = second._sandbox.running_box()
+            assert box._proc.pid == launcher_pid  # the parked launcher became this box's bubblewrap
+            memory = ROOT / "memory" / "trl-harbor" / group
+            assert int((memory / "memory.limit_in_bytes").read_text()) == 512 * 1024 * 1024
+            assert f"memory:/trl-harbor/{group}" in Path(f"/proc/{box.init_pid}/cgroup").read_text()
+            hog = await second.exec(
+                'python3 -c "b = []\nwhile True: b.append(bytearray(64 * 1024 * 1024))"', timeout_sec=60
+            )
+            assert hog.return_code != 0 and (await second.exec("echo alive")).stdout.strip() == "alive"
+        finally:
+            await second.stop(delete=True)
+            await first.stop(delete=True)
+        assert not memory.exists()  # the box's cgroups went with it
+        for _ in range(500):  # the one parked after the second start, released as close_all() does
+            if _box._PARKED is not None:
+                break
+            await asyncio.sleep(0.01)
+        release_parked()
+        left = [p for p in ROOT.glob(f"*/trl-harbor/{os.getpid()}-parked-*")]
+        assert left == [], left
+
+    run(scenario())

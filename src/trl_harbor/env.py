@@ -68,9 +68,13 @@ _PROVISIONING: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("
 def close_all() -> None:
     """Stop every live sandbox of this process (all environments, concurrently).
 
-    Environments stay usable: the next ``reset`` starts a fresh sandbox. Also runs at exit.
+    Environments stay usable: the next ``reset`` starts a fresh sandbox. Also runs at exit. The
+    local sandbox's launcher parked for the next start goes too (the next start parks another).
     """
     runtime.close_all()
+    from trl_harbor.sandboxes.local import release_parked
+
+    release_parked()
 
 
 def release(env: HarborEnv) -> None:

@@ -144,6 +144,16 @@ def static_binary(name: str) -> str:
     return binary
 
 
+@cache
+def launcher_binary() -> str | None:
+    """The compiled launcher (``_launcher.c``: a process parked in a box's cgroups that becomes its
+    bubblewrap), or ``None`` without a C compiler (boxes then move into their cgroups as they start)."""
+    binary, error = _compile("launcher", static=False)
+    if binary is None:
+        logger.debug("no launcher for parked sandbox starts: %s", error[-500:])
+    return binary
+
+
 def state_root() -> Path:
     """Where sandboxes keep their private trees.
 

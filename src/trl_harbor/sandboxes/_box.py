@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from trl_harbor.sandboxes import _lifetime, _storage, _userns
 from trl_harbor.sandboxes._binaries import (
     SYSTEM_PATH,
     bwrap_path,
+    launcher_binary,
     pdeathsig_prefix,
     sandbox_python,
     static_binary,
@@ -44,6 +47,7 @@ from trl_harbor.sandboxes._hostfs import remove_tree
 from trl_harbor.sandboxes._mounts import LAYER_VENV, host_system_args, kernel_fs_args, prepare_rootfs, unmount
 from trl_harbor.sandboxes.errors import SandboxCommandError, SandboxError, SandboxStartError, SandboxTimeoutError
 
+logger = logging.getLogger(__name__)
 NetworkMode = Literal["none", "user", "host"]
 #: The user-mode stack's DNS forwarder, as seen from the box.
 SLIRP_GATEWAY_DNS = "10.0.2.3"
@@ -251,6 +255,169 @@ def _supervisor(config: BoxConfig) -> str | None:
     return static_binary("supervisor")
 
 
+async def _spawn_process(command: list[str], fds: list[int]) -> asyncio.subprocess.Process:
+    """Start bubblewrap (or a launcher) as every box's is: its own session, pipes, nothing of our environment."""
+    return await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        pass_fds=fds,
+        env={"PATH": SYSTEM_PATH},  # /proc/1/environ in the box shows nothing of ours
+        cwd="/",
+        start_new_session=True,
+    )
+
+
+class _Parked:
+    """A launcher (``_launcher.c``) parked in fresh cgroups: the next box's bubblewrap, which then
+    starts inside its cgroups instead of waiting for the kernel to move it there (a grace period)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, channel: socket.socket, cgroups: Cgroups):
+        self.proc, self.channel, self.cgroups = proc, channel, cgroups
+        self.loop = asyncio.get_running_loop()
+        self.owner = os.getpid()
+        #: Whether a box took it (its process is that box's bubblewrap now).
+        self.taken = False
+
+    def usable(self) -> bool:
+        """Whether a box starting now, on this loop and in this process, can start from it."""
+        try:
+            same_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            same_loop = False
+        return same_loop and self.owner == os.getpid() and self.proc.returncode is None
+
+    def launch(self, command: list[str], fds: list[int]) -> asyncio.subprocess.Process:
+        """Have the launcher execute ``command`` with ``fds`` at their numbers; it becomes the box's bubblewrap."""
+        fields = [str(len(fds)).encode(), *(str(fd).encode() for fd in fds), *map(os.fsencode, command)]
+        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))
+        self.taken = True
+        try:
+            self.channel.sendmsg([b"\0".join(fields) + b"\0"], [rights])
+        finally:
+            self.channel.close()
+            _lifetime.LIVE.discard(self)
+        return self.proc
+
+    def kill_now(self) -> None:
+        """Kill the launcher and remove its cgroups (at exit, or when it can no longer be used)."""
+        self.channel.close()
+        if self.proc.returncode is None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.cgroups.kill_and_remove()
+        _lifetime.LIVE.discard(self)
+
+
+#: The parked launcher ready for the next box (one per process), and whether one is being parked.
+_PARKED: _Parked | None = None
+_PARKED_LOCK = threading.Lock()  # taken on a loop, released by close_all() from another thread
+_PARKING = False
+_PARK_TASKS: set[asyncio.Task] = set()
+
+
+def _take_parked() -> _Parked | None:
+    """The parked launcher, for a box starting now, if one is ready (and usable here)."""
+    global _PARKED
+    with _PARKED_LOCK:
+        parked, _PARKED = _PARKED, None
+    if parked is not None and not parked.usable():
+        parked.kill_now()
+        return None
+    return parked
+
+
+def release_parked() -> None:
+    """Kill this process's parked launcher, if one is ready (the next start parks a new one).
+
+    Safe from any thread (it never runs an event loop's code)."""
+    global _PARKED
+    with _PARKED_LOCK:
+        parked, _PARKED = _PARKED, None
+    if parked is not None:
+        parked.kill_now()
+
+
+def _park_next() -> None:
+    """Park a launcher for the next box in the background, unless one is ready or on its way."""
+    global _PARKING
+    if _PARKED is not None or _PARKING or _lifetime.EXITING:
+        return
+    _PARKING = True
+    task = asyncio.ensure_future(_park())
+    _PARK_TASKS.add(task)  # the loop holds tasks weakly
+    task.add_done_callback(_PARK_TASKS.discard)
+
+
+async def _park() -> None:
+    """Park a launcher, then watch it until a box takes it, it dies, or its loop ends (killed then:
+    a launcher lives on its loop, whose end cancels this task)."""
+    global _PARKED, _PARKING
+    try:
+        parked = await _new_parked()
+        if parked is None:
+            return
+        with _PARKED_LOCK:
+            keep = _PARKED is None and parked.usable() and not _lifetime.EXITING
+            if keep:
+                _PARKED = parked
+    finally:
+        _PARKING = False
+    if not keep:
+        parked.kill_now()
+        await parked.proc.wait()
+        return
+    try:
+        await parked.proc.wait()  # a box that took it waits on it too
+    except asyncio.CancelledError:
+        with _PARKED_LOCK:
+            unused = _PARKED is parked
+            if unused:
+                _PARKED = None
+        if unused:
+            parked.kill_now()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(parked.proc.wait(), timeout=5)  # its pipes closed while the loop runs
+        raise
+    with _PARKED_LOCK:  # died while parked (killed from outside), or the box that took it is gone
+        if _PARKED is parked:
+            _PARKED = None
+    if not parked.taken:
+        parked.kill_now()
+
+
+async def _new_parked() -> _Parked | None:
+    """A launcher started and moved into fresh cgroups (``None`` without a compiler or cgroups)."""
+    binary = await asyncio.to_thread(launcher_binary)  # compiled once (the first time: a C compiler run)
+    if binary is None:
+        return None
+    cgroups = Cgroups(_lifetime.new_box_name("parked"), None, None, None)
+    cgroups.create_spare()
+    if not cgroups.paths:
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        proc = await _spawn_process([binary, str(theirs.fileno())], [theirs.fileno()])
+    except BaseException as error:
+        logger.debug("could not park a launcher: %r", error)
+        ours.close()
+        cgroups.remove()
+        if isinstance(error, OSError):
+            return None
+        raise
+    finally:
+        theirs.close()
+    parked = _Parked(proc, ours, cgroups)
+    _lifetime.LIVE.add(parked)
+    try:
+        await cgroups.moved([proc.pid])
+    except BaseException:
+        parked.kill_now()
+        raise
+    return parked
+
+
 class Box:
     """A running bubblewrap sandbox; its commands go through :attr:`supervisor`.
 
@@ -268,8 +435,12 @@ class Box:
         self._proc: asyncio.subprocess.Process | None = None
         self._network = UserNetwork()
         self._child_pid: int | None = None
-        self._cgroups = Cgroups(name or state_dir.name, config.memory_mb, config.cpus, config.pids_max)
+        #: Names its folder's bubblewraps and (unless it runs from a parked launcher's) its cgroups.
+        self.name = name or state_dir.name
+        self._cgroups = Cgroups(self.name, config.memory_mb, config.cpus, config.pids_max)
         self._reserved = False
+        #: The parked launcher this box starts from (already in its cgroups), if one was ready.
+        self._parked: _Parked | None = None
         #: Host mounts (the copy-on-write root) to detach when the box goes.
         self.mounts: list[Path] = []
         #: Why the storage guard killed the box (see ``_storage.py``), or ``None``.
@@ -306,6 +477,8 @@ class Box:
                 if fd is not None:
                     with contextlib.suppress(OSError):
                         os.close(fd)
+        if self._cgroups.paths:
+            _park_next()  # for the next box, once this one is up: not competing with its start
 
     def reserve(self) -> None:
         """Create the box's cgroups (once) and start the kernel's wait for moving into them.
@@ -316,9 +489,13 @@ class Box:
         if self._reserved:
             return
         self._reserved = True
-        self._cgroups.create()
-        if self._cgroups.paths:
-            Cgroups.primed()
+        self._parked = _take_parked()
+        if self._parked is not None:
+            self._cgroups.adopt(self._parked.cgroups)
+        else:
+            self._cgroups.create()
+            if self._cgroups.paths:
+                Cgroups.primed()
 
     async def _spawn(self, binary: str | None) -> tuple[int | None, int | None]:
         """Run bubblewrap with the supervisor as the box's init; return the host's ends of its info and block pipes."""
@@ -340,18 +517,16 @@ class Box:
         listener.bind(self.supervisor.address)
         listener.listen(128)
         limits = _rlimits(self.config, bool(self._cgroups.paths))
-        command = [*self.host.command(), *_bwrap_command(self.config, self.state_dir, info_w, block_r), *supervisor]
+        command = [
+            *self.host.command(), *_bwrap_command(self.config, self.state_dir, info_w, block_r), *supervisor,
+            str(listener.fileno()), *map(str, limits),
+        ]  # fmt: skip
+        fds = [listener.fileno(), *(fd for fd in (info_w, exe_fd, block_r) if fd is not None)]
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                *pdeathsig_prefix(), *command, str(listener.fileno()), *map(str, limits),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                pass_fds=[listener.fileno(), *(fd for fd in (info_w, exe_fd, block_r) if fd is not None)],
-                env={"PATH": SYSTEM_PATH},  # /proc/1/environ in the box shows nothing of ours
-                cwd="/",
-                start_new_session=True,
-            )  # fmt: skip
+            if self._parked is not None:
+                self._proc = self._parked.launch(command, fds)
+            else:
+                self._proc = await _spawn_process([*pdeathsig_prefix(), *command], fds)
         except OSError as error:
             self._cleanup_files()
             for fd in (info_r, block_w):
@@ -412,7 +587,8 @@ class Box:
         """
         proc = self._proc
         assert proc is not None
-        joining = self._cgroups.moved([proc.pid])
+        # From a parked launcher, bubblewrap and all it forks are in the cgroups already.
+        joining = self._cgroups.moved([proc.pid] if self._parked is None else [])
         try:
             pid = await read_child_pid(info_r)
             if pid is not None and block_w is not None:
@@ -420,7 +596,7 @@ class Box:
                 os.write(block_w, b"1")
         finally:
             await joining
-        if pid is not None:
+        if pid is not None and self._parked is None:
             await self._cgroups.moved([pid])  # forked before bubblewrap moved: moved now
         return pid
 
@@ -491,7 +667,7 @@ class Box:
         if died_before:
             # bubblewrap was killed from outside (or crashed), perhaps before its sandbox-side
             # half armed --die-with-parent: that half, in its own session, would wait forever.
-            await asyncio.to_thread(_lifetime.kill_bubblewraps_of, self._cgroups.name)
+            await asyncio.to_thread(_lifetime.kill_bubblewraps_of, self.name)
         self._release()
 
     def unmount(self) -> None:
@@ -517,6 +693,8 @@ class Box:
                     os.killpg(proc.pid, signal.SIGKILL)
 
     def _release(self) -> None:
+        if self._parked is not None:  # a launcher this box took but never started from: killed
+            self._parked.kill_now()
         # Usually empty by now; anything that escaped the namespace's death is killed here.
         self._cgroups.kill_and_remove()
         self._cleanup_files()

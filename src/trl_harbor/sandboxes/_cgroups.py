@@ -55,6 +55,30 @@ class Cgroups:
             logger.debug("cgroup limits unavailable (%s); falling back to rlimits", error)
             self.remove()
 
+    def create_spare(self) -> None:
+        """Make cgroups in every controller, with no limits yet: a parked launcher's (:meth:`adopt`)."""
+        mode = self.mode()
+        try:
+            if mode == "v1":
+                for controller in ("memory", "pids", "cpu"):
+                    if (ROOT / controller).is_dir():
+                        self._mkdir(ROOT / controller / "trl-harbor" / self.name)
+            elif mode == "v2":
+                self._create_v2()  # one folder for all controllers (a spare sets no limit)
+        except OSError as error:
+            logger.debug("no cgroups for a parked launcher (%s)", error)
+            self.remove()
+
+    def adopt(self, spare: Cgroups) -> None:
+        """Take over a parked launcher's cgroups and write this box's limits there.
+
+        They keep the spare's name (cgroup v2 cannot rename a group); a controller the box sets no
+        limit in stays a group without one."""
+        self.name = spare.name
+        self.create()  # the folders exist: only the limits are written
+        self.paths = list(dict.fromkeys([*self.paths, *spare.paths]))
+        spare.paths = []
+
     def _create_v1(self) -> None:
         memory, cpus, pids = self.limits["memory"], self.limits["cpu"], self.limits["pids"]
         if memory:

@@ -37,6 +37,7 @@ from pydantic import Field
 
 from trl_harbor.sandboxes import _hostfs
 from trl_harbor.sandboxes._binaries import bwrap_path, default_cache_dir
+from trl_harbor.sandboxes._box import release_parked
 from trl_harbor.sandboxes._diagnose import cache_problem, namespace_problem
 from trl_harbor.sandboxes._lifetime import sweep_stale_once
 from trl_harbor.sandboxes._roots import ROOTS, ImageRoot, RootTask, SandboxRoot, VerifierRoot
@@ -62,6 +63,7 @@ __all__ = [
     "SandboxTimeoutError",
     "SandboxUnavailableError",
     "SandboxUserError",
+    "release_parked",
 ]
 
 

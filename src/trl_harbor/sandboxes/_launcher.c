@@ -1,0 +1,85 @@
+/* launcher: a process parked in a box's cgroups ahead of time, which becomes its bubblewrap.
+ *
+ *   launcher FD
+ *
+ * Moving a process into cgroups waits for a kernel grace period (~10 ms after a quiet spell);
+ * a process forked inside them is counted there at once. The host starts this program, moves it
+ * into fresh cgroups in the background, and when a box starts sends it one message on the
+ * SOCK_SEQPACKET socket FD: the payload is NUL-terminated strings, first the count K of
+ * descriptors, then K descriptor numbers, then the command line; the message carries the K
+ * descriptors (SCM_RIGHTS). It places each received descriptor at its number and executes the
+ * command (bubblewrap), which inherits the cgroups. It dies with its parent (PR_SET_PDEATHSIG, kept
+ * across exec), and exits quietly when the socket closes without a message.
+ * Exit codes: 0 closed without a message, 126 bad message, 127 cannot execute.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define MAX_FDS 16
+#define MAX_ARGS 4096
+#define PAYLOAD (1 << 20)
+
+int main(int argc, char **argv) {
+    if (argc < 2) return 126;
+    pid_t parent = getppid();
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) return 126;
+    int sock = atoi(argv[1]);
+    static char payload[PAYLOAD + 1];
+    char control[CMSG_SPACE(sizeof(int) * MAX_FDS)];
+    struct iovec iov = {payload, PAYLOAD};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ssize_t size;
+    do {
+        size = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    } while (size < 0 && errno == EINTR);
+    if (size == 0) return 0;
+    if (size < 0 || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) return 126;
+    payload[size] = 0;
+
+    int received[MAX_FDS], n_received = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        int n = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        if (n_received + n > MAX_FDS) return 126;
+        memcpy(received + n_received, CMSG_DATA(c), sizeof(int) * n);
+        n_received += n;
+    }
+
+    char *fields[MAX_ARGS + 1];
+    int n_fields = 0;
+    for (char *p = payload; p < payload + size && n_fields < MAX_ARGS; p += strlen(p) + 1) fields[n_fields++] = p;
+    if (n_fields < 1) return 126;
+    int k = atoi(fields[0]);
+    if (k != n_received || n_fields < 1 + k + 1) return 126;
+
+    /* Out of the way first (a wanted number may be another received descriptor's), then in place. */
+    for (int i = 0; i < k; i++) {
+        int high = fcntl(received[i], F_DUPFD_CLOEXEC, 1024);
+        if (high < 0) return 126;
+        close(received[i]);
+        received[i] = high;
+    }
+    close(sock);
+    for (int i = 0; i < k; i++) {
+        int wanted = atoi(fields[1 + i]);
+        if (wanted < 3 || dup2(received[i], wanted) < 0) return 126; /* dup2 clears close-on-exec */
+        close(received[i]);
+    }
+    char **command = fields + 1 + k;
+    fields[n_fields] = NULL;
+    execv(command[0], command);
+    fprintf(stderr, "launcher: cannot execute %s: %s\n", command[0], strerror(errno));
+    return 127;
+}
