@@ -127,7 +127,7 @@ def supervisor_binary() -> str | None:
 
 @cache
 def static_binary(name: str) -> str:
-    """The path of ``_<name>.c`` (``"supervisor"``, ``"runas"``) compiled statically, once.
+    """The path of ``_<name>.c`` (``"supervisor"``, ``"runas"``, ``"nouserns"``) compiled statically, once.
 
     Image roots have their own C library, or none: what runs in them must not depend on the host's.
 

@@ -96,7 +96,7 @@ def namespace_args(
 def write_id_maps(pid: int, id_map: str) -> None:
     """Write ``id_map`` as the uid and gid maps of the box whose init is ``pid``, and forbid nested
     user namespaces in it (their root would regain every capability in them), as ``--disable-userns``
-    does for host-rooted boxes: ``user.max_user_namespaces = 0``, set from inside it by ``nsenter``."""
+    does for host-rooted boxes: ``user.max_user_namespaces = 0``, set from inside it (``_nouserns.c``)."""
     try:
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{name}", "w") as handle:
@@ -104,11 +104,8 @@ def write_id_maps(pid: int, id_map: str) -> None:
     except OSError as error:
         raise SandboxStartError(f"could not map the image's users into the sandbox: {error}") from error
     result = subprocess.run(
-        # Credentials kept (the host's uid is the box's root): with one id, groups cannot be dropped.
-        [which("nsenter") or "nsenter", f"--user=/proc/{pid}/ns/user", "--preserve-credentials", "--", "/bin/sh", "-c",
-         "echo 0 > /proc/sys/user/max_user_namespaces"],
-        capture_output=True, text=True, env={"PATH": SYSTEM_PATH},
-    )  # fmt: skip
+        [static_binary("nouserns"), str(pid)], capture_output=True, text=True, env={"PATH": SYSTEM_PATH}
+    )
     if result.returncode != 0:
         raise SandboxStartError(f"could not forbid nested user namespaces in the sandbox: {result.stderr.strip()}")
 
