@@ -6,7 +6,8 @@ Run as root. The same task (``FROM debian:bookworm-slim``, from the tests' Debia
 registry needed) starts ``--runs`` times on the image root as root (this process), then as
 ``nobody`` with subordinate ids (``tests/sandbox_helpers.run_unprivileged``: a private mount
 namespace, ``/etc/subuid`` given there), where every tree operation goes through the user's holder
-(``trl_harbor.sandboxes._userns``) and bubblewrap runs under ``nsenter``. Printed: medians, and the
+(``trl_harbor.sandboxes._userns``) and bubblewrap runs under ``nsenter``; then 64 started at once.
+Printed: medians (the 64 at once: its wall time), and the
 rootless/root ratio of each (a ratio carries across machines; absolute times do not). As root the
 box also joins its cgroups (a kernel grace period); without root it has rlimits only.
 """
@@ -62,8 +63,14 @@ async def main():
             found["start"].append(started)
             found["exec"].append(executed)
             found["stop"].append(stopped)
+    result = {k: statistics.median(v) for k, v in found.items()}
+    envs = [open_env(task, work / "trials", cache_dir=str(cache)) for _ in range(64)]
+    t = time.perf_counter()
+    await asyncio.gather(*(env.start(force_build=False) for env in envs))
+    result["concurrent"] = time.perf_counter() - t
+    await asyncio.gather(*(env.stop(delete=True) for env in envs))
     ImageStore(cache).release_mounts()
-    print("RESULT " + json.dumps({k: statistics.median(v) for k, v in found.items()}))
+    print("RESULT " + json.dumps(result))
 
 asyncio.run(main())
 """
@@ -109,7 +116,8 @@ def main() -> None:
     print(f"\nimage root, FROM debian:bookworm-slim ({args.runs} runs per median)")
     print(f"{'measure':<22}{'root':>10}{'nobody':>10}{'nobody/root':>13}")
     print("-" * 55)
-    for name, label in (("start", "sandbox start"), ("exec", "exec('true')"), ("stop", "stop")):
+    rows = (("start", "sandbox start"), ("exec", "exec('true')"), ("stop", "stop"), ("concurrent", "64 starts at once"))
+    for name, label in rows:
         mine, theirs = root[name] * 1000, rootless[name] * 1000
         print(f"{label:<22}{mine:>8.2f}ms{theirs:>8.2f}ms{theirs / mine:>12.2f}x")
     print(f"\n(python {sys.version.split()[0]}; {os.cpu_count()} CPUs)")
