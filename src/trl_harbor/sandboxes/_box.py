@@ -478,7 +478,8 @@ class Box:
             _park_next()  # for the next box, once this one is up: not competing with its start
 
     def reserve(self) -> None:
-        """Create the box's cgroups (once) and start the kernel's wait for moving into them.
+        """Give the box its cgroups (once): a parked launcher's, already holding the process the
+        box's bubblewrap will be, else new ones, with the kernel's wait for moving into them begun.
 
         The wait (a grace period: :func:`~trl_harbor.sandboxes._cgroups.prime_moves`) runs in the
         background: started before the box's tree is made, it is mostly over by the time

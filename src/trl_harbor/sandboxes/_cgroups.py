@@ -117,8 +117,14 @@ class Cgroups:
         return path
 
     def moved(self, pids: list[int]) -> asyncio.Future:
-        """:meth:`join` on the mover thread (a future of the running loop)."""
-        return asyncio.get_running_loop().run_in_executor(_MOVER, self.join, pids)
+        """:meth:`join` on the mover thread (a future of the running loop; done at once when there
+        is nothing to move: no pids, or no cgroups, as without root)."""
+        loop = asyncio.get_running_loop()
+        if not pids or not self.paths:
+            done = loop.create_future()
+            done.set_result(None)
+            return done
+        return loop.run_in_executor(_MOVER, self.join, pids)
 
     @staticmethod
     def primed() -> asyncio.Future:
