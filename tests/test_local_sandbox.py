@@ -578,3 +578,36 @@ def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tm
         assert left == [], left
 
     run(scenario())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the trees' mounts (storage bounds, image overlays) need root here")
+@pytest.mark.parametrize("root", ["host", "image"])
+def test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees(task: Path, tmp_path: Path, root: str) -> None:
+    """A box's bubblewrap runs in a mount namespace of its own holding its own tree's mounts but not
+    those of the sandboxes already running (which made every later start slower); both work."""
+
+    def mount_points(pid: int | str) -> list[str]:
+        return [line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+
+    async def scenario():
+        first = open_env(task, tmp_path, root=root, default_storage_mb=256)
+        second = open_env(task, tmp_path, root=root, default_storage_mb=256)
+        await first.start(force_build=False)
+        try:
+            await second.start(force_build=False)
+            first_dir, second_dir = str(first._sandbox.dir), str(second._sandbox.dir)
+            on_host = mount_points("self")
+            assert first_dir in on_host and second_dir in on_host  # the storage bounds, mounted on the host
+            bwrap = second._sandbox.running_box()._proc.pid
+            assert os.readlink(f"/proc/{bwrap}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+            seen = mount_points(bwrap)
+            assert second_dir in seen, seen
+            assert not [p for p in seen if p == first_dir or p.startswith(first_dir + "/")], seen
+            for env, name in ((first, "first"), (second, "second")):
+                result = await env.exec(f"echo {name} > /tmp/mark && cat /tmp/mark")
+                assert result.return_code == 0 and result.stdout.strip() == name, result
+        finally:
+            await second.stop(delete=True)
+            await first.stop(delete=True)
+
+    run(scenario())

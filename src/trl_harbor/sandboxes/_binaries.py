@@ -145,9 +145,11 @@ def static_binary(name: str) -> str:
 
 
 @cache
+@cache
 def launcher_binary() -> str | None:
     """The compiled launcher (``_launcher.c``: a process parked in a box's cgroups that becomes its
-    bubblewrap), or ``None`` without a C compiler (boxes then move into their cgroups as they start)."""
+    bubblewrap, and the step that gives each box its own mount table), or ``None`` without a C
+    compiler (boxes then move into their cgroups as they start, and see the other boxes' mounts)."""
     binary, error = _compile("launcher", static=False)
     if binary is None:
         logger.debug("no launcher for parked sandbox starts: %s", error[-500:])

@@ -36,6 +36,7 @@ from trl_harbor.sandboxes._binaries import (
     launcher_binary,
     pdeathsig_prefix,
     sandbox_python,
+    state_root,
     static_binary,
     supervisor_binary,
     supervisor_source,
@@ -250,6 +251,24 @@ def _supervisor(config: BoxConfig) -> str | None:
         prepare_rootfs(config.rootfs)
         return supervisor_binary()
     return static_binary("supervisor")
+
+
+def _private_mounts(owned_dir: Path | None, host: _userns.Host) -> list[str]:
+    """The launcher's ``--private-mounts`` prefix for a box's bubblewrap (``_launcher.c``): a mount table of
+    the box's own, without the other sandboxes' trees (empty where no tree is mounted — neither root nor
+    a holder —, without a C compiler, or for a tree elsewhere).
+
+    bubblewrap copies the whole table into the box and reads it whole for every mount it makes, so
+    each running sandbox (two mounts on an image root) made every later start slower. Run after the
+    holder's ``nsenter`` (its mounts are the trees, without root) and before a joined box's (the
+    agent's user namespace would lock the copied mounts in place)."""
+    if not (host.rootless or _userns.can_mount()):
+        return []
+    binary = launcher_binary()
+    root = state_root()
+    if binary is None or owned_dir is None or not owned_dir.is_relative_to(root):
+        return []
+    return [binary, "--private-mounts", os.path.realpath(root), owned_dir.relative_to(root).parts[0]]
 
 
 async def _spawn_process(command: list[str], fds: list[int]) -> asyncio.subprocess.Process:
@@ -515,16 +534,21 @@ class Box:
         listener.bind(self.supervisor.address)
         listener.listen(128)
         limits = _rlimits(self.config, bool(self._cgroups.paths))
-        command = [
-            *self.host.command(), *_bwrap_command(self.config, self.state_dir, info_w, block_r), *supervisor,
+        bwrap = [
+            *_bwrap_command(self.config, self.state_dir, info_w, block_r), *supervisor,
             str(listener.fileno()), *map(str, limits),
         ]  # fmt: skip
+        private = _private_mounts(self.owned_dir, self.host)
         fds = [listener.fileno(), *(fd for fd in (info_w, exe_fd, block_r) if fd is not None)]
         try:
-            if self._parked is not None:
-                self._proc = self._parked.launch(command, fds)
+            if self._parked is not None and not self.host.command():
+                # The parked launcher makes the mount namespace itself: no second exec.
+                self._proc = self._parked.launch([*private[1:], *bwrap], fds)
+            elif self._parked is not None:
+                self._proc = self._parked.launch([*self.host.command(), *private, *bwrap], fds)
             else:
-                self._proc = await _spawn_process([*pdeathsig_prefix(), *command], fds)
+                command = [*pdeathsig_prefix(), *self.host.command(), *private, *bwrap]
+                self._proc = await _spawn_process(command, fds)
         except OSError as error:
             self._cleanup_files()
             for fd in (info_r, block_w):

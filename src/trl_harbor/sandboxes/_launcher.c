@@ -1,6 +1,8 @@
-/* launcher: a process parked in a box's cgroups ahead of time, which becomes its bubblewrap.
+/* launcher: a process parked in a box's cgroups ahead of time, which becomes its bubblewrap;
+ * and the step before every box's bubblewrap that gives it a mount table of its own.
  *
  *   launcher FD
+ *   launcher --private-mounts STATE_ROOT KEEP COMMAND...
  *
  * Moving a process into cgroups waits for a kernel grace period (~10 ms after a quiet spell);
  * a process forked inside them is counted there at once. The host starts this program, moves it
@@ -10,15 +12,24 @@
  * descriptors (SCM_RIGHTS). It places each received descriptor at its number and executes the
  * command (bubblewrap), which inherits the cgroups. It dies with its parent (PR_SET_PDEATHSIG, kept
  * across exec), and exits quietly when the socket closes without a message.
- * Exit codes: 0 closed without a message, 126 bad message, 127 cannot execute.
+ * A command line may begin with "--private-mounts STATE_ROOT KEEP": the command then runs in a mount
+ * namespace of its own (a private copy of this one) from which every mount under STATE_ROOT but
+ * those of its top-level folder KEEP is detached: the other sandboxes' trees. bubblewrap copies
+ * the mount table into the box and reads it whole once per mount it makes (~20 per box), so
+ * without this each start grew slower with every sandbox already running (2 mounts each).
+ * Exit codes: 0 closed without a message, 125 cannot make the mount namespace, 126 bad message,
+ * 127 cannot execute.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -27,8 +38,43 @@
 #define MAX_ARGS 4096
 #define PAYLOAD (1 << 20)
 
+/* Unshare the mount namespace, and detach the mounts under root/ but those of root/keep. */
+static int private_mounts(const char *root, const char *keep) {
+    if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) return -1;
+    FILE *table = fopen("/proc/self/mountinfo", "re");
+    if (table == NULL) return -1;
+    size_t n_root = strlen(root), n_keep = strlen(keep);
+    static char line[16384], point[PATH_MAX];
+    while (fgets(line, sizeof line, table)) {
+        /* The fifth field is the mount point (octal escapes for spaces; ours have none). */
+        if (sscanf(line, "%*s %*s %*s %*s %4095s", point) != 1) continue;
+        if (strncmp(point, root, n_root) != 0 || point[n_root] != '/') continue;
+        const char *top = point + n_root + 1;
+        if (strncmp(top, keep, n_keep) == 0 && (top[n_keep] == 0 || top[n_keep] == '/')) continue;
+        umount2(point, MNT_DETACH); /* fails harmlessly where a mount above it went already */
+    }
+    fclose(table);
+    return 0;
+}
+
+/* Execute a command line (after "--private-mounts ROOT KEEP", if it begins so). */
+static int run(char **command) {
+    if (command[0] != NULL && strcmp(command[0], "--private-mounts") == 0) {
+        if (command[1] == NULL || command[2] == NULL || command[3] == NULL) return 126;
+        if (private_mounts(command[1], command[2]) != 0) {
+            fprintf(stderr, "launcher: cannot make the sandbox's mount namespace: %s\n", strerror(errno));
+            return 125;
+        }
+        command += 3;
+    }
+    execv(command[0], command);
+    fprintf(stderr, "launcher: cannot execute %s: %s\n", command[0], strerror(errno));
+    return 127;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) return 126;
+    if (strcmp(argv[1], "--private-mounts") == 0) return run(argv + 1);
     pid_t parent = getppid();
     if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) return 126;
     int sock = atoi(argv[1]);
@@ -79,7 +125,5 @@ int main(int argc, char **argv) {
     }
     char **command = fields + 1 + k;
     fields[n_fields] = NULL;
-    execv(command[0], command);
-    fprintf(stderr, "launcher: cannot execute %s: %s\n", command[0], strerror(errno));
-    return 127;
+    return run(command);
 }
