@@ -145,7 +145,6 @@ def static_binary(name: str) -> str:
 
 
 @cache
-@cache
 def launcher_binary() -> str | None:
     """The compiled launcher (``_launcher.c``: a process parked in a box's cgroups that becomes its
     bubblewrap, and the step that gives each box its own mount table), or ``None`` without a C

@@ -38,22 +38,45 @@
 #define MAX_ARGS 4096
 #define PAYLOAD (1 << 20)
 
+/* The whole of /proc/self/mountinfo, NUL-terminated (read before any change: a table read while it
+ * changes may skip lines), or NULL. */
+static char *read_mount_table(void) {
+    int fd = open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return NULL;
+    size_t size = 0, capacity = 1 << 16;
+    char *table = malloc(capacity);
+    for (ssize_t n = 1; table != NULL && n > 0;) {
+        if (capacity - size < 4096) table = realloc(table, capacity *= 2);
+        if (table == NULL) break;
+        do n = read(fd, table + size, capacity - size - 1); while (n < 0 && errno == EINTR);
+        if (n < 0) {
+            free(table);
+            table = NULL;
+        } else {
+            size += (size_t)n;
+        }
+    }
+    close(fd);
+    if (table != NULL) table[size] = 0;
+    return table;
+}
+
 /* Unshare the mount namespace, and detach the mounts under root/ but those of root/keep. */
 static int private_mounts(const char *root, const char *keep) {
     if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) return -1;
-    FILE *table = fopen("/proc/self/mountinfo", "re");
+    char *table = read_mount_table();
     if (table == NULL) return -1;
     size_t n_root = strlen(root), n_keep = strlen(keep);
-    static char line[16384], point[PATH_MAX];
-    while (fgets(line, sizeof line, table)) {
-        /* The fifth field is the mount point (octal escapes for spaces; ours have none). */
+    static char point[PATH_MAX];
+    for (char *line = strtok(table, "\n"); line != NULL; line = strtok(NULL, "\n")) {
+        /* The fifth field is the mount point (octal escapes for spaces: such a root matches nothing). */
         if (sscanf(line, "%*s %*s %*s %*s %4095s", point) != 1) continue;
         if (strncmp(point, root, n_root) != 0 || point[n_root] != '/') continue;
         const char *top = point + n_root + 1;
         if (strncmp(top, keep, n_keep) == 0 && (top[n_keep] == 0 || top[n_keep] == '/')) continue;
         umount2(point, MNT_DETACH); /* fails harmlessly where a mount above it went already */
     }
-    fclose(table);
+    free(table);
     return 0;
 }
 
