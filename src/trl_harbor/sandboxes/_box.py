@@ -262,7 +262,7 @@ def _private_mounts(owned_dir: Path | None, host: _userns.Host) -> list[str]:
     each running sandbox (two mounts on an image root) made every later start slower. Run after the
     holder's ``nsenter`` (its mounts are the trees, without root) and before a joined box's (the
     agent's user namespace would lock the copied mounts in place)."""
-    if not (host.rootless or _userns.can_mount()):
+    if not host.mounts_trees:
         return []
     binary = launcher_binary()
     root = state_root()
@@ -540,15 +540,13 @@ class Box:
         ]  # fmt: skip
         private = _private_mounts(self.owned_dir, self.host)
         fds = [listener.fileno(), *(fd for fd in (info_w, exe_fd, block_r) if fd is not None)]
+        command = [*self.host.command(), *private, *bwrap]
         try:
-            if self._parked is not None and not self.host.command():
-                # The parked launcher makes the mount namespace itself: no second exec.
-                self._proc = self._parked.launch([*private[1:], *bwrap], fds)
-            elif self._parked is not None:
-                self._proc = self._parked.launch([*self.host.command(), *private, *bwrap], fds)
+            if self._parked is not None:
+                # A parked launcher is the launcher: it makes the mount namespace itself (no second exec).
+                self._proc = self._parked.launch(command[1:] if command[:1] == private[:1] else command, fds)
             else:
-                command = [*pdeathsig_prefix(), *self.host.command(), *private, *bwrap]
-                self._proc = await _spawn_process(command, fds)
+                self._proc = await _spawn_process([*pdeathsig_prefix(), *command], fds)
         except OSError as error:
             self._cleanup_files()
             for fd in (info_r, block_w):

@@ -143,7 +143,7 @@ class SandboxRoot:
         """
         fields = await self._prepare(force_build)
         self.dir = state_root() / new_box_name(self.task.box_name)
-        bounded = bool(box.get("storage_mb")) and (can_mount() or self.host.rootless)
+        bounded = bool(box.get("storage_mb")) and self.host.mounts_trees
         config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, storage_guard=not bounded, **box, **fields)
         self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
         try:
