@@ -1,21 +1,20 @@
 """Local sandbox latency, measured against the physical floor in the same run.
 
-    .venv/bin/python benchmarks/sandbox.py [--runs 30] [--root host|image|both]
+    .venv/bin/python benchmarks/sandbox.py [--runs 30]
 
-Prints one table per sandbox root: sandbox start, start + first command,
+Prints a table: sandbox start, start + first command,
 ``exec("true")`` round trip, Harbor verification of a trivial task, stop, 64
 sandboxes started concurrently, and a start while those 64 run, each as a median over many runs, next to a plain
 ``subprocess.run(["true"])`` (the cost of starting any process at all on this
 machine). Ratios, not absolute times, are what carries across machines.
 
-A second table per root breaks one start down into its phases (each a median over the
+A second table breaks one start down into its phases (each a median over the
 same starts, and its ratio to a bare ``bwrap ... true`` with a box's namespaces, measured
 in the same run): what a start costs beyond bubblewrap itself, and where.
 
-``--root image`` runs the task on its own image (``FROM`` a Debian image that a
-registry on loopback serves, as in the tests; needs root, buildah, docker-registry,
-skopeo, mmdebstrap) and also reports the cold pull + build + first start and the
-warm start (image cached, new process state).
+The task runs on its own image (``FROM`` a Debian image that a registry on loopback serves,
+as in the tests; needs buildah, docker-registry, skopeo, mmdebstrap); the table also reports
+the cold pull + build + first start and the warm start (image cached, new process state).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from harbor.models.trial.paths import TrialPaths
 from harbor.verifier.verifier import Verifier
 
 from trl_harbor.backends import create_environment
-from trl_harbor.sandboxes import _box, _cgroups, _roots, _storage
+from trl_harbor.sandboxes import _box, _cgroups, _roots
 from trl_harbor.sandboxes import local as _local
 from trl_harbor.sandboxes._binaries import SYSTEM_PATH, bwrap_path
 from trl_harbor.sandboxes._diagnose import _BWRAP_PROBE
@@ -46,10 +45,8 @@ from trl_harbor.sandboxes.local import LocalEnvironment
 #: Nested phases are reported as they are (``bwrap + supervisor ready`` holds what is not listed below it).
 PHASES = (
     ("sweep of dead owners' boxes", _local, "sweep_stale_once"),
-    ("image/layer lookup (cached)", _roots.HostRoot, "_prepare"),
     ("image lookup (cached)", _roots.ImageRoot, "_prepare"),
     ("bounded tree (tmpfs mount)", _roots, "mount_bounded_tmpfs"),
-    ("tree: copy of the layer", _roots.HostRoot, "_make_tree"),
     ("tree: overlay mount, hosts", _roots, "mount_tree"),
     ("cgroups: create", _cgroups.Cgroups, "create"),
     ("cgroups: grace-period wait (no launcher parked; background)", _cgroups, "prime_moves"),
@@ -58,7 +55,6 @@ PHASES = (
     ("  uid/gid maps, nested user namespaces forbidden", _box, "write_id_maps"),
     ("  cgroups: join (all moves)", _cgroups.Cgroups, "join"),
     ("  user-mode network", _box.UserNetwork, "attach"),
-    ("  storage guard: baseline", type(_storage.GUARD), "watch"),
     ("search-path probe (once per image)", _roots.ImageRoot, "_probe_search_paths"),
     ("upload environment dir", LocalEnvironment, "_upload_environment_dir_after_start"),
 )
@@ -165,8 +161,8 @@ class Bench:
         )  # fmt: skip
 
 
-async def measure(runs: int, concurrent: int, base: str | None = None) -> list[tuple[str, float, str]]:
-    """Measure one sandbox root: the host's (``base`` is ``None``) or the task's image ``FROM base``.
+async def measure(runs: int, concurrent: int, base: str) -> list[tuple[str, float, str]]:
+    """Measure sandboxes on the task's image ``FROM base``.
 
     Its scratch folder (task, trials, image cache) is removed afterwards, buildah's mounts of the
     cached image first.
@@ -182,32 +178,27 @@ async def measure(runs: int, concurrent: int, base: str | None = None) -> list[t
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-async def _measure(scratch: Path, runs: int, concurrent: int, base: str | None) -> list[tuple[str, float, str]]:
+async def _measure(scratch: Path, runs: int, concurrent: int, base: str) -> list[tuple[str, float, str]]:
     task_dir = _task(scratch)
-    kwargs: dict = {"root": "host"}
-    extra: list[tuple[str, float, str]] = []
-    if base is not None:
-        (task_dir / "environment" / "Dockerfile").write_text(f"FROM {base}\nWORKDIR /workdir\n")
-        kwargs = {"root": "image", "cache_dir": str(scratch / "cache")}
-    bench = Bench(task_dir, scratch, kwargs)
+    (task_dir / "environment" / "Dockerfile").write_text(f"FROM {base}\nWORKDIR /workdir\n")
+    bench = Bench(task_dir, scratch, {"cache_dir": str(scratch / "cache")})
 
-    # Warm-up: builds and caches the layer (or pulls and builds the image); timed for images.
+    # Warm-up: pulls and builds the image, timed.
     warm = bench.env()
     t = time.perf_counter()
     await warm.start(force_build=False)
     await warm.exec("true")
     cold = time.perf_counter() - t
     await warm.stop(delete=True)
-    if base is not None:
-        from trl_harbor.sandboxes._cache import CACHE
+    from trl_harbor.sandboxes._cache import CACHE
 
-        CACHE.clear()  # a new process's view: the image is on disk, nothing in memory
-        again = bench.env()
-        t = time.perf_counter()
-        await again.start(force_build=False)
-        warm_start = time.perf_counter() - t
-        await again.stop(delete=True)
-        extra = [("cold: pull + build + start + exec", cold, ""), ("warm: cached image, fresh process", warm_start, "")]
+    CACHE.clear()  # a new process's view: the image is on disk, nothing in memory
+    again = bench.env()
+    t = time.perf_counter()
+    await again.start(force_build=False)
+    warm_start = time.perf_counter() - t
+    await again.stop(delete=True)
+    extra = [("cold: pull + build + start + exec", cold, ""), ("warm: cached image, fresh process", warm_start, "")]
 
     baseline = []
     for _ in range(runs * 3):
@@ -291,23 +282,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=30, help="samples per median")
     parser.add_argument("--concurrent", type=int, default=64, help="sandboxes in the concurrent start")
-    parser.add_argument("--root", choices=("host", "image", "both"), default="both", help="sandbox roots to measure")
     args = parser.parse_args(argv)
-    if args.root in ("host", "both"):
-        rows, phases = asyncio.run(measure(args.runs, args.concurrent))
-        _print("root='host' (the host's /usr)", rows)
-        _print("root='host': where one start's time goes", phases, "vs bare bwrap")
-    if args.root in ("image", "both"):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from registry import serve_loopback_registry
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from registry import serve_loopback_registry
 
-        with (
-            tempfile.TemporaryDirectory(prefix="trl-harbor-registry-") as workdir,
-            serve_loopback_registry(Path(workdir)) as registry,
-        ):
-            rows, phases = asyncio.run(measure(args.runs, args.concurrent, base=registry.base))
-        _print("root='image' (FROM a Debian bookworm image on a loopback registry)", rows)
-        _print("root='image': where one start's time goes", phases, "vs bare bwrap")
+    with (
+        tempfile.TemporaryDirectory(prefix="trl-harbor-registry-") as workdir,
+        serve_loopback_registry(Path(workdir)) as registry,
+    ):
+        rows, phases = asyncio.run(measure(args.runs, args.concurrent, base=registry.base))
+    _print("the task's image (FROM a Debian bookworm image on a loopback registry)", rows)
+    _print("where one start's time goes", phases, "vs bare bwrap")
     print(f"\n(python {sys.version.split()[0]}, {args.runs} runs per median)")
 
 

@@ -231,7 +231,7 @@ def run_unprivileged(
         )
         # PYTHONPATH too: a run against another checkout than the venv's (a worktree) tests that checkout.
         # Not the session's CONTAINERS_REGISTRIES_CONF: it is in root's temporary folder, out of the user's reach.
-        for name in ("TRL_HARBOR_STORAGE_GUARD", "TRL_HARBOR_SUPERVISOR", "PYTHONPATH"):
+        for name in ("PYTHONPATH",):
             if name in os.environ:
                 env[name] = os.environ[name]
         env.update(extra_env or {})

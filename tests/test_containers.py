@@ -32,8 +32,6 @@ DOCUMENTED = (
     "--device",
     "/dev/net/tun",
 )
-#: The bundled task the host root cannot run: it installs python3-dateutil, which only the host could provide.
-HOST_ROOT_FAILS = "late_invoices"
 
 
 def _mounts() -> list[str]:
@@ -116,19 +114,6 @@ def test_default_settings_fail_at_the_preflight_naming_cause_and_fix(docker_daem
     assert on_overlay.returncode == 2, on_overlay.stdout[-2000:] + on_overlay.stderr[-2000:]
     message = " ".join(on_overlay.stderr.split())
     assert "/root/cache, which is on an overlay file system" in message and "--tmpfs /cache:exec" in message, message
-
-
-def test_documented_settings_run_the_bundled_suite_on_the_host_root(docker_daemon) -> None:
-    """seccomp and /proc unconfined, a TUN device, no added capability: the host root passes what it passes outside."""
-    started = time.perf_counter()
-    done = in_container(docker_daemon, DOCUMENTED, '"$PY" -m trl_harbor.cli check "$SUITE" --ek root=host -j 4 --json')
-    seconds = time.perf_counter() - started
-    report = _report(done)
-    failed = {task["task"]: task["why"] for task in report["tasks"] if not task["passed"]}
-    assert set(failed) == {HOST_ROOT_FAILS}, failed
-    assert "python3-dateutil" in failed[HOST_ROOT_FAILS], failed
-    assert report["passed"] == len(list(SUITE.iterdir())) - 1
-    print(f"host root in a container: {report['passed']} passed in {seconds:.1f} s (container start included)")
 
 
 def test_documented_settings_run_the_bundled_suite_on_task_images(docker_daemon) -> None:

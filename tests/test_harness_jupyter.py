@@ -49,11 +49,15 @@ def env_cls() -> type:
 
 @pytest.fixture(scope="module")
 def ipykernel_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The gold task, with a Dockerfile that installs ipykernel and jupyter_client (from PyPI)."""
+    """The gold task, with a Dockerfile that installs ipykernel and jupyter_client (Debian's packages)."""
     task = tmp_path_factory.mktemp("ipykernel_suite") / GOLD_TASK
     shutil.copytree(BUNDLED_SUITE / GOLD_TASK, task)
     dockerfile = task / "environment" / "Dockerfile"
-    dockerfile.write_text(dockerfile.read_text().rstrip("\n") + "\nRUN pip install ipykernel jupyter_client\n")
+    dockerfile.write_text(
+        dockerfile.read_text().rstrip("\n")
+        + "\nRUN apt-get update && apt-get install -y --no-install-recommends python3-ipykernel python3-jupyter-client"
+        " && rm -rf /var/lib/apt/lists/*\n"
+    )
     return task
 
 
@@ -149,9 +153,8 @@ def test_a_kernel_that_cannot_start_is_reported_as_text(env_cls: type, close_san
 
 @requires_local
 def test_ipykernel_backend(env_cls: type, ipykernel_task: Path, close_sandboxes: None) -> None:
-    # The host root: its sandbox venv takes the Dockerfile's `pip install` (from PyPI); the kernel
-    # back end is chosen the same way on a task image that has the two packages.
-    env = env_cls(environment_type="local", backend_options={"root": "host"}, cell_timeout_sec=2, max_output_chars=2000)
+    # The kernel back end is chosen by what the task's image has: here, the two packages.
+    env = env_cls(environment_type="local", cell_timeout_sec=2, max_output_chars=2000)
     env.reset(task_dir=str(ipykernel_task))
     check_kernel(env, "ipykernel")
     for code in SOLVE_CELLS:

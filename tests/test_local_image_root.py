@@ -1,4 +1,4 @@
-"""Sandboxes on the task's own image (``root="image"``): FROM honoured, Docker semantics.
+"""Sandboxes on the task's own image: FROM honoured, Docker semantics.
 
 Every task here is ``FROM`` a Debian image served by a registry on loopback (see
 ``registry.py``); buildah builds it, and each sandbox is a copy-on-write view of the
@@ -38,7 +38,7 @@ def _task(tmp_path: Path, dockerfile: str, files: dict[str, str] | None = None, 
 
 async def _session(task: Path, tmp_path: Path, cache_dir: str, commands: list[tuple[str, str | None]]):
     """Start a sandbox on the task's image, run ``(command, user)`` pairs, stop it."""
-    env = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+    env = open_env(task, tmp_path, cache_dir=cache_dir)
     await env.start(force_build=False)
     try:
         return [await env.exec(command, user=user) for command, user in commands]
@@ -92,8 +92,8 @@ def test_writes_are_private_to_each_sandbox(loopback_registry, cache_dir, tmp_pa
     task = _task(tmp_path, f"FROM {loopback_registry.base}\nWORKDIR /workdir\n")
 
     async def scenario():
-        first = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
-        second = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        first = open_env(task, tmp_path, cache_dir=cache_dir)
+        second = open_env(task, tmp_path, cache_dir=cache_dir)
         await asyncio.gather(first.start(force_build=False), second.start(force_build=False))
         try:
             await first.exec("echo mine > /etc/hostname-note && rm /etc/debian_version")
@@ -160,7 +160,7 @@ def test_entrypoint_runs_at_start(loopback_registry, cache_dir, tmp_path):  # no
     )
 
     async def scenario():
-        env = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        env = open_env(task, tmp_path, cache_dir=cache_dir)
         await env.start(force_build=False)
         try:
             for _ in range(100):
@@ -289,7 +289,7 @@ def test_fingerprints_see_the_agents_changes_on_an_image_root(loopback_registry,
     task = _task(tmp_path, f"FROM {loopback_registry.base}\nWORKDIR /workdir\nRUN echo v1 > /usr/local/bin/checker\n")
 
     async def scenario():
-        env = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        env = open_env(task, tmp_path, cache_dir=cache_dir)
         await env.start(force_build=False)
         try:
             before = await env.file_fingerprints([("/usr/local/bin", None), ("/etc/passwd", 0)])
@@ -356,7 +356,7 @@ def test_layered_fingerprints_see_what_a_walk_of_the_merged_root_sees(loopback_r
         return {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
 
     async def scenario():
-        env = open_env(task, tmp_path, root="image", cache_dir=cache_dir)
+        env = open_env(task, tmp_path, cache_dir=cache_dir)
         await env.start(force_build=False)
         try:
             fast, slow = await env.file_fingerprints(watched), merged(env)
@@ -375,24 +375,23 @@ def test_layered_fingerprints_see_what_a_walk_of_the_merged_root_sees(loopback_r
     run(scenario())
 
 
-@pytest.mark.parametrize("root", ["image", "host"])
-def test_a_failed_build_on_either_root_is_the_local_image_build_error(loopback_registry, cache_dir, tmp_path, root):  # noqa: F811
+def test_a_failed_build_is_the_local_image_build_error(loopback_registry, cache_dir, tmp_path):  # noqa: F811
     """Issue #18: ``except local.ImageBuildError`` missed buildah's failures (another class, of oci.py)."""
     from trl_harbor.sandboxes import local
 
     task = _task(tmp_path, f"FROM {loopback_registry.base}\nRUN echo boom-marker >&2 && exit 3\n")
-    env = open_env(task, tmp_path, root=root, cache_dir=cache_dir)
+    env = open_env(task, tmp_path, cache_dir=cache_dir)
     try:
         with pytest.raises(local.ImageBuildError, match="boom-marker") as raised:
             run(env.start(force_build=False))
         assert type(raised.value) is local.ImageBuildError and isinstance(raised.value, local.SandboxError)
     finally:
         run(env.stop(delete=True))
-    if root == "image":  # an unpullable base is one too
-        missing = make_task(tmp_path / "more", dockerfile=f"FROM {loopback_registry.address}/nothing/here:1\n")
-        with pytest.raises(local.ImageBuildError) as raised:
-            run(open_env(missing, tmp_path, root=root, cache_dir=cache_dir).start(force_build=False))
-        assert isinstance(raised.value, local.BaseImageUnavailableError)
+    # An unpullable base is one too.
+    missing = make_task(tmp_path / "more", dockerfile=f"FROM {loopback_registry.address}/nothing/here:1\n")
+    with pytest.raises(local.ImageBuildError) as raised:
+        run(open_env(missing, tmp_path, cache_dir=cache_dir).start(force_build=False))
+    assert isinstance(raised.value, local.BaseImageUnavailableError)
 
 
 def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_registry, cache_dir, tmp_path):  # noqa: F811
@@ -401,7 +400,7 @@ def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_regi
     watched = [("/usr/lib/python3*", None), ("/usr/bin", 1), ("/etc/profile", 0)]
 
     async def scenario():
-        envs = [open_env(task, tmp_path, root="image", cache_dir=cache_dir) for _ in range(4)]
+        envs = [open_env(task, tmp_path, cache_dir=cache_dir) for _ in range(4)]
         await asyncio.gather(*(env.start(force_build=False) for env in envs))
         try:
             for _ in range(3):
@@ -458,7 +457,7 @@ def test_sandbox_of_a_killed_process_is_unmounted_and_swept(loopback_registry, c
         from sandbox_helpers import open_env
         from pathlib import Path
         async def main():
-            env = open_env(Path({str(task)!r}), Path({str(tmp_path)!r}), root="image", cache_dir={cache_dir!r})
+            env = open_env(Path({str(task)!r}), Path({str(tmp_path)!r}), cache_dir={cache_dir!r})
             await env.start(force_build=False)
             await env.exec("echo agent-data > /etc/agent-note")
             print(env._sandbox.dir, flush=True)
@@ -508,7 +507,7 @@ def test_concurrent_cold_starts_share_one_pull_and_build(loopback_registry, tmp_
     cache = str(tmp_path / "cold-cache")
 
     async def scenario():
-        envs = [open_env(task, tmp_path, root="image", cache_dir=cache) for _ in range(16)]
+        envs = [open_env(task, tmp_path, cache_dir=cache) for _ in range(16)]
         await asyncio.gather(*(e.start(force_build=False) for e in envs))
         try:
             stamps = await asyncio.gather(*(e.exec("cat /built-at") for e in envs))
@@ -547,7 +546,7 @@ def test_baseline_on_an_image_root_keeps_entrypoint_services_and_finds_tampering
     )
 
     async def scenario():
-        env = open_env(task, tmp_path, root="image", cache_dir=cache_dir, verifier_isolation=False)
+        env = open_env(task, tmp_path, cache_dir=cache_dir, verifier_isolation=False)
         await env.start(force_build=False)
         try:
             for _ in range(100):

@@ -162,8 +162,7 @@ def test_download_never_follows_links_the_agent_planted(task: Path, tmp_path: Pa
     assert host_secret.read_text() == "host-only"
 
 
-@pytest.mark.parametrize("root", ["image", "host"])
-def test_upload_never_writes_through_planted_links(task: Path, tmp_path: Path, root: str) -> None:
+def test_upload_never_writes_through_planted_links(task: Path, tmp_path: Path) -> None:
     victim_dir = tmp_path / "victim"
     victim_dir.mkdir()
     victim = victim_dir / "file.txt"
@@ -172,7 +171,7 @@ def test_upload_never_writes_through_planted_links(task: Path, tmp_path: Path, r
     payload.write_text("overwritten")
 
     async def scenario():
-        env = open_env(task, tmp_path, root=root)
+        env = open_env(task, tmp_path)
         await env.start(force_build=False)
         try:
             await env.exec(f"ln -s {victim} /workdir/file.txt && ln -s {victim_dir} /workdir/dir")
@@ -180,12 +179,8 @@ def test_upload_never_writes_through_planted_links(task: Path, tmp_path: Path, r
             assert (await env.exec("cat /workdir/file.txt")).stdout == "overwritten"
             with pytest.raises(UnsafePathError):
                 await env.upload_file(payload, "/workdir/dir/file.txt")
-            if root == "host":  # the host's /usr, read-only
-                with pytest.raises(OSError):
-                    await env.upload_file(payload, "/usr/bin/evil")
-            else:  # the image's /usr: the sandbox's own copy
-                await env.upload_file(payload, "/usr/bin/evil")
-                assert (await env.exec("cat /usr/bin/evil")).stdout == "overwritten"
+            await env.upload_file(payload, "/usr/bin/evil")  # the image's /usr: the sandbox's own copy
+            assert (await env.exec("cat /usr/bin/evil")).stdout == "overwritten"
         finally:
             await env.stop(delete=True)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -20,12 +19,10 @@ from sandbox_helpers import (
     make_task,
     open_env,
     run,
-    run_unprivileged,
-    unprivileged_test,
     wait_until,
 )
 from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
-from trl_harbor.sandboxes.local import SandboxCommandError, SandboxTimeoutError, SandboxUserError
+from trl_harbor.sandboxes.local import SandboxCommandError, SandboxTimeoutError
 
 
 @pytest.fixture
@@ -33,20 +30,7 @@ def task(tmp_path: Path) -> Path:
     return make_task(tmp_path / "tasks")
 
 
-@pytest.fixture(params=["c", "python"])
-def supervisor(request, monkeypatch):
-    """Run the test with the compiled supervisor and with its Python fallback."""
-    from trl_harbor.sandboxes import _binaries
-
-    if request.param == "python":
-        monkeypatch.setenv("TRL_HARBOR_SUPERVISOR", "python")
-    _binaries.supervisor_binary.cache_clear()
-    assert (_binaries.supervisor_binary() is None) == (request.param == "python")
-    yield request.param
-    _binaries.supervisor_binary.cache_clear()
-
-
-def test_exec_runs_commands_with_cwd_env_and_exit_code(task: Path, tmp_path: Path, supervisor: str) -> None:
+def test_exec_runs_commands_with_cwd_env_and_exit_code(task: Path, tmp_path: Path) -> None:
     async def scenario():
         env = open_env(task, tmp_path)
         await env.start(force_build=False)
@@ -81,7 +65,7 @@ def test_a_state_folder_deeper_than_a_unix_socket_path_allows(task: Path, tmp_pa
     assert not list(deep.iterdir())
 
 
-def test_background_process_survives_between_execs(task: Path, tmp_path: Path, supervisor: str) -> None:
+def test_background_process_survives_between_execs(task: Path, tmp_path: Path) -> None:
     marker = f"sleep 3{os.getpid() % 1000}.5"
 
     async def scenario():
@@ -110,7 +94,7 @@ def test_background_process_survives_between_execs(task: Path, tmp_path: Path, s
     run(scenario())
 
 
-def test_timeout_kills_whole_process_tree(task: Path, tmp_path: Path, supervisor: str) -> None:
+def test_timeout_kills_whole_process_tree(task: Path, tmp_path: Path) -> None:
     marker = "sleep 7777.25"
 
     async def scenario():
@@ -132,7 +116,7 @@ def test_timeout_kills_whole_process_tree(task: Path, tmp_path: Path, supervisor
     assert not live_processes_with(marker)
 
 
-def test_cancelled_exec_kills_its_tree(task: Path, tmp_path: Path, supervisor: str) -> None:
+def test_cancelled_exec_kills_its_tree(task: Path, tmp_path: Path) -> None:
     marker = "sleep 6666.5"
 
     async def scenario():
@@ -151,7 +135,7 @@ def test_cancelled_exec_kills_its_tree(task: Path, tmp_path: Path, supervisor: s
     run(scenario())
 
 
-def test_output_flood_is_bounded(task: Path, tmp_path: Path, supervisor: str) -> None:
+def test_output_flood_is_bounded(task: Path, tmp_path: Path) -> None:
     async def scenario():
         env = open_env(task, tmp_path, output_cap_bytes=64 * 1024)
         await env.start(force_build=False)
@@ -184,56 +168,40 @@ def test_fork_bomb_is_contained(task: Path, tmp_path: Path) -> None:
     assert subprocess.run(["true"]).returncode == 0  # the host can still fork
 
 
-_UNPRIVILEGED_PROCESSES = """
-import asyncio, json, sys
-from pathlib import Path
-
-sys.path.insert(0, sys.argv[2])
-from sandbox_helpers import make_task, open_env
-
-SPAWN = (
-    "python3 -c \\"import subprocess\\nps = []\\nfor i in range(200):\\n"
-    "    try: ps.append(subprocess.Popen(['sleep', '30']))\\n    except OSError: break\\nprint(len(ps))\\""
+_SPAWN = (
+    "python3 -c \"import subprocess\nps = []\nfor i in range(200):\n"
+    "    try: ps.append(subprocess.Popen(['sleep', '30']))\n    except OSError: break\nprint(len(ps))\""
 )
 
 
-async def main():
-    work = Path(sys.argv[1])
-    task = make_task(work / "tasks")
-    bounded = open_env(task, work, pids_max=64, root="host")
-    bystander = open_env(task, work, root="host")
-    await asyncio.gather(bounded.start(force_build=False), bystander.start(force_build=False))
-    try:
-        started = int((await bounded.exec(SPAWN, timeout_sec=60)).stdout)
-        others = int((await bystander.exec(SPAWN, timeout_sec=60)).stdout)
-        full = await bounded.exec("echo alive", timeout_sec=30)  # its 61 sleeps still hold the limit
-        await bounded.kill_processes()
-        for _ in range(100):  # killed processes count until the kernel has released them
-            again = (await bounded.exec("echo alive", timeout_sec=30)).stdout.strip()
-            if again:
-                break
-            await asyncio.sleep(0.1)
-    finally:
-        await asyncio.gather(bounded.stop(delete=True), bystander.stop(delete=True))
-    full = {"rc": full.return_code, "out": (full.stdout or "") + (full.stderr or "")}
-    print(json.dumps({"started": started, "others": others, "full": full, "again": again}))
+def test_a_sandbox_has_its_own_process_limit(task: Path, tmp_path: Path) -> None:
+    """``pids_max`` holds per sandbox: its pids cgroup as root; without root (``tests/test_rootless.py``
+    runs this too) RLIMIT_NPROC, which Linux counts per user namespace, i.e. per sandbox."""
 
+    async def scenario():
+        bounded = open_env(task, tmp_path, pids_max=64)
+        bystander = open_env(task, tmp_path)
+        await asyncio.gather(bounded.start(force_build=False), bystander.start(force_build=False))
+        try:
+            started = int((await bounded.exec(_SPAWN, timeout_sec=60)).stdout)
+            others = int((await bystander.exec(_SPAWN, timeout_sec=60)).stdout)
+            full = await bounded.exec("echo alive", timeout_sec=30)  # its sleeps still hold the limit
+            await bounded.kill_processes()
+            for _ in range(100):  # killed processes count until the kernel has released them
+                again = (await bounded.exec("echo alive", timeout_sec=30)).stdout.strip()
+                if again:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await asyncio.gather(bounded.stop(delete=True), bystander.stop(delete=True))
+        return started, others, full, again
 
-asyncio.run(main())
-"""
-
-
-@unprivileged_test
-def test_without_root_a_sandbox_has_its_own_process_limit(supervisor: str) -> None:
-    """No cgroups without root: the limit is RLIMIT_NPROC, counted per sandbox (its own user namespace)."""
-    done = run_unprivileged(_UNPRIVILEGED_PROCESSES)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert 0 < found["started"] < 64, found  # the bounded sandbox stops at its limit
-    assert found["others"] == 200, found  # another sandbox of the same user is not charged for it
+    started, others, full, again = run(scenario())
+    assert 0 < started < 64, started  # the bounded sandbox stops at its limit
+    assert others == 200, others  # another sandbox is not charged for it
     # No room for one more process: the command fails, and says why.
-    assert found["full"]["rc"] == 126 and "process limit" in found["full"]["out"], found
-    assert found["again"] == "alive", found  # room again once its processes are gone
+    assert full.return_code == 126 and "process limit" in (full.stdout or "") + (full.stderr or ""), full
+    assert again == "alive", again  # room again once its processes are gone
 
 
 def test_memory_hog_is_contained(task: Path, tmp_path: Path) -> None:
@@ -252,64 +220,7 @@ def test_memory_hog_is_contained(task: Path, tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_non_root_user_is_refused_root_is_accepted_on_the_host_root(task: Path, tmp_path: Path) -> None:
-    """The host root has no users but root (a task image's users work: tests/test_local_image_root.py)."""
-
-    async def scenario():
-        env = open_env(task, tmp_path, root="host")
-        await env.start(force_build=False)
-        try:
-            assert (await env.exec("id -u", user="root")).stdout.strip() == "0"
-            with pytest.raises(SandboxUserError, match="root only"):
-                await env.exec("id -u", user="agent")
-            with pytest.raises(SandboxUserError):
-                await env.exec("id -u", user=1000)
-        finally:
-            await env.stop(delete=True)
-
-    run(scenario())
-
-
-def test_pip_install_works_at_agent_time_on_the_host_root(task: Path, tmp_path: Path) -> None:
-    """Debian's python3 refuses pip under PEP 668; every host-rooted sandbox has a venv that accepts it.
-
-    (On a task image, pip is whatever the image has, as under Docker.)
-
-    The package is a wheel built in the sandbox, so the test needs no index.
-    """
-    build_wheel = textwrap.dedent(
-        """\
-        import zipfile
-        with zipfile.ZipFile('/tmp/tinypkg-1.0-py3-none-any.whl', 'w') as z:
-            z.writestr('tinypkg.py', 'ANSWER = 42\\n')
-            z.writestr('tinypkg-1.0.dist-info/METADATA', 'Metadata-Version: 2.1\\nName: tinypkg\\nVersion: 1.0\\n')
-            z.writestr('tinypkg-1.0.dist-info/WHEEL', 'Wheel-Version: 1.0\\nGenerator: test\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n')
-            z.writestr('tinypkg-1.0.dist-info/RECORD', '')
-        """
-    )
-
-    async def scenario():
-        env = open_env(task, tmp_path, root="host")
-        await env.start(force_build=False)
-        try:
-            await env.upload_file(_write(tmp_path / "mkwheel.py", build_wheel), "/tmp/mkwheel.py")
-            assert (await env.exec("python3 /tmp/mkwheel.py")).return_code == 0
-            install = await env.exec("pip install --no-index /tmp/tinypkg-1.0-py3-none-any.whl", timeout_sec=120)
-            assert install.return_code == 0, install.stdout + install.stderr
-            check = await env.exec("python3 -c 'import tinypkg; print(tinypkg.ANSWER)'")
-            assert check.stdout.strip() == "42"
-        finally:
-            await env.stop(delete=True)
-
-    run(scenario())
-
-
-def _write(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
-
-
-def test_stop_leaves_no_process_directory_or_cgroup(task: Path, tmp_path: Path, supervisor: str) -> None:
+def test_stop_leaves_no_process_directory_or_cgroup(task: Path, tmp_path: Path) -> None:
     marker = "sleep 5555.75"
 
     async def scenario():
@@ -375,7 +286,7 @@ def test_many_sandboxes_start_concurrently(task: Path, tmp_path: Path) -> None:
 
 
 def test_kill_processes_stops_every_detached_process_and_keeps_the_sandbox(
-    task: Path, tmp_path: Path, supervisor: str
+    task: Path, tmp_path: Path
 ) -> None:
     """Daemons in their own session, double forks and SIGTERM-ignoring loops all die; the sandbox lives."""
     tag = f"{os.getpid() % 1000}"
@@ -410,7 +321,7 @@ def test_kill_processes_stops_every_detached_process_and_keeps_the_sandbox(
     run(scenario())
 
 
-def test_agent_cannot_kill_the_supervisor_mount_or_trace(task: Path, tmp_path: Path, supervisor: str) -> None:
+def test_agent_cannot_kill_the_supervisor_mount_or_trace(task: Path, tmp_path: Path) -> None:
     """`kill -9 -1`, mounting over /tests and ptrace are refused: the sandbox keeps answering."""
 
     async def scenario():
@@ -544,9 +455,9 @@ def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tm
     from trl_harbor.sandboxes.local import release_parked
 
     async def scenario():
-        first = open_env(task, tmp_path, root="host")
+        first = open_env(task, tmp_path)
         await first.start(force_build=False)
-        second = open_env(task, tmp_path, root="host")
+        second = open_env(task, tmp_path)
         try:
             for _ in range(500):
                 if _box._PARKED is not None:
@@ -580,21 +491,18 @@ def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tm
     run(scenario())
 
 
-@pytest.mark.parametrize("root", ["host", "image"])
-def test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees(task: Path, tmp_path: Path, root: str) -> None:
+def test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees(task: Path, tmp_path: Path) -> None:
     """A box's bubblewrap runs in a mount namespace of its own holding its own tree's mounts but not
     those of the sandboxes already running (which made every later start slower); both work.
 
     Without root (``tests/test_rootless.py`` runs this too) the trees are the holder's mounts."""
-    if root == "host" and os.geteuid() != 0:
-        pytest.skip("a host root mounts nothing without root")
 
     def mount_points(pid: int | str) -> list[str]:
         return [line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
 
     async def scenario():
-        first = open_env(task, tmp_path, root=root, default_storage_mb=256)
-        second = open_env(task, tmp_path, root=root, default_storage_mb=256)
+        first = open_env(task, tmp_path, default_storage_mb=256)
+        second = open_env(task, tmp_path, default_storage_mb=256)
         await first.start(force_build=False)
         try:
             await second.start(force_build=False)
@@ -602,7 +510,7 @@ def test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees(task: Path,
             host = first._sandbox.host
             holder = host.proc.pid if host.rootless else "self"
             on_host = mount_points(holder)
-            assert first_dir in on_host and second_dir in on_host  # the storage bounds, where trees are mounted
+            assert first_dir in on_host and second_dir in on_host  # the storage bounds
             bwrap = second._sandbox.running_box()._proc.pid
             assert os.readlink(f"/proc/{bwrap}/ns/mnt") != os.readlink(f"/proc/{holder}/ns/mnt")
             seen = mount_points(bwrap)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-#: The harnesses every case runs through, on both roots of the local backend (the task image and the host).
+#: The harnesses every case runs through, on the local backend (a task image).
 HARNESSES = ("bash", "jupyter", "terminal_notes")
 
 

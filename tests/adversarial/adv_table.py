@@ -13,7 +13,7 @@ class Outcome:
     Attributes:
         case: The case's name.
         category: Its category.
-        harness: The harness and root (``bash@image``: bash on a task image root; ``@host``: the host root).
+        harness: The harness and root (``bash@image``: bash on a task image root).
         reward: What the rollout scored.
         leaks: What got out (a secret, a reward it did not earn, a host change, a connection).
         problems: What was not contained otherwise (a broken sandbox, a crash, an unbounded result).

@@ -11,9 +11,8 @@ tools returned, the rollout scored 1 without the answer, a host file changed or 
 listener was reached. It is *contained* when it also returned (or raised an ``Exception``, which
 TRL's tool loop reports to the model), its sandbox still answers (or the rollout exhausted it
 and was told it is over — never an infrastructure failure), its reward is what it deserves
-(never skipped), and afterwards no process it started is left on the host. The bash harness
-runs the corpus a second time on a task image root
-(``root="image"``, a Debian image served by the loopback registry of ``tests/registry.py``).
+(never skipped), and afterwards no process it started is left on the host. The sandboxes run on
+a task image (a Debian image served by the loopback registry of ``tests/registry.py``).
 
 The table is printed at the end of the session; the last test asserts 0 leaked.
 """
@@ -274,17 +273,6 @@ def run_corpus(arena: Arena, harness: str, label: str, cases: list[Case]) -> lis
     return outcomes
 
 
-@pytest.fixture(scope="module")
-def arena(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Arena]:
-    os.environ["TRL_HARBOR_ADVERSARIAL_CANARY"] = ENV_CANARY
-    memory = [MEMORY_CANARY * 3]  # noqa: F841 - held in this process's memory while the corpus runs
-    arena = Arena(tmp_path_factory.mktemp("adversarial"), env_kwargs={"backend_options": {"root": "host"}})
-    yield arena
-    arena.close()
-    close_all()
-    os.environ.pop("TRL_HARBOR_ADVERSARIAL_CANARY", None)
-
-
 def _cases(harness: str) -> list[Case]:
     return [case for case in CASES if harness in case.harnesses]
 
@@ -294,22 +282,16 @@ def _assert_contained(outcomes: list[Outcome]) -> None:
     assert not bad, "\n" + render(bad)
 
 
-@requires_local
-@pytest.mark.parametrize("harness", list(HOST_SHELLS))
-def test_corpus_through_each_harness_on_the_host_root(arena: Arena, harness: str) -> None:
-    _assert_contained(run_corpus(arena, harness, f"{harness}@host", _cases(harness)))
-
-
 @pytest.fixture(scope="module")
 def image_arena(loopback_registry, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Arena]:  # noqa: F811
-    """The same arena on task images (the local sandbox's default root), FROM the loopback registry's Debian."""
+    """The arena on task images, FROM the loopback registry's Debian."""
     os.environ["TRL_HARBOR_ADVERSARIAL_CANARY"] = ENV_CANARY
     memory = [MEMORY_CANARY * 3]  # noqa: F841 - held in this process's memory while the corpus runs
     cache = tmp_path_factory.mktemp("adversarial-image-cache")
     arena = Arena(
         tmp_path_factory.mktemp("adversarial-image"),
         base=loopback_registry.base,
-        env_kwargs={"backend_options": {"root": "image", "cache_dir": str(cache)}},
+        env_kwargs={"backend_options": {"cache_dir": str(cache)}},
     )
     yield arena
     arena.close()

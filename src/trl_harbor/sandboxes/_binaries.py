@@ -1,6 +1,6 @@
-"""The programs a box runs: host tools (bubblewrap, ``setpriv``, Python) and this package's C
-helpers (``_supervisor.c``, ``_runas.c``), compiled on first use and cached by source hash; and
-where the local sandbox keeps things (the cache, the state root)."""
+"""The programs a box runs: host tools (bubblewrap, ``setpriv``) and this package's C helpers
+(``_supervisor.c``, ``_runas.c``, ``_nouserns.c``, ``_launcher.c``), compiled on first use and cached
+by source hash; and where the local sandbox keeps things (the cache, the state root)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def default_cache_dir() -> Path:
-    """``$TRL_HARBOR_CACHE_DIR``, else ``~/.cache/trl-harbor`` (layers, images, compiled helpers)."""
+    """``$TRL_HARBOR_CACHE_DIR``, else ``~/.cache/trl-harbor`` (images, compiled helpers)."""
     configured = os.environ.get("TRL_HARBOR_CACHE_DIR")
     return Path(configured) if configured else Path.home() / ".cache" / "trl-harbor"
 
@@ -67,25 +67,6 @@ def pdeathsig_prefix() -> tuple[str, ...]:
     return (tool, "--pdeathsig", "KILL", "--") if "--pdeathsig" in usage else ()
 
 
-@cache
-def sandbox_python() -> str:
-    """The host Python that runs inside sandboxes (a system interpreter under ``/usr``)."""
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.path.exists(candidate):
-            return candidate
-    raise SandboxUnavailableError(
-        "The local sandbox runs Python from the host's /usr (it is the sandbox's base "
-        "image), but /usr/bin/python3 does not exist. Install python3 (`apt-get install "
-        "python3 python3-venv`)."
-    )
-
-
-@cache
-def supervisor_source() -> bytes:
-    """The Python supervisor's source (piped to the box's Python when there is no C compiler)."""
-    return resources.files("trl_harbor.sandboxes").joinpath("_supervisor.py").read_bytes()
-
-
 def _compile(name: str, static: bool) -> tuple[str | None, str]:
     """Compile ``_<name>.c`` of this package once: ``(binary or None, why not)``."""
     source = resources.files("trl_harbor.sandboxes").joinpath(f"_{name}.c").read_bytes()
@@ -109,23 +90,6 @@ def _compile(name: str, static: bool) -> tuple[str | None, str]:
 
 
 @cache
-def supervisor_binary() -> str | None:
-    """The compiled C supervisor, built on first use and cached by source hash.
-
-    Returns ``None`` (the Python supervisor is used) when ``TRL_HARBOR_SUPERVISOR=python``
-    or no C compiler is available.
-    """
-    if os.environ.get("TRL_HARBOR_SUPERVISOR", "").lower() == "python":
-        return None
-    binary, error = _compile("supervisor", static=False)
-    if binary is None and error == "no C compiler found":
-        logger.info("no C compiler found: the local sandbox uses its Python supervisor (slower start)")
-    elif binary is None:
-        logger.warning("compiling the sandbox supervisor failed, using the Python one: %s", error[-2000:])
-    return binary
-
-
-@cache
 def static_binary(name: str) -> str:
     """The path of ``_<name>.c`` (``"supervisor"``, ``"runas"``, ``"nouserns"``) compiled statically, once.
 
@@ -139,7 +103,7 @@ def static_binary(name: str) -> str:
         raise SandboxUnavailableError(
             "Sandboxes on task images run a small statically linked supervisor, which could not be "
             f"compiled ({error[-1500:]}). Install a C compiler and the static C library (`apt-get install gcc "
-            "libc6-dev`), or run tasks on the host root (environment kwarg root='host')."
+            "libc6-dev`)."
         )
     return binary
 

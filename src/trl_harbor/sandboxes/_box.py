@@ -1,14 +1,14 @@
 """One bubblewrap sandbox: a long-lived set of namespaces and the commands run in it.
 
-``Box`` is the mechanism under both roots of the local Harbor environment and the host root's
-layer builder. It knows nothing of Harbor: it mounts a root directory at ``/``, starts
-bubblewrap once with a supervisor as the box's init (``_supervisor.py``), runs commands through
-it over a Unix socket (:class:`SupervisorClient`), and tears everything down on ``kill``.
+``Box`` is the mechanism under the local Harbor environment's sandboxes (the agent's and its
+verifier's). It knows nothing of Harbor: it mounts an image root at ``/``, starts bubblewrap
+once with a statically linked supervisor as the box's init (``_supervisor.c``), runs commands
+through it over a Unix socket (:class:`SupervisorClient`), and tears everything down on ``kill``.
 
 Its :class:`BoxConfig` says what it gets: its namespaces (all its own today, set up from the
 config by :func:`namespace_args` and :func:`write_id_maps` alone, so a box that joins another's has one
 place to say so), its mounts (``_mounts.py``), its network (none, or :class:`UserNetwork`), its
-limits (``_cgroups.py`` as root, else rlimits; the storage guard of ``_storage.py``).
+limits (``_cgroups.py`` as root, else rlimits; storage by the bounded tmpfs its tree is on).
 """
 
 from __future__ import annotations
@@ -23,33 +23,29 @@ import socket
 import struct
 import subprocess
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from trl_harbor.sandboxes import _lifetime, _storage, _userns
+from trl_harbor.sandboxes import _lifetime, _userns
 from trl_harbor.sandboxes._binaries import (
     SYSTEM_PATH,
     bwrap_path,
     launcher_binary,
     pdeathsig_prefix,
-    sandbox_python,
     state_root,
     static_binary,
-    supervisor_binary,
-    supervisor_source,
     which,
 )
 from trl_harbor.sandboxes._cgroups import Cgroups
 from trl_harbor.sandboxes._diagnose import namespace_problem
 from trl_harbor.sandboxes._hostfs import remove_tree
-from trl_harbor.sandboxes._mounts import LAYER_VENV, host_system_args, kernel_fs_args, prepare_rootfs, unmount
+from trl_harbor.sandboxes._mounts import kernel_fs_args, unmount
 from trl_harbor.sandboxes.errors import SandboxCommandError, SandboxError, SandboxStartError, SandboxTimeoutError
 
 logger = logging.getLogger(__name__)
-NetworkMode = Literal["none", "user", "host"]
+NetworkMode = Literal["none", "user"]
 #: The user-mode stack's DNS forwarder, as seen from the box.
 SLIRP_GATEWAY_DNS = "10.0.2.3"
 # What the sandbox's root may do: Docker's default capability set. Notably absent:
@@ -63,41 +59,29 @@ SANDBOX_CAPS = (
 )  # fmt: skip
 
 
-def namespace_args(
-    *, network: NetworkMode, switchable: bool, hostname: str, block_fd: int | None, joined: bool = False
-) -> list[str]:
-    """bubblewrap's namespace, capability and process options for a box (see ``BoxConfig``); with
-    ``block_fd``, it waits on it while the host maps the box's ids (:func:`write_id_maps`), else maps uid 0.
-    A ``joined`` box runs in another box's user and network namespaces (entered before bubblewrap)."""
-    own_user = () if joined else (
-        "--unshare-user", "--uid", "0", "--gid", "0",
-        *(("--userns-block-fd", str(block_fd)) if block_fd is not None else ()),
+def namespace_args(*, hostname: str, block_fd: int | None) -> list[str]:
+    """bubblewrap's namespace, capability and process options for a box (see ``BoxConfig``).
+
+    A box of its own (``block_fd``: bubblewrap waits on it while the host maps the box's ids and
+    forbids nested user namespaces, :func:`write_id_maps`) gets its own user and network namespaces;
+    a joined box (``None``) runs in another box's, entered before bubblewrap."""
+    own_user = () if block_fd is None else (
+        "--unshare-user", "--uid", "0", "--gid", "0", "--userns-block-fd", str(block_fd), "--unshare-net",
     )  # fmt: skip
-    args = [
+    return [
         *own_user,
         "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--die-with-parent", "--new-session",
         "--cap-drop", "ALL", *(arg for cap in SANDBOX_CAPS for arg in ("--cap-add", cap)),
         "--hostname", hostname,
     ]  # fmt: skip
-    if joined:
-        return args  # the joined box's user namespace already forbids nested ones (write_id_maps)
-    if network != "host":
-        args.append("--unshare-net")
-    if network != "user" and not switchable and block_fd is None:
-        # (Mapped ids: bubblewrap cannot combine this with --userns-block-fd; write_id_maps
-        # sets the same limit from the host.)
-        # No nested user namespaces (their root would regain every capability in
-        # them). Not with slirp4netns: it must join the box's own user namespace to
-        # reach its network, which the nesting hides.
-        args.append("--disable-userns")
-    return args
 
 
 def write_id_maps(pid: int, id_map: str) -> None:
     """Write ``id_map`` as the uid and gid maps of the box whose init is ``pid``, and forbid nested
-    user namespaces in it (their root would regain every capability in them), as ``--disable-userns``
-    does for host-rooted boxes: ``user.max_user_namespaces = 0``, set from inside it (``_nouserns.c``)."""
+    user namespaces in it (their root would regain every capability in them): ``user.max_user_namespaces
+    = 0``, set from inside it (``_nouserns.c``; bubblewrap's ``--disable-userns`` cannot be combined
+    with ``--userns-block-fd``, and slirp4netns must still join the box's own user namespace)."""
     try:
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{name}", "w") as handle:
@@ -151,31 +135,23 @@ class BoxConfig:
     """How to build one box.
 
     Attributes:
-        rootfs: Host directory mounted writable at ``/`` inside the box.
-        layer_venv: Host directory mounted at ``/opt/venv-layer`` (the shared Python layer).
-        layer_writable: Mount the layer read-write (only while building it).
-        network: ``"none"`` (own empty network namespace), ``"user"`` (own namespace
-            with a user-mode stack, no access to the host's loopback) or ``"host"``
-            (the host's network; used for image builds, like ``docker build``).
+        rootfs: Host directory mounted writable at ``/`` inside the box: a complete image root (its
+            own ``/usr``, ``/etc``; nothing of the host is mounted). The box's user namespace maps
+            uids and gids 0-65535 (of the holder's without root), so the image's users, ``chown``
+            and ``useradd`` work.
+        network: ``"none"`` (own empty network namespace) or ``"user"`` (own namespace
+            with a user-mode stack, no access to the host's loopback).
         memory_mb: Memory limit, or ``None``.
         cpus: CPU limit, or ``None``.
         pids_max: Limit on the number of processes, or ``None``.
         hostname: The box's host name.
         extra_ro_binds: More ``(host path, box path)`` read-only mounts.
-        image_root: ``rootfs`` is a complete image root (its own ``/usr``, ``/etc``):
-            nothing of the host is mounted, the supervisor is linked statically, and
-            the box's user namespace maps uids and gids 0-65535 (of the holder's without root), so the
-            image's users, ``chown`` and ``useradd`` work.
         network_switchable: The network may be switched between ``"none"`` and ``"user"``
             while the box runs (:meth:`Box.set_network`), e.g. no network for the agent and
             the task's network for its verifier.
-        storage_mb: Bound on what the box writes to its tree, or ``None``: each of its files
-            (``RLIMIT_FSIZE``) and, polled by the host's storage guard (``_storage.py``), their
-            total; a box past it is killed. Boxes with a bound are also killed when the host's
-            free space falls under its reserve and they wrote the most. Their ``/dev`` is
+        storage_mb: Bound on what the box writes, or ``None``: its tree is on a tmpfs of its own that
+            the kernel bounds (``_mounts.mount_bounded_tmpfs``, made by its root), and its ``/dev`` is
             read-only but for ``/dev/shm``, a tmpfs of ``_mounts.DEV_SHM_BYTES``.
-        storage_guard: Whether the host's storage guard polls the box (off when its tree is on a
-            tmpfs of its own that the kernel bounds, ``_mounts.mount_bounded_tmpfs``).
         join: The host PID of another box's init whose user and network namespaces this box
             shares (its PID, mount, IPC and UTS namespaces are its own): a sibling that reaches
             the other box's services but that the other box's processes cannot see.
@@ -183,18 +159,14 @@ class BoxConfig:
     """
 
     rootfs: Path
-    layer_venv: Path | None = None
-    layer_writable: bool = False
     network: NetworkMode = "none"
     memory_mb: int | None = None
     cpus: float | None = None
     pids_max: int | None = 4096
     hostname: str = "sandbox"
     extra_ro_binds: list[tuple[str, str]] = field(default_factory=list)
-    image_root: bool = False
     network_switchable: bool = False
     storage_mb: int | None = None
-    storage_guard: bool = True
     join: int | None = None
     extra_binds: list[tuple[str, str]] = field(default_factory=list)
 
@@ -205,24 +177,10 @@ def _bwrap_command(c: BoxConfig, state_dir: Path, info_fd: int | None, block_fd:
         which("nsenter") or "nsenter", f"--user=/proc/{c.join}/ns/user", f"--net=/proc/{c.join}/ns/net",
         "--preserve-credentials", "--",
     )  # fmt: skip
-    namespaces = namespace_args(
-        network=c.network, switchable=c.network_switchable, hostname=c.hostname, block_fd=block_fd,
-        joined=c.join is not None,
-    )  # fmt: skip
-    args = [
-        *enter,
-        bwrap_path(),
-        *namespaces,
-        "--bind",
-        str(c.rootfs),
-        "/",
-        *(() if c.image_root else host_system_args()),
-    ]
+    args = [*enter, bwrap_path(), *namespace_args(hostname=c.hostname, block_fd=block_fd), "--bind", str(c.rootfs), "/"]
     if c.network == "user" or c.network_switchable:
         args += ["--ro-bind", str(state_dir / "resolv.conf"), "/etc/resolv.conf"]
     args += kernel_fs_args(storage_bound=bool(c.storage_mb))
-    if c.layer_venv is not None:
-        args += ["--bind" if c.layer_writable else "--ro-bind", str(c.layer_venv), LAYER_VENV]
     for source, target in c.extra_ro_binds:
         args += ["--ro-bind", source, target]
     for source, target in c.extra_binds:
@@ -236,34 +194,24 @@ def _rlimits(config: BoxConfig, cgroups: bool) -> list[int]:
     """The address-space and process rlimits the supervisor sets for every command (0: none).
 
     No file-size limit: as under Docker, a sparse file may be larger than the storage bound, which
-    bounds the space used (a tmpfs of its own as root, the storage guard otherwise)."""
+    bounds the space used (the tree's tmpfs)."""
     # No writable cgroups (not root): each process's address space is bounded instead, and the
     # processes by RLIMIT_NPROC, which counts a uid's processes in its own user namespace
-    # (Linux >= 5.14), i.e. this box's. Host root is exempt from it, but the pids cgroup bounds it.
+    # (Linux >= 5.14), i.e. this box's.
     address_space = 0 if cgroups or not config.memory_mb else config.memory_mb * 1024 * 1024 * 2
     processes = 0 if cgroups or not config.pids_max else config.pids_max
     return [address_space, processes]
 
 
-def _supervisor(config: BoxConfig) -> str | None:
-    """The supervisor binary a box runs (``None``: the Python one), once its root is ready for it."""
-    if not config.image_root:
-        prepare_rootfs(config.rootfs)
-        return supervisor_binary()
-    return static_binary("supervisor")
-
-
-def _private_mounts(owned_dir: Path | None, host: _userns.Host) -> list[str]:
+def _private_mounts(owned_dir: Path | None) -> list[str]:
     """The launcher's ``--private-mounts`` prefix for a box's bubblewrap (``_launcher.c``): a mount table of
-    the box's own, without the other sandboxes' trees (empty where no tree is mounted — neither root nor
-    a holder —, without a C compiler, or for a tree elsewhere).
+    the box's own, without the other sandboxes' trees (empty if the launcher cannot be compiled, or for
+    a tree elsewhere).
 
     bubblewrap copies the whole table into the box and reads it whole for every mount it makes, so
     each running sandbox (two mounts on an image root) made every later start slower. Run after the
     holder's ``nsenter`` (its mounts are the trees, without root) and before a joined box's (the
     agent's user namespace would lock the copied mounts in place)."""
-    if not host.mounts_trees:
-        return []
     binary = launcher_binary()
     root = state_root()
     if binary is None or owned_dir is None or not owned_dir.is_relative_to(root):
@@ -444,7 +392,7 @@ class Box:
         self.config = config
         self.owned_dir = owned_dir
         #: Where its mounts and tree are handled: this process, or (task images without root) the holder.
-        self.host = _userns.host() if config.image_root else _userns.DIRECT
+        self.host = _userns.host()
         self.state_dir = state_dir
         #: Runs commands in the box, lists and kills its processes.
         self.supervisor = SupervisorClient(state_dir / "supervisor.sock")
@@ -459,8 +407,6 @@ class Box:
         self._parked: _Parked | None = None
         #: Host mounts (the copy-on-write root) to detach when the box goes.
         self.mounts: list[Path] = []
-        #: Why the storage guard killed the box (see ``_storage.py``), or ``None``.
-        self.storage_reason: str | None = None
 
     @property
     def init_pid(self) -> int | None:
@@ -477,14 +423,14 @@ class Box:
         if _lifetime.EXITING:
             raise SandboxStartError("this process is exiting: no new sandbox starts")
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        binary = _supervisor(self.config)
+        binary = static_binary("supervisor")
         self.reserve()
         info_r, block_w = await self._spawn(binary)
         try:
             if _lifetime.EXITING:  # the exit's sweep may have run while bubblewrap was being started
                 self.kill_now()
                 raise SandboxStartError("this process is exiting: no new sandbox starts")
-            await self._until_ready(binary, info_r, block_w)
+            await self._until_ready(info_r, block_w)
         except BaseException:
             await self.kill()
             raise
@@ -514,7 +460,7 @@ class Box:
             if self._cgroups.paths:
                 Cgroups.primed()
 
-    async def _spawn(self, binary: str | None) -> tuple[int | None, int | None]:
+    async def _spawn(self, binary: str) -> tuple[int | None, int | None]:
         """Run bubblewrap with the supervisor as the box's init; return the host's ends of its info and block pipes."""
         if self.config.network == "user" or self.config.network_switchable:
             # Written where bubblewrap reads it (the holder's view of the tree, without root).
@@ -524,12 +470,11 @@ class Box:
         own = self.config.join is None  # a joined box has no namespaces of its own to map or network to attach
         if own:  # its init's PID: for its cgroups, id maps and network
             info_r, info_w = os.pipe()
-        if own and self.config.image_root:
+        if own:  # bubblewrap waits on it while the box's ids are mapped
             block_r, block_w = os.pipe()
-        if binary is not None:
-            # Executed through its descriptor: the binary appears nowhere in the box.
-            exe_fd = os.open(binary, os.O_RDONLY)
-        supervisor = [f"/proc/self/fd/{exe_fd}"] if exe_fd is not None else [sandbox_python(), "-I", "-S", "-"]
+        # Executed through its descriptor: the binary appears nowhere in the box.
+        exe_fd = os.open(binary, os.O_RDONLY)
+        supervisor = [f"/proc/self/fd/{exe_fd}"]
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.supervisor.address)
         listener.listen(128)
@@ -538,7 +483,7 @@ class Box:
             *_bwrap_command(self.config, self.state_dir, info_w, block_r), *supervisor,
             str(listener.fileno()), *map(str, limits),
         ]  # fmt: skip
-        private = _private_mounts(self.owned_dir, self.host)
+        private = _private_mounts(self.owned_dir)
         fds = [listener.fileno(), *(fd for fd in (info_w, exe_fd, block_r) if fd is not None)]
         command = [*self.host.command(), *private, *bwrap]
         try:
@@ -561,13 +506,11 @@ class Box:
         _lifetime.LIVE.add(self)
         return info_r, block_w
 
-    async def _until_ready(self, binary: str | None, info_r: int | None, block_w: int | None) -> None:
+    async def _until_ready(self, info_r: int | None, block_w: int | None) -> None:
         """Finish the box's namespaces, wait for its supervisor's "ready", then bound and connect it."""
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         child_pid = None if info_r is None else await self._settle(info_r, block_w)
-        if binary is None:
-            proc.stdin.write(supervisor_source())
         proc.stdin.close()
         line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
         if line.strip() != b"ready":
@@ -590,10 +533,6 @@ class Box:
             # Only once bubblewrap has finished setting up the namespace's loopback:
             # configuring it concurrently races on netlink.
             await self._network.attach(child_pid)
-        if self.config.storage_mb and self.config.storage_guard:
-            # What the box holds now (the task's files) is its baseline: its bound counts what it writes.
-            tree = self.owned_dir or self.config.rootfs
-            await asyncio.to_thread(_storage.GUARD.watch, self, tree, self.config.storage_mb * 1024 * 1024)
 
     async def _settle(self, info_r: int, block_w: int | None) -> int | None:
         """Map the box's ids (image roots) and put its processes in its cgroups; its init's PID
@@ -637,32 +576,9 @@ class Box:
             await self._network.detach()
 
     def resource_exhaustion(self) -> str | None:
-        """Which of its limits the box ran into, or ``None``.
-
-        Memory and processes from its cgroups' event counters (as root only), storage from the
-        storage guard (with or without root)."""
-        found = [reason for reason in (self.storage_reason, self._cgroups.exhaustion()) if reason]
-        return "; ".join(found) or None
-
-    def storage_exhausted(self, reason: str) -> None:
-        """Kill the box, which wrote past its storage bound or into the host's reserve, and free its tree now.
-
-        ``reason`` (the storage guard's) is what :meth:`resource_exhaustion` reports.
-        """
-        self.storage_reason = reason
-        pids = self.host_pids()
-        self._signal_all()
-        # Its tree cannot be removed while the dying box still has it mounted (EBUSY).
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-            time.sleep(0.005)
-        self.kill_now()
-
-    def host_pids(self) -> list[int]:
-        """Host PIDs of the box's processes (bubblewrap and its descendants); empty once stopped."""
-        if self.closed or self._proc is None:
-            return []
-        return _process_tree(self._proc.pid)
+        """Which of its limits the box ran into (memory, processes: its cgroups' event counters, as
+        root only), or ``None``."""
+        return self._cgroups.exhaustion()
 
     def kill_now(self) -> None:
         """Kill every process of the box and remove its state, synchronously (idempotent; safe at exit)."""
@@ -697,11 +613,10 @@ class Box:
                 self.host.call(unmount, self.mounts.pop())
 
     def _closing(self) -> bool:
-        """Mark the box stopped (no more commands, no more storage polls); ``False`` if it already was."""
+        """Mark the box stopped (no more commands); ``False`` if it already was."""
         if self.closed:
             return False
         self.supervisor.closed = True
-        _storage.GUARD.forget(self)
         return True
 
     def _signal_all(self) -> None:
@@ -917,10 +832,3 @@ def _process_tree(pid: int) -> list[int]:
                     stack += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
     return found
 
-
-def _alive(pid: int) -> bool:
-    """Whether a process exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False

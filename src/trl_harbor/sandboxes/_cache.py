@@ -1,9 +1,9 @@
-"""One image cache: how both image builders build once, and what this process keeps of them.
+"""One image cache: how images are built once, and what this process keeps of them.
 
-:class:`BuildCache`, the base of the host root's layer builder (``image.py``) and of the task
-image store (``oci.py``), names a build by a content key of its context, shares one build per key
-between coroutines and processes, and publishes it by a rename. :data:`CACHE` holds this
-process's builders and the fingerprint listings of trees that cannot change while sandboxes run.
+:class:`BuildCache`, the base of the task image store (``oci.py``), names a build by a content
+key of its context, shares one build per key between coroutines and processes, and publishes it by a
+rename. :data:`CACHE` holds this process's builders and the fingerprint listings of trees that cannot
+change while sandboxes run.
 """
 
 from __future__ import annotations

@@ -281,25 +281,6 @@ def download_dir(root: Path, source: str, target: Path, cap: int = DOWNLOAD_CAP_
         os.close(fd)
 
 
-def copy_tree(source: Path, target: Path) -> None:
-    """Copy a trusted host tree (a built layer) to a new directory, keeping modes and links.
-
-    Leaner than :func:`shutil.copytree` (no timestamps or extended attributes), because
-    it runs at every sandbox start.
-    """
-    os.mkdir(target, stat.S_IMODE(os.lstat(source).st_mode) | 0o700)
-    for entry in os.scandir(source):
-        destination = os.path.join(target, entry.name)
-        if entry.is_symlink():
-            os.symlink(os.readlink(entry.path), destination)
-        elif entry.is_dir():
-            copy_tree(Path(entry.path), Path(destination))
-        else:
-            shutil.copyfile(entry.path, destination, follow_symlinks=False)
-            os.chmod(destination, stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode))
-    os.chmod(target, stat.S_IMODE(os.lstat(source).st_mode))
-
-
 def hash_tree(digest: Any, directory: Path) -> None:
     """Feed a folder's files (relative names, modes, contents; links as their targets) to ``digest``.
 

@@ -1,5 +1,5 @@
-"""What a box mounts: the host's ``/usr`` and ``/etc`` read-only, secrets masked (host root only),
-its own ``/proc`` and ``/dev`` hardened as Docker does; and the overlays the host mounts for image roots."""
+"""What a box mounts: its own ``/proc`` and ``/dev``, hardened as Docker does; and what the host mounts
+for it: the overlay over its image root, and the bounded tmpfs its tree is on."""
 
 from __future__ import annotations
 
@@ -10,50 +10,15 @@ import os
 from functools import cache
 from pathlib import Path
 
-from trl_harbor.sandboxes._hostfs import remove_tree
 from trl_harbor.sandboxes._userns import in_user_namespace
 from trl_harbor.sandboxes.errors import SandboxStartError
 
-LAYER_VENV = "/opt/venv-layer"
-SANDBOX_VENV = "/opt/venv"
 #: Box paths that are the kernel's, not files of any root.
 KERNEL_MOUNTS = ("/proc", "/dev", "/sys")
-#: Box paths that are host mounts on the host root, not part of its private root.
-SYSTEM_MOUNTS = ("/usr", "/etc", *KERNEL_MOUNTS, LAYER_VENV)
 #: Size of ``/dev/shm`` in a box with a storage bound (Docker's default ``--shm-size``).
 DEV_SHM_BYTES = 64 << 20
-_ETC_MASKED = ("shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "ssh", "security/opasswd")
 _PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 _PROC_MASKED = ("kcore", "keys", "latency_stats", "timer_list", "timer_stats", "sched_debug", "acpi", "scsi")
-_MERGED_USR = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
-
-
-@cache
-def _root_links() -> tuple[tuple[str, str], ...]:
-    """The merged-/usr links at the host's root (``/bin -> usr/bin``, ...)."""
-    return tuple((os.readlink(f"/{name}"), f"/{name}") for name in _MERGED_USR if Path(f"/{name}").is_symlink())
-
-
-@cache
-def _root_dirs() -> tuple[str, ...]:
-    """Host root directories that are real directories and must be mounted (non-merged /usr)."""
-    return tuple(f"/{name}" for name in _MERGED_USR if Path(f"/{name}").is_dir() and not Path(f"/{name}").is_symlink())
-
-
-@cache
-def host_system_args() -> tuple[str, ...]:
-    """bubblewrap arguments mounting the host's ``/usr``, root folders and ``/etc`` read-only, secrets masked."""
-    args = ["--ro-bind", "/usr", "/usr"]
-    for directory in _root_dirs():
-        args += ["--ro-bind", directory, directory]
-    args += ["--ro-bind", "/etc", "/etc"]
-    for name in _ETC_MASKED:
-        path = Path("/etc") / name
-        if path.is_dir() and not path.is_symlink():
-            args += ["--tmpfs", str(path), "--remount-ro", str(path)]
-        elif path.exists():
-            args += ["--ro-bind", "/dev/null", str(path)]
-    return tuple(args)
 
 
 def kernel_fs_args(storage_bound: bool) -> list[str]:
@@ -87,18 +52,9 @@ def _proc_hardening() -> tuple[str, ...]:
     return tuple(args)
 
 
-def prepare_rootfs(root: Path) -> None:
-    """Create the mount points and merged-/usr links every host-rooted box needs, on the host (idempotently)
-    rather than by bubblewrap, so that a root can be mounted again, and copied, without clashing."""
-    for name in ("usr", "etc", "proc", "dev", "tmp", "root", "opt/venv-layer", *(d[1:] for d in _root_dirs())):
-        (root / name).mkdir(parents=True, exist_ok=True)
-    os.chmod(root / "tmp", 0o1777)
-    for target, link in _root_links():
-        path = root / link[1:]
-        if not path.is_symlink():
-            if path.is_dir():
-                remove_tree(path)
-            path.symlink_to(target)
+def is_kernel_path(path: str) -> bool:
+    """Whether a sandbox path is the kernel's (``/proc``, ``/dev``, ``/sys``), not a file of its root."""
+    return any(path == mount or path.startswith(mount + "/") for mount in KERNEL_MOUNTS)
 
 
 @cache
@@ -120,7 +76,7 @@ def mount_overlay(lower: Path | list[Path], upper: Path, work: Path, target: Pat
     lower = ":".join(str(path) for path in lowers)
     # redirect_dir and metacopy off (the defaults of most kernels, said here for all): every change
     # the sandbox makes is then a plain entry, a whiteout or an opaque folder in ``upper``, which is
-    # what the seal's fingerprints read (ImageRoot.walk in _roots.py).
+    # what the seal's fingerprints read (``_fingerprints.py``).
     options = f"lowerdir={lower},upperdir={upper},workdir={work},metacopy=off"
     # In a user namespace (task images without root: this user's holder, _userns.py) the overlay keeps
     # its xattrs in user.overlay.*, and redirects must not be followed either.
@@ -150,18 +106,7 @@ def mount_bounded_tmpfs(target: Path, size_bytes: int, inodes: int) -> None:
         raise SandboxStartError(f"mounting the sandbox's bounded tree failed: {os.strerror(code)}")
 
 
-def grow_tmpfs(target: Path, extra_bytes: int) -> None:
-    """Let a bounded tmpfs hold ``extra_bytes`` more than it holds now (the task's own files are not counted)."""
-    info = os.statvfs(target)
-    used = (info.f_blocks - info.f_bfree) * info.f_frsize
-    options = f"size={used + extra_bytes}".encode()
-    if _libc().mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_REMOUNT | _MS_NOSUID, options) != 0:
-        code = ctypes.get_errno()
-        raise SandboxStartError(f"resizing the sandbox's bounded tree failed: {os.strerror(code)}")
-
-
 _MS_NOSUID = 2
-_MS_REMOUNT = 32
 
 
 def unmount(target: Path) -> None:

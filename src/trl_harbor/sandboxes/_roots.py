@@ -1,53 +1,35 @@
-"""The two things a local sandbox's ``/`` can be, each over one ``_box.Box``.
+"""A local sandbox's ``/``: the task's image under a private copy-on-write layer, over one ``_box.Box``.
 
-* :class:`HostRoot` (``root="host"``): the host's ``/usr`` and ``/etc`` read-only, under a
-  private tree the task's layer (``image.py``) is copied into at each start; root only.
-* :class:`ImageRoot` (``root="image"``): the task's image (``oci.py``) under a private overlay
+* :class:`ImageRoot`: the agent's sandbox. The task's image (``oci.py``) under a private overlay
   the host mounts; its ``ENV``, ``WORKDIR``, ``USER``, ``ENTRYPOINT`` and users as with ``docker run``.
+* :class:`VerifierRoot`: the verifier's view of it (``_view.py``), a sibling box over a filtered snapshot.
 
-Each owns what differs: making the tree, where a sandbox path is on the host, how the seal's
-fingerprints walk it (never following a link), a command's environment and user.
+Each owns making its tree, where a sandbox path is on the host, a command's environment and user.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import fnmatch
 import functools
 import logging
 import os
-import posixpath
 import shlex
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trl_harbor.sandboxes import _hostfs, _userns
-from trl_harbor.sandboxes._binaries import SYSTEM_PATH, static_binary
+from trl_harbor.sandboxes._binaries import static_binary
 from trl_harbor.sandboxes._box import Box, BoxConfig
 from trl_harbor.sandboxes._cache import CACHE
+from trl_harbor.sandboxes._fingerprints import fingerprints
 from trl_harbor.sandboxes._lifetime import new_box_name, state_root
-from trl_harbor.sandboxes._mounts import (
-    KERNEL_MOUNTS,
-    LAYER_VENV,
-    SANDBOX_VENV,
-    SYSTEM_MOUNTS,
-    grow_tmpfs,
-    inode_bound,
-    mount_bounded_tmpfs,
-    mount_overlay,
-)
-from trl_harbor.sandboxes._userns import can_mount, overlay_xattr
+from trl_harbor.sandboxes._mounts import inode_bound, is_kernel_path, mount_bounded_tmpfs, mount_overlay
+from trl_harbor.sandboxes._userns import can_mount
 from trl_harbor.sandboxes._view import SearchPaths, Snapshot, search_paths, snapshot
-from trl_harbor.sandboxes.errors import (
-    SandboxCommandError,
-    SandboxStartError,
-    SandboxUserError,
-)
-from trl_harbor.sandboxes.image import Image, ImageBuilder
+from trl_harbor.sandboxes.errors import SandboxCommandError, SandboxStartError
 from trl_harbor.sandboxes.oci import (
     BuiltImage,
     ImageStore,
@@ -58,7 +40,6 @@ from trl_harbor.sandboxes.oci import (
 )
 
 logger = logging.getLogger(__name__)
-_ROOT_USERS = (None, 0, "0", "root")
 MiB = 1 << 20
 #: Prints the image's interpreters' import paths, one folder a line: Python's (``sys.path`` and the
 #: user site) after ``#python``, then perl's, ruby's and node's after ``#modules``.
@@ -103,24 +84,16 @@ class RootTask:
         return (cleaned or "sandbox")[:63]
 
 
-class SandboxRoot:
-    """One sandbox's tree and its box: what both roots share.
-
-    A root defines ``workdir``, ``walk`` (fingerprints), ``_prepare`` (build the image, return its
-    ``BoxConfig`` fields), ``_launch`` (make the tree, start the box) and ``_for_user`` (a command
-    and its environment for a user)."""
-
-    #: Sandbox paths that are not the sandbox's own tree: the host never writes there.
-    read_only_paths: tuple[str, ...] = KERNEL_MOUNTS
+class ImageRoot:
+    """The task's image (built by buildah) under a private copy-on-write layer, with Docker's run semantics."""
 
     def __init__(self, task: RootTask):
         self.task = task
-        #: Where a read-only mount of the sandbox comes from on the host, where not at the same path.
-        self.mount_sources: dict[str, str] = {}
+        self.image: BuiltImage | None = None
         self.box: Box | None = None
         #: The sandbox's folder in the state root (its tree, its box's state), once started.
         self.dir: Path | None = None
-        #: Where the host-side work on its tree runs: this process, or (task images without root) the holder.
+        #: Where the host-side work on its tree runs: this process, or (without root) the holder.
         self.host: _userns.Host = _userns.DIRECT
 
     @property
@@ -136,27 +109,57 @@ class SandboxRoot:
             raise SandboxCommandError("the sandbox is not running (call start() first)")
         return self.box
 
+    @classmethod
+    def preflight(cls) -> None:
+        """Check for buildah, a static C compiler, and, without root's ``CAP_SYS_ADMIN``, that this user's
+        holder starts (``SandboxUnavailableError``; ``_userns.py``)."""
+        buildah_path()
+        if not can_mount():  # not root, or root without CAP_SYS_ADMIN (a container's, usually)
+            host = _userns.host()  # started here, so that what it lacks is said at spec build
+            if host.ids == 1:
+                logger.warning(
+                    "task images without root: this user has no subordinate ids, so sandboxes map one id; %s. "
+                    "To build and run images as Docker does, %s",
+                    _userns.SINGLE_ID_LIMITS, _userns.SUBID_FIX,
+                )  # fmt: skip
+        static_binary("supervisor")  # compiled once and cached; its error names the packages
+
     async def start(self, force_build: bool, **box: Any) -> None:
         """Build (or reuse) the task's image, make the tree, start the box (``LocalEnvironment.start``).
 
-        ``box`` holds the :class:`BoxConfig` fields both roots set alike (network, limits).
+        ``box`` holds the :class:`BoxConfig` fields the environment sets (network, limits).
         """
-        fields = await self._prepare(force_build)
+        binds = await self._prepare(force_build)
         self.dir = state_root() / new_box_name(self.task.box_name)
-        bounded = bool(box.get("storage_mb")) and self.host.mounts_trees
-        config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, storage_guard=not bounded, **box, **fields)
+        config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, extra_ro_binds=binds, **box)
         self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
         try:
             self.box.reserve()  # its cgroups: the kernel's wait to move into them overlaps making the tree
             self.dir.mkdir()
-            if bounded:  # the kernel bounds the tree's bytes and inodes, exactly
-                storage = box["storage_mb"] * MiB
-                self.host.call(mount_bounded_tmpfs, self.dir, storage, inode_bound(box["storage_mb"]))
+            if config.storage_mb:  # the kernel bounds the tree's bytes and inodes, exactly
+                bound = config.storage_mb * MiB
+                self.host.call(mount_bounded_tmpfs, self.dir, bound, inode_bound(config.storage_mb))
                 self.box.mounts.append(self.dir)  # detached last (the root's overlay is on it)
             await self._launch()
         except BaseException:
             await self.stop()
             raise
+
+    async def _prepare(self, force_build: bool) -> list[tuple[str, str]]:
+        """Build (or reuse) the task's image; the read-only mounts its box gets."""
+        store = CACHE.builder(ImageStore, self.task.cache_dir, host_trust=self.task.host_trust)
+        context = self.task.environment_dir
+        if not (context / "Dockerfile").is_file() and self.task.docker_image:
+            # A prebuilt image ([environment] docker_image) with no Dockerfile: FROM it.
+            context = await asyncio.to_thread(store.prebuilt_context, self.task.docker_image)
+        self.image = await store.get(context, self.task.name, force=force_build)
+        self.host = store.buildah.host
+        binds = [(await asyncio.to_thread(static_binary, "runas"), RUNAS)]
+        if self.task.host_trust:
+            mounts = host_trust_mounts(store.storage_dir / "trust")
+            has_pip_conf = self.host.call(os.path.lexists, self.image.rootfs / "etc" / "pip.conf")
+            binds += [m for m in mounts if not (m[1] == "/etc/pip.conf" and has_pip_conf)]
+        return binds
 
     async def stop(self) -> None:
         """Kill every process of the sandbox and delete its tree (idempotent)."""
@@ -183,173 +186,17 @@ class SandboxRoot:
             command, cwd=cwd or self.workdir, env=env, timeout=timeout, output_cap=self.task.output_cap
         )
 
-    def host_path(self, path: str) -> tuple[Path | None, bool]:
-        """Where a sandbox path lives on the host (``None``: the kernel's), and whether it is a read-only mount."""
-        mount = _mount_of(path, self.read_only_paths)
-        if mount is None:
-            return self.rootfs / path.lstrip("/"), False
-        if mount in KERNEL_MOUNTS:
-            return None, True
-        return Path(self.mount_sources.get(mount, mount) + path[len(mount) :]), True
-
     def check_writable(self, path: str) -> None:
         """Refuse (``UnsafePathError``) a host-side copy to or from a path that is not the sandbox's own."""
-        if _mount_of("/" + str(path).strip("/"), self.read_only_paths) is not None:
-            raise _hostfs.UnsafePathError(
-                1, f"{path!r} is in the host's read-only system directories, not in the sandbox's own tree"
-            )
+        if is_kernel_path("/" + str(path).strip("/")):
+            raise _hostfs.UnsafePathError(1, f"{path!r} is the kernel's (/proc, /dev, /sys), not in the sandbox's tree")
 
     def fingerprints(self, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:
-        """Fingerprint sandbox paths from the host (``LocalEnvironment.file_fingerprints``)."""
-        found: dict[str, str] = {}
-        for pattern, depth in patterns:
-            for path in self._glob(posixpath.normpath(pattern)):
-                self.walk(path, depth, found)
-        return found
-
-    def _glob(self, pattern: str) -> list[str]:
-        """The sandbox paths matching ``pattern`` (wildcards per component, listed on the host)."""
-        current = ["/"]
-        for part in pattern.strip("/").split("/"):
-            if not any(ch in part for ch in "*?["):
-                current = [posixpath.join(base, part) for base in current]
-                continue
-            expanded = []
-            for base in current:
-                host, _ = self.host_path(base)
-                if host is None or host.is_symlink() or not host.is_dir():
-                    continue
-                with os.scandir(host) as entries:
-                    expanded += [posixpath.join(base, e.name) for e in entries if fnmatch.fnmatchcase(e.name, part)]
-            current = sorted(expanded)
-        return current
-
-    @classmethod
-    def preflight(cls) -> None:
-        """Check what this root needs on the host besides bubblewrap (``SandboxUnavailableError``)."""
-
-
-class HostRoot(SandboxRoot):
-    """The host's ``/usr`` and ``/etc`` read-only, the task's layer copied into a private tree."""
-
-    read_only_paths = SYSTEM_MOUNTS
-
-    def __init__(self, task: RootTask):
-        super().__init__(task)
-        self.layer: Image | None = None
-
-    async def _prepare(self, force_build: bool) -> dict[str, Any]:
-        builder = CACHE.builder(ImageBuilder, self.task.cache_dir)
-        self.layer = await builder.get(self.task.environment_dir, self.task.name, force=force_build)
-        self.mount_sources[LAYER_VENV] = str(self.layer.venv)
-        return {"layer_venv": self.layer.venv}
-
-    async def _launch(self) -> None:
-        await asyncio.to_thread(self._make_tree)
-        await self.running_box().start()
-
-    def _make_tree(self) -> None:
-        assert self.layer is not None and self.dir is not None and self.box is not None
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # Copy-on-start: every sandbox gets its own writable copy of the layer's files,
-        # which include the private folders (image.PRIVATE_DIRS).
-        _hostfs.copy_tree(self.layer.rootfs, self.rootfs)
-        if self.task.workdir:
-            (self.rootfs / self.task.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        if self.box.mounts and self.box.config.storage_mb:  # bounded: the layer's files are not the agent's writes
-            grow_tmpfs(self.dir, self.box.config.storage_mb * MiB)
-
-    @property
-    def workdir(self) -> str:
-        """The default working directory: the task's, else the Dockerfile's last ``WORKDIR``, else ``/``."""
-        return self.task.workdir or (self.layer.workdir if self.layer else None) or "/"
-
-    def _for_user(self, user: str | int | None, command: str, env: dict[str, str] | None) -> tuple[str, dict[str, str]]:
-        if user not in _ROOT_USERS:
-            raise SandboxUserError(
-                f"the local sandbox runs commands as the sandbox's root only; user={user!r} was "
-                "requested. Remove the task's [agent]/[verifier] user setting, or use "
-                "environment_type='docker' to run as another user."
-            )
-        base = {
-            "PATH": f"{SANDBOX_VENV}/bin:{LAYER_VENV}/bin:{SYSTEM_PATH}",
-            "HOME": "/root",
-            "USER": "root",
-            "LANG": "C.UTF-8",
-            "VIRTUAL_ENV": SANDBOX_VENV,
-            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-            "HOSTNAME": self.task.hostname,
-        }
-        return command, {**base, **(self.layer.env if self.layer else {}), **(env or {})}
-
-    def walk(self, path: str, depth: int | None, found: dict[str, str], cache: bool = True) -> None:
-        """Fingerprint ``path`` and ``depth`` levels below it; read-only mounts are listed once per process."""
-        host, read_only = self.host_path(path)
-        if host is None:
-            return
-        if read_only and cache:
-            # A read-only mount (the host's /usr and /etc, the shared layer) cannot change while
-            # sandboxes run: listed once per process, not at every start and every grading.
-            def make() -> dict[str, str]:
-                listed: dict[str, str] = {}
-                self.walk(path, depth, listed, cache=False)
-                return listed
-
-            found.update(CACHE.listing(("host", str(host), path, depth == 0), make))
-            return
-        try:
-            info = os.lstat(host)
-        except OSError:
-            return
-        found[path] = signature(info)
-        if not stat.S_ISDIR(info.st_mode) or depth == 0:
-            return
-        # Read-only: listed for names only (a read-only mount cannot change).
-        below = 0 if read_only else None if depth is None else depth - 1
-        try:
-            names = os.listdir(host)
-        except OSError:
-            return
-        for name in names:
-            self.walk(posixpath.join(path, name), below, found, cache)
-
-
-class ImageRoot(SandboxRoot):
-    """The task's image (built by buildah) under a private copy-on-write layer, with Docker's run semantics."""
-
-    def __init__(self, task: RootTask):
-        super().__init__(task)
-        self.image: BuiltImage | None = None
-
-    @classmethod
-    def preflight(cls) -> None:
-        """Check for buildah, a static C compiler, and, without root's ``CAP_SYS_ADMIN``, that this user's
-        holder starts (``SandboxUnavailableError``; ``_userns.py``)."""
-        buildah_path()
-        if not can_mount():  # not root, or root without CAP_SYS_ADMIN (a container's, usually)
-            host = _userns.host()  # started here, so that what it lacks is said at spec build
-            if host.ids == 1:
-                logger.warning(
-                    "task images without root: this user has no subordinate ids, so sandboxes map one id; %s. "
-                    "To build and run images as Docker does, %s",
-                    _userns.SINGLE_ID_LIMITS, _userns.SUBID_FIX,
-                )  # fmt: skip
-        static_binary("supervisor")  # compiled once and cached; its error names the packages
-
-    async def _prepare(self, force_build: bool) -> dict[str, Any]:
-        store = CACHE.builder(ImageStore, self.task.cache_dir, host_trust=self.task.host_trust)
-        context = self.task.environment_dir
-        if not (context / "Dockerfile").is_file() and self.task.docker_image:
-            # A prebuilt image ([environment] docker_image) with no Dockerfile: FROM it.
-            context = await asyncio.to_thread(store.prebuilt_context, self.task.docker_image)
-        self.image = await store.get(context, self.task.name, force=force_build)
-        self.host = store.buildah.host
-        binds = [(await asyncio.to_thread(static_binary, "runas"), RUNAS)]
-        if self.task.host_trust:
-            mounts = host_trust_mounts(store.storage_dir / "trust")
-            has_pip_conf = self.host.call(os.path.lexists, self.image.rootfs / "etc" / "pip.conf")
-            binds += [m for m in mounts if not (m[1] == "/etc/pip.conf" and has_pip_conf)]
-        return {"extra_ro_binds": binds, "image_root": True}
+        """Fingerprint sandbox paths from the host (``LocalEnvironment.file_fingerprints``; without root,
+        in the holder, which sees the agent's users' files too)."""
+        if self.image is None or self.dir is None:
+            raise SandboxCommandError("the sandbox is not running (call start() first)")
+        return self.host.call(fingerprints, self.image.rootfs, self.dir, list(patterns))
 
     async def _launch(self) -> None:
         assert self.image is not None
@@ -419,39 +266,6 @@ class ImageRoot(SandboxRoot):
         """The host's proxies, and its CA bundle for tools that ignore the system store (uv, requests, node, git)."""
         return {**host_proxy_env(), **host_ca_env()}
 
-    def fingerprints(self, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:
-        """Fingerprint sandbox paths from the host (in the holder without root: the agent's users' files too)."""
-        if not self.host.rootless:
-            return super().fingerprints(patterns)
-        return self.host.call(_image_fingerprints, self.task, self.image, self.dir, list(patterns))
-
-    def walk(self, path: str, depth: int | None, found: dict[str, str]) -> None:
-        """Fingerprint a path of an image root: the image's entries under the sandbox's own changes.
-
-        The image never changes, and everything the sandbox changed is in its overlay's upper folder
-        (``redirect_dir`` and ``metacopy`` off: new and changed entries, whiteouts, opaque folders). So
-        the image is listed once per process and each fingerprint walks only what the sandbox wrote,
-        not thousands of unchanged entries (``/usr/lib/python3.*``). Links are never followed.
-        """
-        if self.image is None or self.dir is None or _mount_of(path, KERNEL_MOUNTS) is not None:
-            return
-        lower, upper = self.image.rootfs, self.dir / "upper"
-        parts = [part for part in path.strip("/").split("/") if part]
-        image_visible = True
-        for depth_of_ancestor in range(1, len(parts)):  # what the sandbox did to the path's ancestors
-            kind = layer_entry(upper / "/".join(parts[:depth_of_ancestor]))
-            if kind is None:
-                break  # nothing of the sandbox's own at or below it
-            if kind in ("whiteout", "other"):
-                return  # deleted, or no longer a folder: the path is gone
-            if kind == "opaque":
-                image_visible = False  # a folder the sandbox replaced whole hides the image's below it
-        entries: dict[str, str] = {}
-        if image_visible:
-            entries.update(CACHE.listing(("image", str(lower), path, depth), lambda: _list_image(lower, path, depth)))
-        lay_upper(upper, path, depth, entries)
-        found.update(entries)
-
 
 class VerifierRoot(ImageRoot):
     """The verifier's view of an image-rooted sandbox (``_view.py``): a sibling box over a filtered snapshot.
@@ -487,7 +301,7 @@ class VerifierRoot(ImageRoot):
             config = dataclasses.replace(
                 agent_box.config, rootfs=self.rootfs, join=agent_box.init_pid, extra_binds=sockets,
                 extra_ro_binds=[*agent_box.config.extra_ro_binds, *accounts],
-                hostname=self.task.hostname, storage_guard=agent_box.config.storage_guard,
+                hostname=self.task.hostname,
             )  # fmt: skip
             # Named after the agent's box (its cgroups, the sweep of a dead owner's boxes).
             self.box = Box(config, self.dir / "run", name=f"{self.agent.dir.name}-verifier", owned_dir=self.dir)
@@ -542,97 +356,6 @@ def make_view(
     return view, sockets, accounts
 
 
-def _image_fingerprints(
-    task: RootTask, image: BuiltImage, box_dir: Path, patterns: list[tuple[str, int | None]]
-) -> dict[str, str]:
-    """:meth:`ImageRoot.fingerprints`, run in the holder (see ``_userns.py``)."""
-    root = ImageRoot(task)
-    root.image, root.dir = image, box_dir
-    return SandboxRoot.fingerprints(root, patterns)
-
-
-def _mount_of(path: str, mounts: tuple[str, ...]) -> str | None:
-    """The one of ``mounts`` that ``path`` is at or under, or ``None``."""
-    return next((mount for mount in mounts if path == mount or path.startswith(mount + "/")), None)
-
-
-def _list_image(lower: Path, path: str, depth: int | None) -> dict[str, str]:
-    """Fingerprints of ``path`` in an image root (nothing when it is under a link of the image)."""
-    listed: dict[str, str] = {}
-    parts = [part for part in path.strip("/").split("/") if part]
-    if all(layer_entry(lower / "/".join(parts[:i])) == "dir" for i in range(1, len(parts))):
-        walk_tree(lower, path, depth, listed)
-    return listed
-
-
-def signature(info: os.stat_result) -> str:
-    """What changes when an entry's content, inode, mode or type does (folders: type and mode only)."""
-    mode = stat.S_IMODE(info.st_mode)
-    if stat.S_ISDIR(info.st_mode):
-        return f"d|{mode:o}"
-    kind = "f" if stat.S_ISREG(info.st_mode) else "l" if stat.S_ISLNK(info.st_mode) else "o"
-    return f"{kind}|{mode:o}|{info.st_size}|{info.st_ino}|{info.st_ctime_ns}"
-
-
-def walk_tree(root: Path, path: str, depth: int | None, found: dict[str, str]) -> None:
-    """Fingerprint ``path`` (a sandbox path) of the tree at ``root``, ``depth`` levels down, never following links."""
-    try:
-        info = os.lstat(root / path.lstrip("/"))
-    except OSError:
-        return
-    found[path] = signature(info)
-    if not stat.S_ISDIR(info.st_mode) or depth == 0:
-        return
-    try:
-        names = os.listdir(root / path.lstrip("/"))
-    except OSError:
-        return
-    for name in names:
-        walk_tree(root, posixpath.join(path, name), None if depth is None else depth - 1, found)
-
-
-def layer_entry(host: Path) -> str | None:
-    """What an overlay layer holds at ``host``: ``None`` (nothing), ``"dir"``, ``"opaque"`` (a folder
-    hiding the layers below), ``"whiteout"`` (a deletion) or ``"other"`` (a file or a link)."""
-    try:
-        info = os.lstat(host)
-    except OSError:
-        return None
-    if stat.S_ISCHR(info.st_mode) and info.st_rdev == 0:
-        return "whiteout"
-    if not stat.S_ISDIR(info.st_mode):
-        return "other"
-    try:
-        opaque = os.getxattr(host, overlay_xattr("opaque"), follow_symlinks=False) == b"y"
-    except OSError:
-        opaque = False
-    return "opaque" if opaque else "dir"
-
-
-def lay_upper(upper: Path, path: str, depth: int | None, entries: dict[str, str]) -> None:
-    """Apply what the sandbox's own layer holds at ``path`` to the image's ``entries``."""
-    host = upper / path.lstrip("/")
-    kind = layer_entry(host)
-    if kind is None:
-        return
-    if kind != "dir":  # deleted, replaced by a file or a link, or a folder replaced whole
-        entries.pop(path, None)
-        prefix = path.rstrip("/") + "/"
-        for key in [key for key in entries if key.startswith(prefix)]:
-            del entries[key]
-        if kind == "whiteout":
-            return
-    entries[path] = signature(os.lstat(host))
-    if kind == "other" or depth == 0:
-        return
-    try:
-        names = os.listdir(host)
-    except OSError:
-        return
-    for name in names:
-        lay_upper(upper, posixpath.join(path, name), None if depth is None else depth - 1, entries)
-
-
 async def _off_loop(func, *args) -> None:
     """Run blocking file work in a thread, or inline at interpreter shutdown (no thread starts then)."""
     try:
@@ -641,7 +364,3 @@ async def _off_loop(func, *args) -> None:
         if "shutdown" not in str(error):
             raise
         func(*args)
-
-
-#: The root of each ``root`` option.
-ROOTS: dict[str, type[SandboxRoot]] = {"host": HostRoot, "image": ImageRoot}

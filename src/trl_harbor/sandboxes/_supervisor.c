@@ -1,13 +1,33 @@
 /*
- * The process that lives inside a local sandbox for its whole life (C version).
+ * The process that lives inside a local sandbox for its whole life.
  *
- * Same protocol and behaviour as _supervisor.py, which is the fallback when no C
- * compiler is available; this one starts in about a millisecond instead of fifteen.
- * See _supervisor.py for the protocol. Compiled on first use by _binaries.py and
- * cached by source hash; it is passed to bubblewrap as an open file descriptor, so
- * it appears nowhere in the sandbox's file system.
+ * Compiled statically on first use by _binaries.py and cached by source hash; it is
+ * passed to bubblewrap as an open file descriptor, so it appears nowhere in the
+ * sandbox's file system, and it needs nothing of the image (which may have no C
+ * library at all).
  *
  *   usage: supervisor LISTEN_FD AS_LIMIT_BYTES NPROC_LIMIT
+ *
+ * The host hands it an already listening Unix socket (LISTEN_FD); the limits are
+ * set on every command (0: none). Each connection carries one command, little-endian:
+ *
+ *   request:  u32 size | u32 timeout_ms (0: none) | u32 cap | u32 n | n x (u32 len | bytes)
+ *             fields: cwd, command, then "KEY=VALUE" environment entries. An empty
+ *             cwd marks a control request: command "ps" lists the sandbox's processes
+ *             ("PID:START" lines on stdout; PID 1 and the handler excluded); "kill"
+ *             kills all of them but the "PID:START" entries in the remaining fields,
+ *             and answers how many it killed.
+ *   response: i32 exit code | u32 flags (1: timed out)
+ *             | stdout: u64 dropped | u32 len | bytes | stderr: the same
+ *
+ * Every connection is served by a forked handler that makes itself a child
+ * subreaper, so every process the command starts (even one that calls setsid and
+ * double-forks) stays its descendant. A timeout, or the host closing the connection
+ * (a cancelled exec), kills that whole tree. Processes a finished command left in
+ * the background keep running, as with `docker exec` into a running container.
+ * Output is bounded: at most `cap` bytes per stream are kept (the head and the
+ * tail, with a marker in between); the rest is read and dropped so the command
+ * never blocks on a full pipe.
  *
  * It runs as PID 1 of the sandbox's PID namespace (bubblewrap --as-pid-1): the
  * kernel never delivers SIGKILL or SIGSTOP to a namespace's init from inside it,

@@ -170,11 +170,6 @@ class Host:
         """The prefix that runs a command line in this host's namespaces (empty: here)."""
         return []
 
-    @property
-    def mounts_trees(self) -> bool:
-        """Whether sandbox trees are mounts here (bounded tmpfs, overlays): root with ``CAP_SYS_ADMIN``, or a holder."""
-        return self.rootless or can_mount()
-
 
 #: Root's host: the process itself.
 DIRECT = Host()

@@ -23,10 +23,6 @@ class SandboxTimeoutError(SandboxError, TimeoutError):
     """A command ran past its timeout; its whole process tree was killed."""
 
 
-class SandboxUserError(SandboxError, ValueError):
-    """A command asked for a non-root user, which the host-rooted local sandbox cannot provide."""
-
-
 class ImageError(SandboxError):
     """Base class of the image errors."""
 

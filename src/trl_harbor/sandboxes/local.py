@@ -12,12 +12,10 @@ Use it from Harbor itself::
 
 or from trl-harbor with ``environment_type="local"``.
 
-What the agent sees: the task's image, built from its Dockerfile by buildah, as a private
-copy-on-write root (``root="image"``, the default), or the host's system directories
-read-only under a private root holding the task's files (``root="host"``: ``FROM`` is not
-honoured) — nothing else of the host; ``/tests`` and ``/solution`` only once Harbor uploads
-them; no network unless the task allows it, and then one that cannot reach the host's
-loopback. See ``docs/local-sandbox.md`` for the details and the limits.
+What the agent sees: the task's image, built from its Dockerfile by buildah (``FROM``
+included), as a private copy-on-write root — nothing of the host; ``/tests`` and ``/solution``
+only once Harbor uploads them; no network unless the task allows it, and then one that cannot
+reach the host's loopback. See ``docs/local-sandbox.md`` for the details and the limits.
 """
 
 from __future__ import annotations
@@ -27,20 +25,20 @@ import contextlib
 import copy
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
 from harbor.environments.options import EnvironmentOptions
 from harbor.models.task.config import NetworkMode
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trl_harbor.sandboxes import _hostfs
 from trl_harbor.sandboxes._binaries import bwrap_path, default_cache_dir
 from trl_harbor.sandboxes._box import release_parked
 from trl_harbor.sandboxes._diagnose import cache_problem, namespace_problem
 from trl_harbor.sandboxes._lifetime import sweep_stale_once
-from trl_harbor.sandboxes._roots import ROOTS, ImageRoot, RootTask, SandboxRoot, VerifierRoot
+from trl_harbor.sandboxes._roots import ImageRoot, RootTask, VerifierRoot
 from trl_harbor.sandboxes.errors import (
     BaseImageUnavailableError,
     ImageBuildError,
@@ -49,7 +47,6 @@ from trl_harbor.sandboxes.errors import (
     SandboxStartError,
     SandboxTimeoutError,
     SandboxUnavailableError,
-    SandboxUserError,
 )
 
 __all__ = [
@@ -62,7 +59,6 @@ __all__ = [
     "SandboxStartError",
     "SandboxTimeoutError",
     "SandboxUnavailableError",
-    "SandboxUserError",
     "release_parked",
 ]
 
@@ -75,18 +71,13 @@ class LocalEnvironmentOptions(EnvironmentOptions):
             is read and dropped, so a command printing gigabytes cannot exhaust memory.
         default_memory_mb: Memory limit when the task sets none.
         default_storage_mb: Bound on what a sandbox writes (its root, ``/tmp``) when the task's
-            ``[environment] storage_mb`` sets none: one file past it fails (``EFBIG``), a sandbox
-            whose files add up past it is killed and its rollout scores 0. Holds without root.
+            ``[environment] storage_mb`` sets none: its tree is a tmpfs of that size, so a write past
+            it fails (``ENOSPC``), as on a full disk under Docker. Holds without root.
         pids_max: Maximum number of processes in one sandbox (fork-bomb containment).
-        cache_dir: Where built layers and images are cached (default ``~/.cache/trl-harbor``).
-        root: What the sandbox's ``/`` is. ``"image"`` (the default): the task's image, built from its
-            Dockerfile by buildah (``FROM`` honoured), under a private copy-on-write layer;
-            ``ENV``, ``WORKDIR``, ``USER`` and ``ENTRYPOINT`` apply as with ``docker run``.
-            ``"host"``: the host's ``/usr`` and ``/etc`` read-only, ``FROM`` not honoured
-            (no image to pull or build; the fastest). Never a fallback of one for the other.
+        cache_dir: Where built images are cached (default ``~/.cache/trl-harbor``).
         host_trust: Forward the host's proxy settings and CA certificates to image builds
             and image-rooted sandboxes (for networks that intercept TLS).
-        verifier_isolation: On task images, verify in a sibling of the sandbox that sees the
+        verifier_isolation: Verify in a sibling of the sandbox that sees the
             agent's files but runs the image's code, and that the agent's processes cannot reach
             (:meth:`LocalEnvironment.verifier_view`); off, the verifier runs in the agent's
             sandbox, as on Docker (for comparisons and measurements).
@@ -97,17 +88,30 @@ class LocalEnvironmentOptions(EnvironmentOptions):
     default_storage_mb: int | None = Field(default=10240, ge=16)
     pids_max: int | None = Field(default=2048, ge=16)
     cache_dir: str | None = None
-    root: Literal["host", "image"] = "image"
     host_trust: bool = True
     verifier_isolation: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_host_root(cls, data: Any) -> Any:
+        """``root="image"`` (once the default of two roots) is what every sandbox is; ``"host"`` is gone."""
+        if isinstance(data, dict) and "root" in data:
+            if data["root"] != "image":
+                raise ValueError(
+                    f"root={data['root']!r}: the host root was removed; every local sandbox runs the task's "
+                    "own image, as root, without root and in containers (docs/local-sandbox.md). Remove the "
+                    "'root' option."
+                )
+            data = {key: value for key, value in data.items() if key != "root"}
+        return data
 
 
 class LocalEnvironment(BaseEnvironment):
     """Runs a Harbor task in a bubblewrap sandbox on this machine (see the module docstring).
 
     Takes Harbor's standard environment arguments; the options in
-    :class:`LocalEnvironmentOptions` are passed as keyword arguments. The sandbox is one of
-    two roots (``_roots.py``), adapted here to Harbor's interface.
+    :class:`LocalEnvironmentOptions` are passed as keyword arguments. The sandbox is an
+    :class:`~trl_harbor.sandboxes._roots.ImageRoot`, adapted here to Harbor's interface.
     """
 
     options_model: ClassVar[type[EnvironmentOptions] | None] = LocalEnvironmentOptions
@@ -128,8 +132,8 @@ class LocalEnvironment(BaseEnvironment):
             host_trust=self.local_options.host_trust,
             output_cap=self.local_options.output_cap_bytes,
         )
-        #: The sandbox: its root (the host's, or the task's image), its tree and its box.
-        self._sandbox: SandboxRoot = ROOTS[self.local_options.root](task)
+        #: The sandbox: the task's image, its tree and its box.
+        self._sandbox: ImageRoot = ImageRoot(task)
 
     @staticmethod
     def type() -> str:
@@ -161,24 +165,22 @@ class LocalEnvironment(BaseEnvironment):
         Raises:
             SandboxUnavailableError: If bubblewrap is missing or cannot make a sandbox's namespaces
                 here (in a container: the message names the cause and the container settings that
-                allow them), or (``root="image"``, the default) buildah or a C compiler that links
-                statically is missing, or (without root's ``CAP_SYS_ADMIN``) this user's namespace holder
-                cannot start, or the image cache is on an overlay (a container's own root) without ``/dev/fuse``.
+                allow them), or buildah or a C compiler that links statically is missing, or (without
+                root's ``CAP_SYS_ADMIN``) this user's namespace holder cannot start, or the image cache
+                is on an overlay (a container's own root) without ``/dev/fuse``.
         """
         super().preflight(kwargs)
         bwrap_path()
         options = cls.parse_options(kwargs)
-        root = options.root if isinstance(options, LocalEnvironmentOptions) else "image"
         # Inside containers and pods: why namespaces are refused, and the settings that allow them.
         problem = namespace_problem()
         if problem:
             raise SandboxUnavailableError(problem)
-        ROOTS[root].preflight()
-        if root == "image":
-            cache = options.cache_dir if isinstance(options, LocalEnvironmentOptions) else None
-            problem = cache_problem(Path(cache) if cache else default_cache_dir())
-            if problem:
-                raise SandboxUnavailableError(problem)
+        ImageRoot.preflight()
+        cache = options.cache_dir if isinstance(options, LocalEnvironmentOptions) else None
+        problem = cache_problem(Path(cache) if cache else default_cache_dir())
+        if problem:
+            raise SandboxUnavailableError(problem)
 
     def _validate_definition(self) -> None:
         if not self.environment_dir.is_dir():
@@ -187,10 +189,10 @@ class LocalEnvironment(BaseEnvironment):
     # -- lifecycle -------------------------------------------------------------
 
     async def start(self, force_build: bool) -> None:
-        """Build (or reuse) the task's image or layer and start the sandbox.
+        """Build (or reuse) the task's image and start the sandbox.
 
         Args:
-            force_build: Rebuild the image or layer even if a cached one exists.
+            force_build: Rebuild the image even if a cached one exists.
 
         Raises:
             ImageBuildError: If the Dockerfile cannot be built here.
@@ -243,15 +245,12 @@ class LocalEnvironment(BaseEnvironment):
             cwd: Working directory (default: the task's working directory).
             env: Extra environment variables.
             timeout_sec: Kill the command's whole process tree after this many seconds.
-            user: A user of the image (name or uid, ``user:group`` too) when the sandbox
-                runs on the task's image (default: the image's ``USER``); on the host
-                root, only the sandbox's root (``None``, ``0`` or ``"root"``).
+            user: A user of the image (name or uid, ``user:group`` too; default: the image's ``USER``).
 
         Returns:
             The exit code and the (bounded) standard output and error.
 
         Raises:
-            SandboxUserError: If a non-root user is requested on the host root.
             SandboxTimeoutError: If the command ran past ``timeout_sec``.
             SandboxCommandError: If the sandbox is not running.
         """
@@ -266,8 +265,8 @@ class LocalEnvironment(BaseEnvironment):
 
     @property
     def isolated_verification(self) -> bool:
-        """Whether grading uses :meth:`verifier_view` (task images, unless ``verifier_isolation=False``)."""
-        return self.local_options.verifier_isolation and type(self._sandbox) is ImageRoot
+        """Whether grading uses :meth:`verifier_view` (unless ``verifier_isolation=False``)."""
+        return self.local_options.verifier_isolation
 
     async def alive(self) -> bool:
         """Whether the sandbox still runs: its supervisor (which the agent cannot kill) answers.
@@ -300,10 +299,10 @@ class LocalEnvironment(BaseEnvironment):
             The view (exec, uploads and downloads go to the verifier's box).
 
         Raises:
-            SandboxError: If the sandbox is not running on a task image, or the view cannot be made.
+            SandboxError: If the sandbox is not running, or the view cannot be made.
         """
         if type(self._sandbox) is not ImageRoot:
-            raise SandboxError("an isolated verifier view needs the sandbox on a task image (root='image')")
+            raise SandboxError("a verifier view is made of the agent's sandbox, not of another view")
         root = VerifierRoot(self._sandbox, allowed_changes)
         await root.open()
         view = copy.copy(self)
@@ -319,11 +318,10 @@ class LocalEnvironment(BaseEnvironment):
         """Which of the sandbox's limits its processes ran into (memory, processes, storage), or ``None``.
 
         A sandbox that stopped answering after its agent exhausted its limits (e.g. its memory
-        cgroup killed the supervisor, or the storage guard killed it for writing past its
-        ``storage_mb``) is the agent's doing, not an infrastructure failure.
+        cgroup killed the supervisor) is the agent's doing, not an infrastructure failure.
 
         Returns:
-            A short description, or ``None`` (memory and processes: only where cgroups are in use).
+            A short description, or ``None`` (only where cgroups are in use: as root).
         """
         box = self._sandbox.box
         return None if box is None else box.resource_exhaustion()
@@ -364,16 +362,12 @@ class LocalEnvironment(BaseEnvironment):
 
         Args:
             patterns: ``(absolute sandbox path, depth)`` pairs; wildcards allowed in the path;
-                depth ``0`` is the entry itself, ``None`` everything below it. Read-only host
-                mounts (``/usr``, ``/etc``, the shared layer) are listed one level deep only:
-                nothing in them can change.
+                depth ``0`` is the entry itself, ``None`` everything below it.
 
         Returns:
             ``{sandbox path: signature}``; a signature changes when the entry's content,
             inode, mode or type does (folders: type and mode only).
         """
-        if self._sandbox.dir is None:
-            raise SandboxCommandError("the sandbox is not running (call start() first)")
         return await asyncio.to_thread(self._sandbox.fingerprints, list(patterns))
 
     # -- files -----------------------------------------------------------------

@@ -145,8 +145,8 @@ def buildah_path() -> str:
     if not found:
         raise SandboxUnavailableError(
             "Building task images for the local sandbox needs buildah, which is not installed. "
-            "Install it (`apt-get install buildah`, `dnf install buildah`), or run tasks on the host "
-            "root instead (environment kwarg root='host'; the Dockerfile's FROM is then not honoured)."
+            "Install it (`apt-get install buildah`, `dnf install buildah`), or use a backend with an image "
+            "builder of its own (environment_type='docker' with a Docker daemon, or a remote one: modal, e2b, ...)."
         )
     return found
 
@@ -763,6 +763,5 @@ def _pull_error(ref: str, output: str, cache_dir: Path) -> str:
         f"({_registries_conf()}; see `man containers-registries.conf`, [[registry]] ... [[registry.mirror]]); "
         "or load the image from an archive made where it can be pulled (`skopeo copy docker://IMAGE "
         "oci-archive:FILE`, or `docker save`) with "
-        f"`trl-harbor images load FILE {ref.split(',')[0]} --cache-dir {cache_dir}`; or run the task on "
-        "the host root (environment kwarg root='host': no image, the host's /usr, FROM not honoured)."
+        f"`trl-harbor images load FILE {ref.split(',')[0]} --cache-dir {cache_dir}`."
     )
