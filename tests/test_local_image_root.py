@@ -19,7 +19,7 @@ from registry import loopback_registry  # noqa: F401 - the session fixture
 from sandbox_helpers import count_processes_cmd, make_task, open_env, run
 from trl_harbor.sandboxes._cache import CACHE
 from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
-from trl_harbor.sandboxes._roots import _list_image
+from trl_harbor.sandboxes._fingerprints import list_image
 from trl_harbor.sandboxes.oci import ImageStore
 
 pytestmark = pytest.mark.local
@@ -349,7 +349,7 @@ def test_layered_fingerprints_see_what_a_walk_of_the_merged_root_sees(loopback_r
         # (Read where the tree is mounted: this process as root, the holder without root.)
         found: dict[str, str] = {}
         for path, depth in watched:
-            found.update(env._sandbox.host.call(_list_image, env._sandbox.rootfs, path, depth))
+            found.update(env._sandbox.host.call(list_image, env._sandbox.rootfs, path, depth))
         return found
 
     def changed(before: dict[str, str], after: dict[str, str]) -> set[str]:
