@@ -48,9 +48,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from trl_harbor.sandboxes import _userns
+from trl_harbor.sandboxes import _hostfs, _userns
 from trl_harbor.sandboxes._binaries import SYSTEM_PATH, default_cache_dir, which
-from trl_harbor.sandboxes._cache import BuildCache, KeyedLocks
+from trl_harbor.sandboxes._cache import KeyedLocks
 from trl_harbor.sandboxes._hostfs import remove_tree
 from trl_harbor.sandboxes._mounts import unmount_under
 from trl_harbor.sandboxes.errors import BaseImageUnavailableError, ImageBuildError, ImageError, SandboxUnavailableError
@@ -453,11 +453,12 @@ def _private(*folders: Path) -> None:
 # -- the store ---------------------------------------------------------------------
 
 
-class ImageStore(BuildCache[BuiltImage]):
+class ImageStore:
     """Builds task images with buildah and caches their roots by content.
 
-    Concurrent requests for one image (in this process or others) share one build, and
-    concurrent builds share each base image's pull.
+    A build is named by a content key of its context (the builder's version, its arguments, the
+    context's files); concurrent requests for one image (in this process or others) share one build,
+    published by a rename, and concurrent builds share each base image's pull.
 
     Args:
         cache_dir: Cache root (default: :func:`default_cache_dir`).
@@ -474,7 +475,9 @@ class ImageStore(BuildCache[BuiltImage]):
         host_trust: bool = True,
         debian_bootstrap: bool = True,
     ):
-        super().__init__(build_args)
+        self.build_args = dict(build_args or {})
+        self._memo: dict[tuple, BuiltImage] = {}
+        self._locks = KeyedLocks()
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.images_dir = self.cache_dir / "images"
         self.storage_dir = self.cache_dir / "containers"
@@ -499,11 +502,43 @@ class ImageStore(BuildCache[BuiltImage]):
 
     # -- builds --------------------------------------------------------------------
 
-    def _salt(self) -> str:
-        return f"{BUILDER_VERSION};trust={self.host_trust};"
+    def content_key(self, environment_dir: Path) -> str:
+        """A 24-hex-digit hash of what a build depends on: the builder, its arguments, the context's files."""
+        digest = hashlib.sha256(f"{BUILDER_VERSION};trust={self.host_trust};".encode())
+        digest.update(json.dumps(sorted(self.build_args.items())).encode())
+        _hostfs.hash_tree(digest, environment_dir)
+        return digest.hexdigest()[:24]
 
-    def _folder(self, key: str) -> Path:
-        return self.images_dir / key
+    async def get(self, environment_dir: Path, task_name: str = "task", force: bool = False) -> BuiltImage:
+        """Return the image of ``environment_dir``, building it on first use; concurrent callers share one build.
+
+        ``task_name`` is for error messages; ``force`` rebuilds even if a cached image exists.
+
+        Raises:
+            ImageBuildError: If the build fails; the message says where, and buildah's output.
+            BaseImageUnavailableError: If a ``FROM`` image cannot be pulled.
+        """
+        environment_dir = Path(environment_dir)
+        signature = self._signature(environment_dir)
+        if not force and signature in self._memo:
+            return self._memo[signature]
+        key = await asyncio.to_thread(self.content_key, environment_dir)
+        async with self._locks(key):
+            if not force and signature in self._memo:
+                return self._memo[signature]
+            final = self.images_dir / key
+            await self._build_locked(environment_dir, final, task_name, force)
+            self._memo[signature] = built = await self._load(environment_dir, final, task_name)
+            return built
+
+    def _signature(self, environment_dir: Path) -> tuple:
+        """What changes with the context's files: a cheap check before hashing them."""
+        entries = []
+        for path in sorted(environment_dir.rglob("*")):
+            with contextlib.suppress(OSError):
+                st = path.lstat()
+                entries.append((str(path), st.st_size, st.st_mtime_ns, st.st_mode))
+        return (str(environment_dir.resolve()), tuple(entries), tuple(sorted(self.build_args.items())))
 
     async def _load(self, environment_dir: Path, final: Path, task_name: str) -> BuiltImage:
         image = load_image(final)
@@ -527,8 +562,23 @@ class ImageStore(BuildCache[BuiltImage]):
         return True
 
     async def _build_locked(self, environment_dir: Path, final: Path, task_name: str, force: bool) -> None:
+        """Build into ``final`` unless it is published (or ``force``), one process at a time."""
         _private(self.images_dir, self.storage_dir)
-        await super()._build_locked(environment_dir, final, task_name, force)
+        with open(final.parent / f"{final.name}.lock", "w") as lock_file:
+            await asyncio.to_thread(fcntl.flock, lock_file, fcntl.LOCK_EX)
+            if (final / "image.json").exists() and not force:  # built meanwhile, perhaps by another process
+                return
+            staging = final.parent / f".build-{final.name}-{os.getpid()}"
+            await asyncio.to_thread(remove_tree, staging)
+            try:
+                await self._build(environment_dir, staging, final.name, task_name)
+                old = final.parent / f".old-{final.name}-{os.getpid()}"
+                if final.exists():
+                    final.rename(old)
+                staging.rename(final)
+                await asyncio.to_thread(remove_tree, old)
+            finally:
+                await asyncio.to_thread(remove_tree, staging)
 
     async def _build(self, environment_dir: Path, out: Path, key: str, task_name: str) -> None:
         dockerfile = environment_dir / "Dockerfile"
@@ -538,6 +588,27 @@ class ImageStore(BuildCache[BuiltImage]):
         bases = base_images(dockerfile.read_text())
         await asyncio.gather(*(self.buildah.pull(ref) for ref in bases))
         out.mkdir(parents=True)
+        logger.info("building the image of task %r (%s)", task_name, environment_dir)
+        rc, stdout, stderr = await self.buildah.run(*self._bud_args(dockerfile, environment_dir, out, key))
+        if rc != 0:
+            raise self._build_error(task_name, dockerfile, bases, rc, (stdout + stderr).strip())
+        image_id = (out / "iid").read_text().strip()
+        config = await self.buildah.inspect(image_id)
+        container = await self._container_of(image_id, key, task_name, config.workdir)
+        record = ImageRecord(
+            key=key,
+            image_id=image_id,
+            container=container,
+            source=str(environment_dir.resolve()),
+            bases=bases,
+            built_at=time.time(),
+            build_seconds=round(time.monotonic() - started, 3),
+            config=config,
+        )
+        (out / "image.json").write_text(record.model_dump_json(indent=2))
+
+    def _bud_args(self, dockerfile: Path, environment_dir: Path, out: Path, key: str) -> list[str]:
+        """``buildah bud``'s arguments for one build: the host's trust (proxies, CA) passed to every step."""
         args = [
             # --layers: steps shared by tasks (same parent, same instruction, same files) are built once.
             # --force-rm: a failed step's container is removed too (it stays mounted otherwise).
@@ -565,26 +636,24 @@ class ImageStore(BuildCache[BuiltImage]):
                 args[args.index(str(dockerfile))] = str(copy)
                 for name, value in trust.items():
                     args += ["--build-arg", f"{name}={value}"]
-        args.append(str(environment_dir))
-        logger.info("building the image of task %r (%s)", task_name, environment_dir)
-        rc, stdout, stderr = await self.buildah.run(*args)
-        if rc != 0:
-            output = (stdout + stderr).strip()
-            pull = re.search(r"(initializing source|pinging container registry|reading manifest|"
-                             r"short-name resolution|no such host|connection refused)", output)  # fmt: skip
-            if pull and "FROM" not in output[-200:]:
-                raise BaseImageUnavailableError(
-                    _pull_error(", ".join(bases) or "the base image", output, self.cache_dir)
-                )
-            one_id = self.buildah.host.ids == 1
-            hint = f"\n({_userns.SINGLE_ID_LIMITS}; to build it, {_userns.SUBID_FIX})" if one_id else ""
-            raise ImageBuildError(
-                f"task {task_name!r}: building {dockerfile} with buildah failed (exit code {rc}). "
-                f"Its last output:\n{output[-4000:]}{hint}"
-            )
-        image_id = (out / "iid").read_text().strip()
-        config = await self.buildah.inspect(image_id)
-        # The image's root is a buildah container's mounted root: no copy, layers shared.
+        return [*args, str(environment_dir)]
+
+    def _build_error(self, task_name: str, dockerfile: Path, bases: list[str], rc: int, output: str) -> ImageError:
+        """What a failed ``buildah bud`` means: a base that cannot be pulled, or a step that failed."""
+        pull = re.search(r"(initializing source|pinging container registry|reading manifest|"
+                         r"short-name resolution|no such host|connection refused)", output)  # fmt: skip
+        if pull and "FROM" not in output[-200:]:
+            return BaseImageUnavailableError(_pull_error(", ".join(bases) or "the base image", output, self.cache_dir))
+        one_id = self.buildah.host.ids == 1
+        hint = f"\n({_userns.SINGLE_ID_LIMITS}; to build it, {_userns.SUBID_FIX})" if one_id else ""
+        return ImageBuildError(
+            f"task {task_name!r}: building {dockerfile} with buildah failed (exit code {rc}). "
+            f"Its last output:\n{output[-4000:]}{hint}"
+        )
+
+    async def _container_of(self, image_id: str, key: str, task_name: str, workdir: str | None) -> str:
+        """A buildah container of the built image, mounted and prepared: its root is the image's root
+        (no copy, layers shared)."""
         container = f"trl-harbor-{key}"
         await self.buildah.run("rm", container)  # left by an earlier build of this key, if any
         rc, _, stderr = await self.buildah.run("from", "--quiet", "--pull=false", "--name", container, image_id)
@@ -593,18 +662,8 @@ class ImageStore(BuildCache[BuiltImage]):
         rc, stdout, stderr = await self.buildah.run("mount", container)
         if rc != 0:
             raise ImageBuildError(f"task {task_name!r}: buildah could not mount the image it built: {stderr.strip()}")
-        self.buildah.host.call(prepare_image_root, Path(stdout.strip().splitlines()[-1]), config.workdir)
-        record = ImageRecord(
-            key=key,
-            image_id=image_id,
-            container=container,
-            source=str(environment_dir.resolve()),
-            bases=bases,
-            built_at=time.time(),
-            build_seconds=round(time.monotonic() - started, 3),
-            config=config,
-        )
-        (out / "image.json").write_text(record.model_dump_json(indent=2))
+        self.buildah.host.call(prepare_image_root, Path(stdout.strip().splitlines()[-1]), workdir)
+        return container
 
     # -- maintenance ------------------------------------------------------------------
 
