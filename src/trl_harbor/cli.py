@@ -48,7 +48,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         help="a path whose agent-made version the verifier sees (repeatable)",
     )  # fmt: skip
     group.add_argument(
-        "--ek", action="append", default=[], help="backend option key=value, e.g. root=host (repeatable)"
+        "--ek", action="append", default=[], help="backend option key=value, e.g. pids_max=64 (repeatable)"
     )
 
 

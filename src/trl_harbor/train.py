@@ -167,7 +167,7 @@ class HarborTrainArguments:
             its turns are ``--max_tool_calling_iterations``, its token budget ``--max_completion_length``).
         environment_type: Harbor sandbox backend: ``local``, ``docker``, ``e2b``, ...,
             or ``module:Class``.
-        ek: Backend options as ``key=value`` (``--ek root=host``: the local sandbox on the host root).
+        ek: Backend options as ``key=value`` (``--ek pids_max=64``: at most 64 processes in one local sandbox).
         num_tasks: Use the first N tasks of the sorted suite.
         indices: Use exactly these positions of the sorted suite (exclusive with ``num_tasks``).
         revision: Hub revision of ``dataset``.
@@ -202,7 +202,7 @@ class HarborTrainArguments:
     )
     environment_type: str = field(default="local", metadata={"help": "sandbox backend: local, docker, e2b, mod:Cls"})
     ek: list[str] = field(
-        default_factory=list, metadata={"help": "backend options key=value, e.g. --ek root=host (several: a=1 b=2)"}
+        default_factory=list, metadata={"help": "backend options key=value, e.g. --ek pids_max=64 (several: a=1 b=2)"}
     )
     num_tasks: int | None = field(default=None, metadata={"help": "use the first N tasks of the sorted suite"})
     indices: list[int] | None = field(default=None, metadata={"help": "use these positions of the sorted suite"})
