@@ -243,8 +243,6 @@ class HarborTrainArguments:
             )
         if self.dataset is not None and len(self.dataset) > 1 and (self.num_tasks is not None or self.indices):
             raise ValueError("--num_tasks/--indices select from one suite; with several --dataset, mix whole suites")
-        if self.num_tasks is not None and self.indices is not None:
-            raise ValueError("give --num_tasks or --indices, not both")
         if self.heldout_rollouts < 0:
             raise ValueError(
                 f"--heldout_rollouts must be 0 (no held-out evaluation) or more; got {self.heldout_rollouts}"
