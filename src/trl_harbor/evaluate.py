@@ -380,8 +380,11 @@ Played = tuple[Any, list[dict], str | None]  # a rollout's environment, its mess
 def _play(
     config: EvalConfig, chat: Callable, factory: Callable[[], Any], rows: Sequence[dict], run=map
 ) -> list[Played]:
-    """Play one rollout per row, turn by turn: ``chat(conversations, tools)`` answers every rollout still going,
-    then ``run`` (``map``, or a pool's) runs their tool calls. An endpoint error ends the rollouts of the call."""
+    """Play one rollout per row, turn by turn, until each answers without a tool call or runs out of turns.
+
+    ``chat(conversations, tools)`` answers every rollout still going, then ``run`` (``map``, or a
+    pool's) runs their tool calls. An endpoint error ends every rollout of the call.
+    """
     envs = [factory() for _ in rows]
     prefix = _prefix(config)
     conversations = [
@@ -487,7 +490,7 @@ def _run(config: EvalConfig, log: Any, factory: Callable[[], Any], rows: list[di
                     import torch
 
                     torch.manual_seed(config.seed)
-                chat = lambda chats, tools: policy.chat_batch(chats, tools, config)  # noqa: E731
+                chat = functools.partial(policy.chat_batch, config=config)
                 played = _play(config, chat, factory, [row for row, _ in jobs], pool.map)
                 futures = [pool.submit(finish, job, p) for job, p in zip(jobs, played, strict=True)]
             for future in as_completed(futures):
