@@ -564,12 +564,7 @@ def _prebuild_images(suites: Sequence[str], environment_type: str, print_fn) -> 
 
 
 def _trainer(harbor: HarborTrainArguments, config: GRPOConfig, plan: _Plan, print_fn):
-    """The ``GRPOTrainer`` on the plan's spec and prompt, its rollouts in the trajectory log.
-
-    Returns:
-        ``(trainer, tokenizer, log)``: the tokenizer when a chat template replaced the model's
-        own, else ``None``; the trajectory log, or ``None`` without one.
-    """
+    """The ``GRPOTrainer`` on the plan's spec and prompt, with its tokenizer and trajectory log (each may be None)."""
     import torch
     from transformers import AutoTokenizer, PrinterCallback, ProgressCallback
     from trl import GRPOTrainer
@@ -613,12 +608,7 @@ def _trainer(harbor: HarborTrainArguments, config: GRPOConfig, plan: _Plan, prin
 
 def _train(trainer, harbor: HarborTrainArguments, config: GRPOConfig, plan: _Plan, timings: dict[str, float],
            print_fn) -> dict[str, HeldoutResult]:  # fmt: skip
-    """Sample the held-out tasks, train, sample them again; then stop every sandbox.
-
-    Returns:
-        The held-out results by phase (``before``, ``after``); empty without a held-out suite,
-        and on every process but the main one.
-    """
+    """Sample the held-out tasks (on the main process), train, sample them again; then stop every sandbox."""
     import torch
 
     from trl_harbor import close_all
