@@ -17,7 +17,8 @@ pytestmark = pytest.mark.local
 def _images(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="trl-harbor")
     images.add_parser(parser.add_subparsers(dest="command", required=True))
-    return images.run(parser.parse_args(["images", *argv]))
+    args = parser.parse_args(["images", *argv])
+    return args.func(args)
 
 
 def test_build_list_prune(loopback_registry, tmp_path: Path, capsys) -> None:  # noqa: F811

@@ -20,12 +20,12 @@ EVERY_FLAG = [
     "--command-timeout-sec", "42", "--max-output-chars", "1234", "--max-concurrent-starts", "3",
     "--on-infra-error", "zero", "--agent-processes", "kill", "--unreached-steps", "zero",
     "--reward-key", "exact", "--reward-weight", "exact=0.5", "--allowed-change", "/etc/motd",
-    "--ek", "root=host", "--ek", "pids_max=64",
+    "--ek", "host_trust=false", "--ek", "pids_max=64",
 ]  # fmt: skip
 EXPECTED = HarborOptions(
     command_timeout_sec=42, max_output_chars=1234, max_concurrent_starts=3, on_infra_error="zero",
     agent_processes="kill", unreached_steps="zero", reward_key="exact", reward_weights={"exact": 0.5},
-    allowed_changes=("/etc/motd",), backend_options={"root": "host", "pids_max": 64},
+    allowed_changes=("/etc/motd",), backend_options={"host_trust": False, "pids_max": 64},
 )  # fmt: skip
 
 

@@ -221,20 +221,9 @@ def check_suite(
     Returns:
         One result per task, in the order given; a broken task is a failed result.
     """
-    return runtime.run(_check_all(list(task_dirs), environment_type, concurrency, options, on_done))
-
-
-async def _check_all(
-    task_dirs: list[Path],
-    environment_type: str,
-    concurrency: int,
-    options: HarborOptions | None,
-    on_done: Callable[[CheckResult], None] | None,
-) -> list[CheckResult]:
     semaphore = asyncio.Semaphore(max(1, concurrency))
-    workdir = Path(tempfile.mkdtemp(prefix="trl-harbor-check-"))
 
-    async def one(task_dir: Path) -> CheckResult:
+    async def one(task_dir: Path, workdir: Path) -> CheckResult:
         async with semaphore:
             try:
                 result = await check_task(task_dir, environment_type, options=options, workdir=workdir)
@@ -246,7 +235,11 @@ async def _check_all(
                 on_done(result)
             return result
 
-    try:
-        return list(await asyncio.gather(*(one(Path(d)) for d in task_dirs)))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    async def every() -> list[CheckResult]:
+        workdir = Path(tempfile.mkdtemp(prefix="trl-harbor-check-"))
+        try:
+            return list(await asyncio.gather(*(one(Path(d), workdir) for d in task_dirs)))
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    return runtime.run(every())

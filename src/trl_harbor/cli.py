@@ -12,6 +12,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         help="a path whose agent-made version the verifier sees (repeatable)",
     )  # fmt: skip
     group.add_argument(
-        "--ek", action="append", default=[], help="backend option key=value, e.g. root=host (repeatable)"
+        "--ek", action="append", default=[], help="backend option key=value, e.g. pids_max=64 (repeatable)"
     )
 
 
@@ -59,14 +60,10 @@ def options_from_args(args: argparse.Namespace) -> HarborOptions:
         ValueError: For a malformed ``--ek`` or ``--reward-weight``, or an invalid option.
     """
     from trl_harbor.backends import parse_backend_options
-    from trl_harbor.options import HarborOptions
+    from trl_harbor.options import OPTION_NAMES, HarborOptions
 
-    given = {
-        name: getattr(args, name)
-        for name in ("command_timeout_sec", "max_output_chars", "max_concurrent_starts", "on_infra_error",
-                     "agent_processes", "unreached_steps", "reward_key")
-        if getattr(args, name, None) is not None
-    }  # fmt: skip
+    # The scalar flags are named after their fields; one not given keeps the field's own default.
+    given = {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name, None) is not None}
     weights = _parse_weights(args.reward_weight)
     if weights:
         given["reward_weights"] = weights
@@ -77,31 +74,28 @@ def options_from_args(args: argparse.Namespace) -> HarborOptions:
     return HarborOptions(**given)
 
 
+def _progress(console, label: str, disable: bool):
+    """A transient progress bar: done of total, elapsed time."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, transient=True, disable=disable)
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from trl_harbor.backends import resolve_backend
     from trl_harbor.check import check_suite
     from trl_harbor.preflight import BackendUnavailableError, check_backend, preflight_enabled
-    from trl_harbor.suite import TaskSuiteError, candidate_task_dirs
 
     console = Console(stderr=False)
     try:
-        # Not validated here: check reports every task, a malformed one as a failed row.
-        task_dirs = candidate_task_dirs(args.suite)
+        task_dirs = _check_task_dirs(args.suite, args.task)
         options = options_from_args(args)
-    except (TaskSuiteError, ValueError) as error:
+    except ValueError as error:  # a TaskSuiteError too
         console.print(f"[red]{error}")
         return 2
-    if args.task:
-        wanted = set(args.task)
-        task_dirs = [d for d in task_dirs if d.name in wanted]
-        missing = wanted - {d.name for d in task_dirs}
-        if missing:
-            console.print(f"[red]no such task in {args.suite}: {', '.join(sorted(missing))}")
-            return 2
     if preflight_enabled(None):
         # A backend that cannot start sandboxes here fails once, with its cause and fix, not as one row per task.
         try:
@@ -109,10 +103,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         except (BackendUnavailableError, ValueError) as error:
             print(f"trl-harbor check: {error}", file=sys.stderr)
             return 2
-    with Progress(
-        TextColumn("checking"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True, disable=args.json or (not console.is_terminal and not args.progress),
-    ) as progress:  # fmt: skip
+    with _progress(console, "checking", args.json or (not console.is_terminal and not args.progress)) as progress:
         bar = progress.add_task("check", total=len(task_dirs))
         results = check_suite(
             task_dirs,
@@ -125,8 +116,28 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"passed": len(results) - len(failed), "failed": len(failed),
                           "tasks": [r.to_dict() for r in results]}, indent=2))  # fmt: skip
-        return 1 if failed else 0
-    table = Table(title=f"{args.suite} on {args.environment_type}")
+    else:
+        _print_check(console, f"{args.suite} on {args.environment_type}", results)
+    return 1 if failed else 0
+
+
+def _check_task_dirs(suite: str, names: list[str] | None) -> list[Path]:
+    """The suite's task folders (not validated: check reports a malformed one as a failed row), or those named."""
+    from trl_harbor.suite import candidate_task_dirs
+
+    task_dirs = candidate_task_dirs(suite)
+    if not names:
+        return task_dirs
+    missing = set(names) - {d.name for d in task_dirs}
+    if missing:
+        raise ValueError(f"no such task in {suite}: {', '.join(sorted(missing))}")
+    return [d for d in task_dirs if d.name in names]
+
+
+def _print_check(console, title: str, results) -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
     for column in ("task", "oracle", "nothing", "result", "why"):
         table.add_column(column)
     for r in results:
@@ -138,8 +149,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
             r.why[:300],
         )
     console.print(table)
-    console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    passed = sum(r.passed for r in results)
+    console.print(f"{passed} passed, {len(results) - passed} failed")
 
 
 def _parse_weights(pairs: list[str]) -> dict[str, float] | None:
@@ -169,60 +180,39 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return max(statuses)
 
 
-def _eval_one(args: argparse.Namespace, suite: str, output_dir: str | None) -> int:
+def _eval_one(args: argparse.Namespace, suite: str, output_dir: str) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from trl_harbor.evaluate import EvalConfig, evaluate
     from trl_harbor.preflight import BackendUnavailableError
+    from trl_harbor.prompting import load_few_shot
     from trl_harbor.train import quiet_libraries
 
     quiet_libraries(args.verbose)  # library deprecations and load bars are not the user's business
     console = Console()
     try:
-        from trl_harbor.prompting import load_few_shot
-
-        few_shot = load_few_shot(args.few_shot) if args.few_shot else None
-        config = EvalConfig(
-            dataset=suite,
-            base_url=args.base_url,
-            model=args.model,
-            agent=args.agent,
-            environment_type=args.environment_type,
-            num_tasks=args.num_tasks,
-            indices=args.indices,
-            num_rollouts=args.num_rollouts,
-            k=sorted(set(args.k or [1])),
-            concurrency=args.concurrency,
-            max_turns=args.max_turns,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_tokens=args.max_tokens,
-            pass_threshold=args.pass_threshold,
-            options=options_from_args(args),
-            output_dir=output_dir,
-            system_prompt=args.system_prompt,
-            few_shot=few_shot,
-            chat_template=args.chat_template,
-            seed=args.seed,
-            batch_size=args.batch_size,
-        )
-        with Progress(
-            TextColumn("rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=console, transient=True, disable=not console.is_terminal and not args.progress,
-        ) as progress:  # fmt: skip
+        # The eval flags are named after EvalConfig's fields; these few are not given as they are.
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EvalConfig) if hasattr(args, f.name)}
+        config = EvalConfig(**{**given, "dataset": suite, "output_dir": output_dir, "k": sorted(set(args.k or [1])),
+                               "options": options_from_args(args),
+                               "few_shot": load_few_shot(args.few_shot) if args.few_shot else None})  # fmt: skip
+        with _progress(console, "rollouts", not console.is_terminal and not args.progress) as progress:
             bar = progress.add_task("eval", total=None)
             result = evaluate(config, on_done=lambda total: progress.update(bar, total=total, advance=1))
     except (ValueError, BackendUnavailableError) as exc:
         console.print(f"[red]trl-harbor eval: error: {exc}")
         return 2
+    _print_eval(console, config, result)
+    return 0
+
+
+def _print_eval(console, config, result) -> None:
+    from rich.table import Table
 
     def fmt(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    table = Table(title=f"{args.model} on {suite} ({args.environment_type})")
+    table = Table(title=f"{config.model} on {config.dataset} ({config.environment_type})")
     for column in ("task", "n", "passed", "mean reward", *[f"pass@{k}" for k in config.k], "tool calls", "errors"):
         table.add_column(column)
     for score in result.tasks:
@@ -240,7 +230,6 @@ def _eval_one(args: argparse.Namespace, suite: str, output_dir: str | None) -> i
         f"results in {Path(config.output_dir) / 'eval.json'}, trajectories in "
         f"{Path(config.output_dir) / 'trajectories.jsonl'}"
     )
-    return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -263,9 +252,31 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser.
     """
+    from trl_harbor.images import add_parser as add_images_parser
+
     parser = argparse.ArgumentParser(prog="trl-harbor", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_check_parser(commands)
+    _add_eval_parser(commands)
+    report = commands.add_parser("report", help="a self-contained HTML page from a train or eval run's logs")
+    report.add_argument("run_dir", help="the --output_dir of trl-harbor train or eval")
+    report.add_argument("--output", "-o", default=None, help="the HTML file (default: RUN_DIR/report.html)")
+    report.add_argument("--png", action="store_true", help="also render report.png with headless Chromium")
+    report.set_defaults(func=_cmd_report)
+    # `train` has its own parser (TRL's TrlParser over GRPOConfig); main() hands it the rest of
+    # the command line. This entry only lists it in `trl-harbor --help`.
+    commands.add_parser(
+        "train",
+        add_help=False,
+        help="GRPO on a suite: every GRPOConfig field as a flag or in --config file.yaml "
+        "(`trl-harbor train --help`); no --model: the embedded default run (SmolLM2-135M on CPU)",
+    )
+    add_images_parser(commands)
+    return parser
+
+
+def _add_check_parser(commands: argparse._SubParsersAction) -> None:
     check = commands.add_parser("check", help="oracle must score 1 and doing nothing 0, for every task")
     check.add_argument("suite", help="a folder of task folders, or one holding tasks/")
     check.add_argument("--environment-type", "-e", default="local", help="local (default), docker, ... or module:Class")
@@ -278,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print the results as JSON (exit status unchanged)")
     check.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     check.set_defaults(func=_cmd_check)
+
+
+def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
+    # Each flag's dest is the EvalConfig field it sets (_eval_one passes them through by name).
     ev = commands.add_parser("eval", help="a model behind an OpenAI-compatible endpoint on a suite: pass@k")
     ev.add_argument(
         "suite", nargs="+", help="a task suite: a folder or a HF dataset id (several: each evaluated on its own)"
@@ -308,23 +323,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=16, help="local model: rollouts generated in one batch")
     ev.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     ev.set_defaults(func=_cmd_eval)
-    report = commands.add_parser("report", help="a self-contained HTML page from a train or eval run's logs")
-    report.add_argument("run_dir", help="the --output_dir of trl-harbor train or eval")
-    report.add_argument("--output", "-o", default=None, help="the HTML file (default: RUN_DIR/report.html)")
-    report.add_argument("--png", action="store_true", help="also render report.png with headless Chromium")
-    report.set_defaults(func=_cmd_report)
-    # `train` has its own parser (TRL's TrlParser over GRPOConfig); main() hands it the rest of
-    # the command line. This entry only lists it in `trl-harbor --help`.
-    commands.add_parser(
-        "train",
-        add_help=False,
-        help="GRPO on a suite: every GRPOConfig field as a flag or in --config file.yaml "
-        "(`trl-harbor train --help`); no --model: the embedded default run (SmolLM2-135M on CPU)",
-    )
-    from trl_harbor.images import add_parser as add_images_parser
-
-    add_images_parser(commands)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

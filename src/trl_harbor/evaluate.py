@@ -23,8 +23,8 @@ task, ``c`` of which passed (reward >= ``pass_threshold``): ``1 - C(n-c, k) / C(
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
 import math
 import os
 import time
@@ -40,8 +40,6 @@ from trl_harbor.options import HarborOptions
 from trl_harbor.tools import tool_schemas
 
 __all__ = ["EndpointError", "EvalConfig", "EvalResult", "LocalPolicy", "TaskScore", "evaluate", "pass_at_k"]
-
-logger = logging.getLogger(__name__)
 
 
 class EndpointError(RuntimeError):
@@ -241,12 +239,7 @@ class LocalPolicy:
             loaded = loaded.to("cuda")
         return cls(loaded, tokenizer)
 
-    def chat_batch(
-        self,
-        conversations: Sequence[list[dict]],
-        tools: list[dict],
-        config: EvalConfig,
-    ) -> list[dict]:
+    def chat_batch(self, conversations: Sequence[list[dict]], tools: list[dict], config: EvalConfig) -> list[dict]:
         """Generate one assistant turn for each conversation, ``config.batch_size`` at a time.
 
         Args:
@@ -257,69 +250,72 @@ class LocalPolicy:
         Returns:
             One OpenAI-style assistant message per conversation, in order.
         """
-        import torch
         from trl.chat_template_utils import parse_response
 
-        prompts = []
-        for messages in conversations:
-            rendered = []
-            for message in messages:  # chat templates want tool-call arguments as objects
-                if message.get("tool_calls"):
-                    calls = [
-                        {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                        for c in message["tool_calls"]
-                    ]
-                    message = {**message, "tool_calls": calls}
-                rendered.append(message)
-            ids = self.tokenizer.apply_chat_template(
-                rendered, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            prompts.append(list(ids))
+        prompts = [self._prompt_ids(messages, tools) for messages in conversations]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            size = config.batch_size
+            completions = [ids for start in range(0, len(prompts), size)
+                           for ids in self._generate(prompts[start : start + size], config)]  # fmt: skip
+        finally:
+            self.model.train(was_training)
+        return [
+            _reply(parse_response(self.tokenizer, ids, prefix=prompt, tools=tools))
+            for prompt, ids in zip(prompts, completions, strict=True)
+        ]
+
+    def _prompt_ids(self, messages: list[dict], tools: list[dict]) -> list[int]:
+        """The conversation rendered by the chat template, which wants tool-call arguments as objects."""
+        rendered = []
+        for message in messages:
+            if message.get("tool_calls"):
+                calls = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                         for c in message["tool_calls"]]  # fmt: skip
+                message = {**message, "tool_calls": calls}
+            rendered.append(message)
+        ids = self.tokenizer.apply_chat_template(
+            rendered, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def _generate(self, prompts: list[list[int]], config: EvalConfig) -> list[list[int]]:
+        """One ``generate`` call over the left-padded prompts: each one's completion, up to its end token."""
+        import torch
+
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         eos = self.tokenizer.eos_token_id
         device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
         sampling: dict[str, Any] = {"do_sample": False}
         if config.temperature > 0:
             sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p,
                         "top_k": config.top_k or 0}  # fmt: skip
-        was_training = self.model.training
-        self.model.eval()
-        replies: list[dict] = []
-        try:
-            for start in range(0, len(prompts), config.batch_size):
-                chunk = prompts[start : start + config.batch_size]
-                width = max(len(p) for p in chunk)
-                input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
-                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-                with torch.no_grad():
-                    output = self.model.generate(
-                        input_ids=input_ids,
-                        attention_mask=mask,
-                        max_new_tokens=config.max_tokens,
-                        pad_token_id=pad,
-                        eos_token_id=eos,
-                        use_cache=True,
-                        **sampling,
-                    )
-                for prompt, row in zip(chunk, output[:, width:].tolist(), strict=True):
-                    if eos in row:
-                        row = row[: row.index(eos) + 1]
-                    replies.append(self._reply(parse_response(self.tokenizer, row, prefix=prompt, tools=tools)))
-        finally:
-            self.model.train(was_training)
-        return replies
-
-    @staticmethod
-    def _reply(parsed: dict) -> dict:
-        calls = [
-            {"id": f"call_{i}", "type": "function",
-             "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"].get("arguments", {}))}}
-            for i, c in enumerate(parsed.get("tool_calls") or [])
-        ]  # fmt: skip
-        return {"role": "assistant", "content": parsed.get("content"), **({"tool_calls": calls} if calls else {})}
+        with torch.no_grad():
+            output = self.model.generate(
+                input_ids=torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device),
+                attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device),
+                max_new_tokens=config.max_tokens,
+                pad_token_id=pad,
+                eos_token_id=eos,
+                use_cache=True,
+                **sampling,
+            )
+        return [row[: row.index(eos) + 1] if eos in row else row for row in output[:, width:].tolist()]
 
 
-_LOCAL: dict[tuple[str, str | None], LocalPolicy] = {}
+def _reply(parsed: dict) -> dict:
+    """TRL's parsed response as an OpenAI-style assistant message (tool-call arguments as JSON strings)."""
+    calls = [
+        {"id": f"call_{i}", "type": "function",
+         "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"].get("arguments", {}))}}
+        for i, c in enumerate(parsed.get("tool_calls") or [])
+    ]  # fmt: skip
+    return {"role": "assistant", "content": parsed.get("content"), **({"tool_calls": calls} if calls else {})}
+
+
+_loaded = functools.cache(LocalPolicy.from_pretrained)  # a model evaluated on several suites loads once
 
 
 def _chat(config: EvalConfig, messages: list[dict], tools: list[dict]) -> dict:
@@ -378,47 +374,39 @@ def _assistant(reply: dict) -> dict:
     return {"role": "assistant", **{k: v for k, v in reply.items() if k in ("content", "tool_calls")}}
 
 
-def _rollout(config: EvalConfig, factory: Callable[[], Any], row: dict) -> tuple[Any, list[dict], str | None]:
-    """Run one rollout against the endpoint; return its environment, its messages and an endpoint error."""
-    env = factory()
-    prompt = env.reset(**row)
-    tools, schemas = tool_schemas(env)
-    messages: list[dict] = [*_prefix(config), {"role": "user", "content": prompt}]
-    try:
-        for _ in range(config.max_turns):
-            reply = _chat(config, messages, schemas)
-            messages.append(_assistant(reply))
-            if not reply.get("tool_calls"):
-                break
-            messages.extend(_run_calls(tools, reply))
-    except EndpointError as exc:
-        return env, messages, str(exc)
-    return env, messages, None
+Played = tuple[Any, list[dict], str | None]  # a rollout's environment, its messages, the endpoint's error
 
 
-def _rollouts_in_step(
-    config: EvalConfig, policy: LocalPolicy, factory: Callable[[], Any], rows: Sequence[dict], pool: ThreadPoolExecutor
-) -> list[tuple[Any, list[dict], str | None]]:
-    """Every rollout's turn generated in one batch, tool calls run at once, until all are done."""
+def _play(
+    config: EvalConfig, chat: Callable, factory: Callable[[], Any], rows: Sequence[dict], run=map
+) -> list[Played]:
+    """Play one rollout per row, turn by turn, until each answers without a tool call or runs out of turns.
+
+    ``chat(conversations, tools)`` answers every rollout still going, then ``run`` (``map``, or a
+    pool's) runs their tool calls. An endpoint error ends every rollout of the call.
+    """
     envs = [factory() for _ in rows]
     prefix = _prefix(config)
     conversations = [
         [*prefix, {"role": "user", "content": env.reset(**row)}] for env, row in zip(envs, rows, strict=True)
     ]
-    schemas = tool_schemas(envs[0])[1] if envs else []
-    env_tools = [tool_schemas(env)[0] for env in envs]
+    tools = [tool_schemas(env) for env in envs]
     active = list(range(len(envs)))
-    for _ in range(config.max_turns):
-        if not active:
-            break
-        replies = policy.chat_batch([conversations[i] for i in active], schemas, config)
-        for i, reply in zip(active, replies, strict=True):
-            conversations[i].append(_assistant(reply))
-        active = [i for i, reply in zip(active, replies, strict=True) if reply.get("tool_calls")]
-        outputs = pool.map(lambda i: _run_calls(env_tools[i], conversations[i][-1]), active)
-        for i, results in zip(active, outputs, strict=True):
-            conversations[i].extend(results)
-    return [(env, messages, None) for env, messages in zip(envs, conversations, strict=True)]
+    error = None
+    try:
+        for _ in range(config.max_turns):
+            if not active:
+                break
+            replies = chat([conversations[i] for i in active], tools[0][1])
+            for i, reply in zip(active, replies, strict=True):
+                conversations[i].append(_assistant(reply))
+            active = [i for i, reply in zip(active, replies, strict=True) if reply.get("tool_calls")]
+            outputs = run(lambda i: _run_calls(tools[i][0], conversations[i][-1]), active)
+            for i, results in zip(active, outputs, strict=True):
+                conversations[i].extend(results)
+    except EndpointError as exc:
+        error = str(exc)
+    return [(env, messages, error) for env, messages in zip(envs, conversations, strict=True)]
 
 
 def evaluate(
@@ -438,7 +426,7 @@ def evaluate(
     Raises:
         ValueError: For a bad suite, harness, selection, chat template or few-shot example.
     """
-    from trl_harbor import HarborSpec, release
+    from trl_harbor import HarborSpec
     from trl_harbor.trajectories import TrajectoryLog
 
     spec = HarborSpec(
@@ -454,25 +442,34 @@ def evaluate(
 
         check_few_shot_tools(config.few_shot, tool_names(spec.env_cls), config.agent)
     if policy is None and config.base_url is None:
-        key = (config.model, config.chat_template)
-        if key not in _LOCAL:
-            try:
-                _LOCAL[key] = LocalPolicy.from_pretrained(config.model, config.chat_template)
-            except OSError as exc:
-                raise ValueError(f"--model {config.model!r} (no --base-url): cannot load it locally: {exc}") from exc
-        policy = _LOCAL[key]
+        try:
+            policy = _loaded(config.model, config.chat_template)
+        except OSError as exc:
+            raise ValueError(f"--model {config.model!r} (no --base-url): cannot load it locally: {exc}") from exc
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     log = TrajectoryLog(output_dir / "trajectories.jsonl", environment_type=config.environment_type)
     log.path.unlink(missing_ok=True)
-    factory = log.environment_factory(spec.environment_factory)
     rows = [dict(row) for row in spec.train_dataset.remove_columns("prompt")]
+    start = time.monotonic()
+    outcomes = _run(config, log, log.environment_factory(spec.environment_factory), rows, policy, on_done)
+    result = _result(config, outcomes, time.monotonic() - start)
+    record = {"config": {**asdict(config), "api_key": None}, **asdict(result)}
+    (output_dir / "eval.json").write_text(json.dumps(record, indent=1))
+    return result
+
+
+def _run(config: EvalConfig, log: Any, factory: Callable[[], Any], rows: list[dict], policy: LocalPolicy | None,
+         on_done: Callable[[int], None] | None) -> dict[str, list[tuple[float | None, int]]]:  # fmt: skip
+    """Play, grade and log ``config.num_rollouts`` rollouts of each row; per task, each one's reward and tool calls."""
+    from trl_harbor import close_all, release
+
     jobs = [(row, i) for row in rows for i in range(config.num_rollouts)]
     outcomes: dict[str, list[tuple[float | None, int]]] = {Path(row["task_dir"]).name: [] for row in rows}
-
     skip = len(_prefix(config)) + 1  # the log keeps what follows the task's own message
 
-    def finish(row: dict, index: int, env: Any, messages: list[dict], endpoint_error: str | None):
+    def finish(job: tuple[dict, int], played: Played) -> tuple[str, float | None, int]:
+        (row, index), (env, messages, endpoint_error) = job, played
         reward = None if endpoint_error else env.reward
         calls = sum(len(m.get("tool_calls") or []) for m in messages[skip:] if m["role"] == "assistant")
         extra = {"rollout": index, "endpoint_error": endpoint_error, "model": config.model}
@@ -480,31 +477,34 @@ def evaluate(
         release(env)  # stop the sandbox now, not when the instance is collected
         return Path(row["task_dir"]).name, reward, calls
 
-    def one(row: dict, index: int) -> tuple[str, float | None, int]:
-        return finish(row, index, *_rollout(config, factory, row))
+    def alone(job: tuple[dict, int]) -> tuple[str, float | None, int]:  # one rollout against the endpoint
+        (played,) = _play(config, lambda chats, tools: [_chat(config, c, tools) for c in chats], factory, [job[0]])
+        return finish(job, played)
 
-    start = time.monotonic()
     try:
         with ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="trl-harbor-eval") as pool:
-            if policy is not None:
+            if policy is None:  # each rollout on its own thread: the endpoint's latency and the sandboxes overlap
+                futures = [pool.submit(alone, job) for job in jobs]
+            else:  # every rollout's turn in one batch, in a fixed order: a seeded evaluation samples the same
                 if config.seed is not None:
                     import torch
 
                     torch.manual_seed(config.seed)
-                played = _rollouts_in_step(config, policy, factory, [row for row, _ in jobs], pool)
-                futures = [pool.submit(finish, row, i, *done) for (row, i), done in zip(jobs, played, strict=True)]
-            else:
-                futures = [pool.submit(one, row, i) for row, i in jobs]
+                chat = functools.partial(policy.chat_batch, config=config)
+                played = _play(config, chat, factory, [row for row, _ in jobs], pool.map)
+                futures = [pool.submit(finish, job, p) for job, p in zip(jobs, played, strict=True)]
             for future in as_completed(futures):
                 task, reward, calls = future.result()
                 outcomes[task].append((reward, calls))
                 if on_done is not None:
                     on_done(len(jobs))
     finally:
-        from trl_harbor import close_all
-
         close_all()
-    seconds = time.monotonic() - start
+    return outcomes
+
+
+def _result(config: EvalConfig, outcomes: dict[str, list[tuple[float | None, int]]], seconds: float) -> EvalResult:
+    """Per-task scores (pass@k over the scored rollouts) and their means."""
     scores = []
     for task, results in outcomes.items():
         rewards = [r for r, _ in results if r is not None]
@@ -514,26 +514,24 @@ def evaluate(
                 task=task,
                 n=len(rewards),
                 passed=passed,
-                mean_reward=sum(rewards) / len(rewards) if rewards else None,
+                mean_reward=_mean(rewards),
                 pass_at={k: pass_at_k(len(rewards), passed, k) for k in config.k},
                 errors=len(results) - len(rewards),
                 tool_calls=sum(c for _, c in results) / len(results) if results else 0.0,
             )
         )
-
-    def mean(values: Sequence[float | None]) -> float | None:
-        present = [v for v in values if v is not None]
-        return sum(present) / len(present) if present else None
-
-    result = EvalResult(
+    rollouts = sum(len(results) for results in outcomes.values())
+    return EvalResult(
         tasks=scores,
-        mean_reward=mean([s.mean_reward for s in scores]),
-        pass_at={k: mean([s.pass_at[k] for s in scores]) for k in config.k},
-        rollouts=len(jobs),
+        mean_reward=_mean([s.mean_reward for s in scores]),
+        pass_at={k: _mean([s.pass_at[k] for s in scores]) for k in config.k},
+        rollouts=rollouts,
         errors=sum(s.errors for s in scores),
         seconds=round(seconds, 2),
-        rollouts_per_minute=round(60 * len(jobs) / seconds, 1) if seconds > 0 else 0.0,
+        rollouts_per_minute=round(60 * rollouts / seconds, 1) if seconds > 0 else 0.0,
     )
-    record = {"config": {**asdict(config), "api_key": None}, **asdict(result)}
-    (output_dir / "eval.json").write_text(json.dumps(record, indent=1))
-    return result
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None

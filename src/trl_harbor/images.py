@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["add_parser", "cache_size", "run"]
+__all__ = ["add_parser", "cache_size"]
 
 
 def cache_size(path: Path) -> int:
@@ -191,15 +191,3 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     load.add_argument("archive", help="the archive (skopeo copy ... oci-archive:FILE, or docker save)")
     load.add_argument("name", help="the name Dockerfiles use after FROM, e.g. python:3.12-slim")
     load.set_defaults(func=_cmd_load)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the parsed ``images`` subcommand.
-
-    Args:
-        args: Parsed arguments (from a parser that :func:`add_parser` extended).
-
-    Returns:
-        The exit status.
-    """
-    return args.func(args)

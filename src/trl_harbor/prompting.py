@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trl_harbor.tools import tool_functions
+
 if TYPE_CHECKING:
     from datasets import Dataset
 
@@ -136,39 +138,7 @@ def load_few_shot(path: str | Path) -> list[dict[str, Any]]:
         raise _fail(path, None, "expected a non-empty JSON list of messages")
     messages: list[dict[str, Any]] = []
     for index, message in enumerate(raw):
-        if not isinstance(message, dict):
-            raise _fail(path, index, f"a message must be an object, got {message!r}")
-        role, content = message.get("role"), message.get("content", "")
-        if role == "system":
-            raise _fail(path, index, "no system message here: give it with --system_prompt")
-        if role not in ("user", "assistant", "tool"):
-            raise _fail(path, index, f'role must be "user", "assistant" or "tool", got {role!r}')
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise _fail(path, index, "content must be a string")
-        if role == "assistant":
-            calls = message.get("tool_calls") or []
-            if not isinstance(calls, list):
-                raise _fail(path, index, "tool_calls must be a list")
-            normalised: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                normalised["tool_calls"] = [_tool_call(call, path, index) for call in calls]
-            elif not content:
-                raise _fail(path, index, "an assistant message needs content or tool_calls")
-        elif role == "tool":
-            name = message.get("name")
-            previous = messages[-1] if messages else {}
-            if previous.get("role") not in ("assistant", "tool") or (
-                previous.get("role") == "assistant" and not previous.get("tool_calls")
-            ):
-                raise _fail(path, index, "a tool message must follow an assistant message with tool_calls")
-            if not isinstance(name, str) or not name:
-                raise _fail(path, index, 'a tool message needs the "name" of the tool it answers')
-            normalised = {"role": "tool", "name": name, "content": content}
-        else:
-            normalised = {"role": "user", "content": content}
-        messages.append(normalised)
+        messages.append(_message(message, messages[-1] if messages else {}, path, index))
     if messages[0]["role"] != "user":
         raise _fail(path, 0, "the examples must start with a user message")
     if messages[-1]["role"] != "assistant":
@@ -176,8 +146,41 @@ def load_few_shot(path: str | Path) -> list[dict[str, Any]]:
     return messages
 
 
+def _message(message: Any, previous: dict[str, Any], path: str | Path, index: int) -> dict[str, Any]:
+    """One example message, checked and normalised (``previous``: the normalised message before it)."""
+    if not isinstance(message, dict):
+        raise _fail(path, index, f"a message must be an object, got {message!r}")
+    role, content = message.get("role"), message.get("content", "")
+    if role == "system":
+        raise _fail(path, index, "no system message here: give it with --system_prompt")
+    if role not in ("user", "assistant", "tool"):
+        raise _fail(path, index, f'role must be "user", "assistant" or "tool", got {role!r}')
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise _fail(path, index, "content must be a string")
+    if role == "user":
+        return {"role": "user", "content": content}
+    if role == "assistant":
+        calls = message.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise _fail(path, index, "tool_calls must be a list")
+        if not calls and not content:
+            raise _fail(path, index, "an assistant message needs content or tool_calls")
+        normalised = [_tool_call(call, path, index) for call in calls]
+        return {"role": "assistant", "content": content, **({"tool_calls": normalised} if normalised else {})}
+    if previous.get("role") not in ("assistant", "tool") or (
+        previous.get("role") == "assistant" and not previous.get("tool_calls")
+    ):
+        raise _fail(path, index, "a tool message must follow an assistant message with tool_calls")
+    name = message.get("name")
+    if not isinstance(name, str) or not name:
+        raise _fail(path, index, 'a tool message needs the "name" of the tool it answers')
+    return {"role": "tool", "name": name, "content": content}
+
+
 def tool_names(harness: type) -> list[str]:
-    """The tools TRL makes of a harness class: its public functions but ``reset`` and ``get_reward``.
+    """The tools TRL makes of a harness class (:func:`trl_harbor.tools.tool_functions`).
 
     Args:
         harness: A ``HarborEnv`` subclass.
@@ -185,13 +188,7 @@ def tool_names(harness: type) -> list[str]:
     Returns:
         The tool names, sorted.
     """
-    import inspect
-
-    return [
-        name
-        for name, _ in inspect.getmembers(harness, predicate=inspect.isfunction)
-        if not name.startswith("_") and name not in ("reset", "get_reward")
-    ]
+    return list(tool_functions(harness))
 
 
 def check_few_shot_tools(messages: Sequence[dict[str, Any]], tools: Iterable[str], agent: str) -> None:

@@ -103,47 +103,51 @@ def load_run(run_dir: str | Path) -> tuple[ReportData, list[dict[str, Any]]]:
         path = run_dir / f"heldout-{name}" / "eval.json"
         if path.is_file():
             data.heldout[name] = json.loads(path.read_text())
+    data.task_rows = _task_rows(rows)
+    data.task_step_rewards = _step_means(rows, lambda row: str(row.get("task")))
+    by_suite = _step_means(rows, _suite_of)
+    data.suite_step_rewards = by_suite if len(by_suite) > 1 else {}
+    tools = Counter(call.get("tool", "?") for row in rows for call in row.get("tool_calls", []))
+    data.tool_counts = dict(tools.most_common())
+    data.failures = dict(Counter(cause for cause in map(_failure, rows) if cause).most_common())
+    return data, rows
+
+
+def _task_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per task, in name order: rollouts, mean reward, pass rate, tool calls per rollout, rollouts not scored."""
     by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         by_task[str(row.get("task"))].append(row)
-    tools: Counter[str] = Counter()
-    failures: Counter[str] = Counter()
-    for row in rows:
-        tools.update(call.get("tool", "?") for call in row.get("tool_calls", []))
-        cause = _failure(row)
-        if cause:
-            failures[cause] += 1
-    for task in sorted(by_task):
-        task_rows = by_task[task]
+    table = []
+    for task, task_rows in sorted(by_task.items()):
         scored = [r["reward"] for r in task_rows if r.get("reward") is not None]
-        data.task_rows.append(
-            {
-                "task": task,
-                "rollouts": len(task_rows),
-                "mean_reward": sum(scored) / len(scored) if scored else None,
-                "pass_rate": sum(r >= 1.0 for r in scored) / len(scored) if scored else None,
-                "tool_calls": sum(len(r.get("tool_calls", [])) for r in task_rows) / len(task_rows),
-                "errors": len(task_rows) - len(scored),
-            }
-        )
-        per_step: dict[int, list[float]] = defaultdict(list)
-        for r in task_rows:
-            if r.get("step") is not None and r.get("reward") is not None:
-                per_step[int(r["step"])].append(r["reward"])
-        if per_step:
-            data.task_step_rewards[task] = {s: sum(v) / len(v) for s, v in sorted(per_step.items())}
-    by_suite: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        table.append({
+            "task": task,
+            "rollouts": len(task_rows),
+            "mean_reward": sum(scored) / len(scored) if scored else None,
+            "pass_rate": sum(r >= 1.0 for r in scored) / len(scored) if scored else None,
+            "tool_calls": sum(len(r.get("tool_calls", [])) for r in task_rows) / len(task_rows),
+            "errors": len(task_rows) - len(scored),
+        })  # fmt: skip
+    return table
+
+
+def _suite_of(row: dict[str, Any]) -> str | None:
+    """A rollout's suite: its task folder's parent, named with the folder above it."""
+    if not row.get("task_dir"):
+        return None
+    suite = Path(row["task_dir"]).parent
+    return f"{suite.parent.name}/{suite.name}"
+
+
+def _step_means(rows: list[dict[str, Any]], group_of) -> dict[str, dict[int, float]]:
+    """The mean reward per step of each group of scored rollouts (``group_of(row)``; ``None``: in none)."""
+    groups: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
-        if row.get("task_dir") and row.get("step") is not None and row.get("reward") is not None:
-            suite = Path(row["task_dir"]).parent
-            by_suite[f"{suite.parent.name}/{suite.name}"][int(row["step"])].append(row["reward"])
-    if len(by_suite) > 1:
-        data.suite_step_rewards = {
-            name: {s: sum(v) / len(v) for s, v in sorted(steps.items())} for name, steps in sorted(by_suite.items())
-        }
-    data.tool_counts = dict(tools.most_common())
-    data.failures = dict(failures.most_common())
-    return data, rows
+        group = group_of(row)
+        if group is not None and row.get("step") is not None and row.get("reward") is not None:
+            groups[group][int(row["step"])].append(row["reward"])
+    return {name: {s: sum(v) / len(v) for s, v in sorted(steps.items())} for name, steps in sorted(groups.items())}
 
 
 def _fmt(value: float | None) -> str:
@@ -258,23 +262,7 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, max_traj
     data, rows = load_run(run_dir)
     out = Path(output) if output is not None else run_dir / "report.html"
     sections = [f"<h1>trl-harbor {data.kind} report</h1>", f"<p class=muted>{html.escape(str(run_dir.resolve()))} · "
-                f"{data.rollouts} rollouts</p>"]  # fmt: skip
-    if data.step_rewards:
-        first, last = data.step_rewards[0][1], data.step_rewards[-1][1]
-        sections.append("<h2>Mean reward over steps</h2>")
-        sections.append(
-            f"<p>first step <b id=first-reward>{first:.3f}</b> → last step <b id=last-reward>{last:.3f}</b></p>"
-        )
-        sections.append(_line_chart({"all tasks": data.step_rewards}))
-        sections.append(
-            _table(["step", "mean reward"], [[str(s), f"{v:.3f}"] for s, v in data.step_rewards], "step-rewards")
-        )
-    if data.suite_step_rewards:
-        sections.append("<h2>Mean reward per suite over steps</h2>")
-        sections.append(_line_chart({t: sorted(v.items()) for t, v in data.suite_step_rewards.items()}))
-    if data.task_step_rewards:
-        sections.append("<h2>Mean reward per task over steps</h2>")
-        sections.append(_line_chart({t: sorted(v.items()) for t, v in data.task_step_rewards.items()}))
+                f"{data.rollouts} rollouts</p>", *_reward_sections(data)]  # fmt: skip
     if data.heldout:
         sections.append(_heldout_section(data.heldout))
     if data.eval_summary:
@@ -283,57 +271,9 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, max_traj
         cells += [["mean reward", _fmt(summary.get("mean_reward"))], ["rollouts", str(summary.get("rollouts"))],
                   ["rollouts/min", str(summary.get("rollouts_per_minute"))]]  # fmt: skip
         sections.append("<h2>Evaluation</h2>" + _table(["metric", "value"], cells, "eval-summary"))
-    sections.append("<h2>Per task</h2>")
-    sections.append(
-        _table(
-            ["task", "rollouts", "mean reward", "pass rate", "tool calls / rollout", "not scored"],
-            [
-                [
-                    html.escape(r["task"]),
-                    str(r["rollouts"]),
-                    _fmt(r["mean_reward"]),
-                    _fmt(r["pass_rate"]),
-                    f"{r['tool_calls']:.2f}",
-                    str(r["errors"]),
-                ]
-                for r in data.task_rows
-            ],  # fmt: skip
-            "per-task",
-        )
-    )
-    sections.append("<h2>Tool calls</h2>")
-    sections.append(_table(["tool", "calls"], [[html.escape(k), str(v)] for k, v in data.tool_counts.items()], "tools"))
-    sections.append("<h2>Failure causes</h2>")
-    sections.append(
-        _table(["cause", "rollouts"], [[html.escape(k), str(v)] for k, v in data.failures.items()], "failures")
-        if data.failures
-        else "<p class=muted>none</p>"
-    )
+    sections.append(_counts_section(data))
     sections.append(f"<h2>Trajectories</h2><p class=muted>{min(len(rows), max_trajectories)} of {len(rows)}</p>")
-    for row in rows[-max_trajectories:]:
-        reward = row.get("reward")
-        mark = "ok" if reward is not None and reward >= 1 else "bad"
-        head = (
-            (f"step {row['step']}" if row.get("step") is not None else f"rollout {row.get('rollout', '–')}")
-            + f" · {html.escape(str(row.get('task')))} · "
-            f"<span class={mark}>reward {_fmt(reward)}</span> · {len(row.get('tool_calls', []))} tool calls"
-        )
-        calls = "".join(
-            f"<p><b>{html.escape(str(c.get('tool')))}</b> ({c.get('duration_s')} s)</p>"
-            f"<pre>{html.escape(json.dumps(c.get('arguments'), ensure_ascii=False, indent=1))}</pre>"
-            f"<pre>{html.escape(str(c.get('output') if c.get('error') is None else c.get('error')))}</pre>"
-            for c in row.get("tool_calls", [])
-        )
-        extra = ""
-        if row.get("reward_components"):
-            components = json.dumps(row["reward_components"], ensure_ascii=False)
-            extra += f"<p><b>verifier</b> {html.escape(components)}</p>"
-        if row.get("final_message"):
-            extra += f"<p><b>final message</b></p><pre>{html.escape(str(row['final_message']))}</pre>"
-        for key in ("infra_error", "endpoint_error"):
-            if row.get(key):
-                extra += f"<p class=bad>{key}: {html.escape(str(row[key]))}</p>"
-        sections.append(f"<details><summary>{head}</summary>{calls}{extra}</details>")
+    sections.extend(_trajectory(row) for row in rows[-max_trajectories:])
     payload = json.dumps(data.__dict__, default=str).replace("</", "<\\/")
     page = (
         f"<!doctype html><html><head><meta charset=utf-8><title>trl-harbor {data.kind} report</title>"
@@ -343,6 +283,73 @@ def build_report(run_dir: str | Path, output: str | Path | None = None, max_traj
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
     return out
+
+
+def _reward_sections(data: ReportData) -> list[str]:
+    """The mean reward over steps: overall (the trainer's metric), per suite and per task (the rollouts')."""
+    sections = []
+    if data.step_rewards:
+        first, last = data.step_rewards[0][1], data.step_rewards[-1][1]
+        steps = [[str(s), f"{v:.3f}"] for s, v in data.step_rewards]
+        sections += [
+            "<h2>Mean reward over steps</h2>",
+            f"<p>first step <b id=first-reward>{first:.3f}</b> → last step <b id=last-reward>{last:.3f}</b></p>",
+            _line_chart({"all tasks": data.step_rewards}),
+            _table(["step", "mean reward"], steps, "step-rewards"),
+        ]
+    for name, series in (("suite", data.suite_step_rewards), ("task", data.task_step_rewards)):
+        if series:
+            sections.append(f"<h2>Mean reward per {name} over steps</h2>")
+            sections.append(_line_chart({t: sorted(v.items()) for t, v in series.items()}))
+    return sections
+
+
+def _counts_section(data: ReportData) -> str:
+    """Per-task results, calls per tool, rollouts per failure cause."""
+    tasks = [
+        [html.escape(r["task"]), str(r["rollouts"]), _fmt(r["mean_reward"]), _fmt(r["pass_rate"]),
+         f"{r['tool_calls']:.2f}", str(r["errors"])]
+        for r in data.task_rows
+    ]  # fmt: skip
+    tools = [[html.escape(k), str(v)] for k, v in data.tool_counts.items()]
+    failures = [[html.escape(k), str(v)] for k, v in data.failures.items()]
+    return (
+        "<h2>Per task</h2>"
+        + _table(
+            ["task", "rollouts", "mean reward", "pass rate", "tool calls / rollout", "not scored"], tasks, "per-task"
+        )
+        + "<h2>Tool calls</h2>"
+        + _table(["tool", "calls"], tools, "tools")
+        + "<h2>Failure causes</h2>"
+        + (_table(["cause", "rollouts"], failures, "failures") if failures else "<p class=muted>none</p>")
+    )
+
+
+def _trajectory(row: dict[str, Any]) -> str:
+    """One rollout as an expandable block: its tool calls and their outputs, the verifier's values, its errors."""
+    reward = row.get("reward")
+    mark = "ok" if reward is not None and reward >= 1 else "bad"
+    head = (
+        (f"step {row['step']}" if row.get("step") is not None else f"rollout {row.get('rollout', '–')}")
+        + f" · {html.escape(str(row.get('task')))} · "
+        f"<span class={mark}>reward {_fmt(reward)}</span> · {len(row.get('tool_calls', []))} tool calls"
+    )
+    calls = "".join(
+        f"<p><b>{html.escape(str(c.get('tool')))}</b> ({c.get('duration_s')} s)</p>"
+        f"<pre>{html.escape(json.dumps(c.get('arguments'), ensure_ascii=False, indent=1))}</pre>"
+        f"<pre>{html.escape(str(c.get('output') if c.get('error') is None else c.get('error')))}</pre>"
+        for c in row.get("tool_calls", [])
+    )
+    extra = ""
+    if row.get("reward_components"):
+        components = json.dumps(row["reward_components"], ensure_ascii=False)
+        extra += f"<p><b>verifier</b> {html.escape(components)}</p>"
+    if row.get("final_message"):
+        extra += f"<p><b>final message</b></p><pre>{html.escape(str(row['final_message']))}</pre>"
+    for key in ("infra_error", "endpoint_error"):
+        if row.get(key):
+            extra += f"<p class=bad>{key}: {html.escape(str(row[key]))}</p>"
+    return f"<details><summary>{head}</summary>{calls}{extra}</details>"
 
 
 def screenshot(page: str | Path, png: str | Path, width: int = 1100, height: int = 1600) -> Path:

@@ -39,11 +39,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trl_harbor import progress
+from trl_harbor.options import OPTION_NAMES, HarborOptions
 
 if TYPE_CHECKING:
     from trl import GRPOConfig
-
-    from trl_harbor.options import HarborOptions
 
 __all__ = [
     "DEFAULT_RUN",
@@ -167,7 +166,7 @@ class HarborTrainArguments:
             its turns are ``--max_tool_calling_iterations``, its token budget ``--max_completion_length``).
         environment_type: Harbor sandbox backend: ``local``, ``docker``, ``e2b``, ...,
             or ``module:Class``.
-        ek: Backend options as ``key=value`` (``--ek root=host``: the local sandbox on the host root).
+        ek: Backend options as ``key=value`` (``--ek pids_max=64``: at most 64 processes in one local sandbox).
         num_tasks: Use the first N tasks of the sorted suite.
         indices: Use exactly these positions of the sorted suite (exclusive with ``num_tasks``).
         revision: Hub revision of ``dataset``.
@@ -202,16 +201,25 @@ class HarborTrainArguments:
     )
     environment_type: str = field(default="local", metadata={"help": "sandbox backend: local, docker, e2b, mod:Cls"})
     ek: list[str] = field(
-        default_factory=list, metadata={"help": "backend options key=value, e.g. --ek root=host (several: a=1 b=2)"}
+        default_factory=list, metadata={"help": "backend options key=value, e.g. --ek pids_max=64 (several: a=1 b=2)"}
     )
     num_tasks: int | None = field(default=None, metadata={"help": "use the first N tasks of the sorted suite"})
     indices: list[int] | None = field(default=None, metadata={"help": "use these positions of the sorted suite"})
     revision: str | None = field(default=None, metadata={"help": "hub revision of --dataset"})
-    command_timeout_sec: int = field(default=180, metadata={"help": "seconds one tool command may run"})
-    max_output_chars: int = field(default=8000, metadata={"help": "characters of command output given to the model"})
+    # The rollout options keep HarborOptions' defaults (written once there); it validates them too.
+    command_timeout_sec: int = field(
+        default=HarborOptions.command_timeout_sec, metadata={"help": "seconds one tool command may run"}
+    )
+    max_output_chars: int = field(
+        default=HarborOptions.max_output_chars, metadata={"help": "characters of command output given to the model"}
+    )
     reward_key: str | None = field(default=None, metadata={"help": "key of a multi-key reward.json to train on"})
-    on_infra_error: str = field(default="skip", metadata={"help": "skip, zero or raise: a rollout lost to infra"})
-    max_concurrent_starts: int | None = field(default=64, metadata={"help": "sandboxes started at once"})
+    on_infra_error: str = field(
+        default=HarborOptions.on_infra_error, metadata={"help": "skip, zero or raise: a rollout lost to infra"}
+    )
+    max_concurrent_starts: int | None = field(
+        default=HarborOptions.max_concurrent_starts, metadata={"help": "sandboxes started at once"}
+    )
     trajectories: bool = field(default=True, metadata={"help": "write <output_dir>/trajectories.jsonl"})
     chat_template: str | None = field(
         default=None, metadata={"help": "a TRL chat template name (e.g. qwen2_5) or a .jinja file for the tokenizer"}
@@ -235,16 +243,25 @@ class HarborTrainArguments:
             )
         if self.dataset is not None and len(self.dataset) > 1 and (self.num_tasks is not None or self.indices):
             raise ValueError("--num_tasks/--indices select from one suite; with several --dataset, mix whole suites")
-        if self.on_infra_error not in ("skip", "zero", "raise"):
-            raise ValueError(f"--on_infra_error must be skip, zero or raise; got {self.on_infra_error!r}")
-        if self.num_tasks is not None and self.indices is not None:
-            raise ValueError("give --num_tasks or --indices, not both")
-        if self.command_timeout_sec <= 0 or self.max_output_chars <= 0:
-            raise ValueError("--command_timeout_sec and --max_output_chars must be positive")
         if self.heldout_rollouts < 0:
             raise ValueError(
                 f"--heldout_rollouts must be 0 (no held-out evaluation) or more; got {self.heldout_rollouts}"
             )
+        self.options()  # a bad rollout option or --ek fails with the arguments, not later
+
+    def options(self) -> HarborOptions:
+        """The rollout options these arguments give: the fields named as :class:`HarborOptions`' and ``ek``.
+
+        Returns:
+            The options.
+
+        Raises:
+            ValueError: For an invalid option or a malformed ``--ek``.
+        """
+        from trl_harbor.backends import parse_backend_options
+
+        given = {name: getattr(self, name) for name in OPTION_NAMES if hasattr(self, name)}
+        return HarborOptions(**given, backend_options=parse_backend_options(self.ek))
 
 
 @dataclass
@@ -419,15 +436,113 @@ def _progress_callback(total_steps: int, print_fn=print):
     return StepPrinter()
 
 
-def _prebuild_images(suites: Sequence[str], harbor: HarborTrainArguments, print_fn) -> float | None:
-    """Build the local sandbox's task images up front, so their cost shows once, as one line."""
-    from trl_harbor.backends import parse_backend_options
+@dataclass
+class _Plan:
+    """What :func:`run_train` resolves from its arguments before any model loads."""
 
-    options = parse_backend_options(harbor.ek)
-    if harbor.environment_type != "local" or options.get("root", "image") != "image":
-        return None
+    default_run: bool  # no --model
+    suites: list[str]
+    options: HarborOptions  # resolved once, for every spec
+    spec: Any  # a HarborSpec, or a HarborMix of several
+    heldout: Any  # the held-out suite's HarborSpec, or None
+    few_shot: list[dict[str, Any]] | None
+    chat_template: str | None  # the template's text; None: the tokenizer's own
+    output_dir: Path
+
+
+def _plan(harbor: HarborTrainArguments, config: GRPOConfig) -> _Plan:
+    """Resolve the suites, specs and prompt options: what is wrong with them fails here, before the model loads."""
+    from functools import partial
+
+    from trl_harbor import HarborSpec
+    from trl_harbor.preflight import BackendUnavailableError
+    from trl_harbor.prompting import PromptError, check_few_shot_tools, load_few_shot, resolve_chat_template, tool_names
+
+    default_run = harbor.model is None
+    try:
+        suites = _suites(harbor)
+        options = harbor.options()
+        spec_of = partial(HarborSpec, agent=harbor.agent, environment_type=harbor.environment_type, options=options)
+        specs = [
+            spec_of(suite, num_tasks=harbor.num_tasks, indices=harbor.indices, revision=harbor.revision)
+            for suite in suites
+        ]
+        if any(s.loop_agent is not None for s in specs) and default_run:
+            raise TrainSetupError(
+                f"the embedded default run trains the starter model with a tool-calling harness, not "
+                f"{harbor.agent}; pass --model (and --dataset) to train {harbor.agent}"
+            )
+        if any(s.loop_agent is not None for s in specs) and harbor.heldout_dataset:
+            raise TrainSetupError(
+                f"--heldout_dataset samples the model through a tool-calling harness ({harbor.agent} owns its "
+                "own loop); evaluate it with `harbor run` instead, or drop --heldout_dataset"
+            )
+        spec = specs[0] if len(specs) == 1 else HarborSpec.mix(specs, harbor.dataset_weights, seed=config.seed)
+        heldout = None
+        if harbor.heldout_dataset:
+            try:
+                heldout = spec_of(harbor.heldout_dataset)
+            except (ValueError, FileNotFoundError) as exc:
+                raise TrainSetupError(f"--heldout_dataset {harbor.heldout_dataset}: {exc}") from exc
+        chat_template = resolve_chat_template(harbor.chat_template) if harbor.chat_template else None
+        few_shot = load_few_shot(harbor.few_shot) if harbor.few_shot else None
+        for env_cls in {s.env_cls for s in specs} if few_shot else ():
+            check_few_shot_tools(few_shot, tool_names(env_cls), harbor.agent)
+    except (ValueError, TypeError, FileNotFoundError, BackendUnavailableError, PromptError) as exc:
+        raise TrainSetupError(str(exc)) from exc
+    return _Plan(default_run, suites, options, spec, heldout, few_shot, chat_template, Path(config.output_dir))
+
+
+def _suites(harbor: HarborTrainArguments) -> list[str]:
+    """The suites to train on (``FileNotFoundError``: the bundled ones are not installed), and the held-out one."""
+    if harbor.model is None and not harbor.dataset:
+        starter = starter_suite()
+        suites = [str(starter / "train")]
+        if harbor.heldout_dataset is None:
+            harbor.heldout_dataset = str(starter / "heldout")
+    else:
+        suites = harbor.dataset if harbor.dataset else [str(bundled_suite())]
+    if harbor.heldout_rollouts == 0:
+        harbor.heldout_dataset = None
+    return suites
+
+
+def _introduce(harbor: HarborTrainArguments, plan: _Plan, timings: dict[str, float], print_fn) -> None:
+    """Say what runs; the default run fetches its model first (once) and says what it shows."""
+    suite = ", ".join(plan.suites)
+    if not plan.default_run:
+        print_fn(f"trl-harbor train: {harbor.model} on {suite} ({len(plan.spec.tasks)} tasks), harness {harbor.agent}, "
+                 f"backend {harbor.environment_type}")  # fmt: skip
+        return
+    from trl_harbor.starter_model import StarterModelError, ensure_starter_model, starter_model_dir
+
+    start = time.monotonic()
+    try:
+        harbor.model = str(ensure_starter_model(print_fn=print_fn))
+    except StarterModelError as exc:
+        raise TrainSetupError(str(exc)) from exc
+    if time.monotonic() - start > 1:  # the first run's download and conversion
+        timings["fetch_model_s"] = round(time.monotonic() - start, 1)
+    print_fn(
+        DEFAULT_BANNER.format(
+            model=starter_model_dir(),
+            suite=suite,
+            tasks=len(plan.spec.tasks),
+            agent=harbor.agent,
+            environment_type=harbor.environment_type,
+            chat_template=harbor.chat_template or "(the tokenizer's)",
+            shots=sum(m["role"] == "user" for m in plan.few_shot or []),
+            few_shot=harbor.few_shot,
+            heldout=harbor.heldout_dataset,
+            heldout_tasks=len(plan.heldout.tasks) if plan.heldout else 0,
+        )
+    )
+
+
+def _prebuild_images(suites: Sequence[str], environment_type: str, print_fn) -> float | None:
+    """Build the local sandbox's task images up front, so their cost shows once, as one line."""
     local = [suite for suite in suites if Path(suite).is_dir()]
-    if not local:
+    if environment_type != "local" or not local:
         return None
     start = time.monotonic()
     built = failed = 0
@@ -448,20 +563,90 @@ def _prebuild_images(suites: Sequence[str], harbor: HarborTrainArguments, print_
     return seconds
 
 
-def _heldout(
-    name: str,
-    options: HarborOptions,
-    harbor: HarborTrainArguments,
-    config: GRPOConfig,
-    prefix: tuple[str | None, list[dict] | None],
-    policy,
-    output_dir: Path,
-    print_fn,
-) -> HeldoutResult:
+def _trainer(harbor: HarborTrainArguments, config: GRPOConfig, plan: _Plan, print_fn):
+    """The ``GRPOTrainer`` on the plan's spec and prompt, with its tokenizer and trajectory log (each may be None)."""
+    import torch
+    from transformers import AutoTokenizer, PrinterCallback, ProgressCallback
+    from trl import GRPOTrainer
+
+    from trl_harbor.prompting import prompt_prefix, with_prompt_prefix
+    from trl_harbor.trajectories import TrajectoryLog
+
+    tokenizer = None
+    if plan.chat_template is not None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(harbor.model)
+        except OSError as exc:
+            raise TrainSetupError(f"--model {harbor.model}: cannot load its tokenizer: {exc}") from exc
+        tokenizer.chat_template = plan.chat_template
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    environment_factory, reward_funcs, log = plan.spec.environment_factory, plan.spec.reward_funcs, None
+    if harbor.trajectories:
+        log = TrajectoryLog(plan.output_dir / "trajectories.jsonl", environment_type=harbor.environment_type)
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            log.path.unlink(missing_ok=True)  # one run, one log (every rank appends to it)
+        if environment_factory is not None:
+            environment_factory = log.environment_factory(environment_factory)
+        reward_funcs = log.reward_func(reward_funcs)
+    torch.manual_seed(config.seed)
+    trainer = GRPOTrainer(
+        model=harbor.model,
+        processing_class=tokenizer,
+        args=config,
+        train_dataset=with_prompt_prefix(plan.spec.train_dataset, prompt_prefix(harbor.system_prompt, plan.few_shot)),
+        environment_factory=environment_factory,
+        # A loop-owning agent (terminus-2) runs as TRL's rollout_func; a mix has none.
+        rollout_func=getattr(plan.spec, "rollout_func", None),
+        reward_funcs=reward_funcs,
+    )
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(_progress_callback(max(0, trainer.args.max_steps), print_fn))
+    return trainer, tokenizer, log
+
+
+def _train(trainer, harbor: HarborTrainArguments, config: GRPOConfig, plan: _Plan, timings: dict[str, float],
+           print_fn) -> dict[str, HeldoutResult]:  # fmt: skip
+    """Sample the held-out tasks (on the main process), train, sample them again; then stop every sandbox."""
+    import torch
+
+    from trl_harbor import close_all
+    from trl_harbor.evaluate import LocalPolicy
+
+    heldout: dict[str, HeldoutResult] = {}
+    policy = None
+    if plan.heldout is not None and trainer.is_world_process_zero():
+        policy = LocalPolicy(trainer.model, trainer.processing_class)
+    # Inside a step: sandbox starts and verification, as a line that is redrawn on a terminal.
+    previous = progress.set_reporter(progress.LineReporter(sys.stderr.write, sys.stderr.isatty()))
+    try:
+        if policy is not None:
+            heldout["before"] = _heldout("before", harbor, config, plan, policy, timings, print_fn)
+        total = trainer.args.max_steps if trainer.args.max_steps > 0 else None
+        print_fn(f"training: {total or 'one epoch of'} steps, {config.num_generations} rollouts per task, "
+                 f"logs in {plan.output_dir}", flush=True)  # fmt: skip
+        start = time.monotonic()
+        torch.manual_seed(config.seed)
+        trainer.train()
+        timings["train_s"] = round(time.monotonic() - start, 1)
+        if policy is not None:
+            heldout["after"] = _heldout("after", harbor, config, plan, policy, timings, print_fn)
+    finally:
+        progress.set_reporter(previous)
+        close_all()
+        rollout_func = getattr(plan.spec, "rollout_func", None)
+        if rollout_func is not None:
+            rollout_func.close()  # the capture endpoint
+    return heldout
+
+
+def _heldout(name: str, harbor: HarborTrainArguments, config: GRPOConfig, plan: _Plan, policy,
+             timings: dict[str, float], print_fn) -> HeldoutResult:  # fmt: skip
     """Sample the model on the held-out suite (the eval command's own machinery), seeded as training is."""
     from trl_harbor.evaluate import EvalConfig, evaluate
 
-    system_prompt, few_shot = prefix
+    start = time.monotonic()
     iterations = config.max_tool_calling_iterations
     eval_config = EvalConfig(
         dataset=str(harbor.heldout_dataset),
@@ -476,28 +661,27 @@ def _heldout(
         top_p=config.top_p,
         top_k=config.top_k or None,
         max_tokens=config.max_completion_length,
-        options=options,
-        output_dir=str(output_dir / f"heldout-{name}"),
-        system_prompt=system_prompt,
-        few_shot=few_shot,
+        options=plan.options,
+        output_dir=str(plan.output_dir / f"heldout-{name}"),
+        system_prompt=harbor.system_prompt,
+        few_shot=plan.few_shot,
         seed=config.seed,
     )
     label = {"before": "base model", "after": "trained model"}[name]
     print_fn(f"held-out tasks, {label}: sampling {harbor.heldout_rollouts} rollouts per task ...", flush=True)
     result = evaluate(eval_config, policy=policy)
-    scored = sum(t.n for t in result.tasks)
-    passed = sum(t.passed for t in result.tasks)
     held = HeldoutResult(
-        passed=passed,
-        scored=scored,
+        passed=sum(t.passed for t in result.tasks),
+        scored=sum(t.n for t in result.tasks),
         pass_rate=result.pass_at.get(1),
         mean_reward=result.mean_reward,
         seconds=result.seconds,
         output_dir=eval_config.output_dir,
     )
     rate = "-" if held.pass_rate is None else f"{held.pass_rate:.2f}"
-    print_fn(f"held-out tasks, {label}: {passed}/{scored} passed (pass rate {rate}) in {result.seconds:.0f} s",
-             flush=True)  # fmt: skip
+    print_fn(f"held-out tasks, {label}: {held.passed}/{held.scored} passed (pass rate {rate}) in "
+             f"{result.seconds:.0f} s", flush=True)  # fmt: skip
+    timings[f"heldout_{name}_s"] = round(time.monotonic() - start, 1)
     return held
 
 
@@ -520,237 +704,73 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
             :class:`~trl_harbor.HarborSpec` and :mod:`trl_harbor.prompting`), or a starter
             model that cannot be fetched.
     """
-    import torch
-    from transformers import PrinterCallback, ProgressCallback
-    from trl import GRPOTrainer
-
-    from trl_harbor import HarborSpec, close_all
-    from trl_harbor.backends import parse_backend_options
-    from trl_harbor.options import HarborOptions
-    from trl_harbor.preflight import BackendUnavailableError
-    from trl_harbor.prompting import (
-        PromptError,
-        check_few_shot_tools,
-        load_few_shot,
-        prompt_prefix,
-        resolve_chat_template,
-        tool_names,
-        with_prompt_prefix,
-    )
-    from trl_harbor.trajectories import TrajectoryLog, read_trajectories
-
     started = time.monotonic()
     timings: dict[str, float] = {}
-    default_run = harbor.model is None
-    # Everything that can be wrong with the options is found before the model loads.
-    try:
-        if default_run and not harbor.dataset:
-            starter = starter_suite()
-            suites = [str(starter / "train")]
-            if harbor.heldout_dataset is None:
-                harbor.heldout_dataset = str(starter / "heldout")
-        else:
-            suites = harbor.dataset if harbor.dataset else [str(bundled_suite())]
-    except FileNotFoundError as exc:
-        raise TrainSetupError(str(exc)) from exc
-    if harbor.heldout_rollouts == 0:
-        harbor.heldout_dataset = None
-    dataset = ", ".join(suites)
-    try:
-        options = HarborOptions(
-            command_timeout_sec=harbor.command_timeout_sec,
-            max_output_chars=harbor.max_output_chars,
-            reward_key=harbor.reward_key,
-            on_infra_error=harbor.on_infra_error,
-            max_concurrent_starts=harbor.max_concurrent_starts,
-            backend_options=parse_backend_options(harbor.ek),
-        )
-        specs = [
-            HarborSpec(
-                suite,
-                agent=harbor.agent,
-                environment_type=harbor.environment_type,
-                num_tasks=harbor.num_tasks,
-                indices=harbor.indices,
-                revision=harbor.revision,
-                options=options,
-            )
-            for suite in suites
-        ]
-        if any(s.loop_agent is not None for s in specs):
-            if default_run:
-                raise TrainSetupError(
-                    f"the embedded default run trains the starter model with a tool-calling harness, not "
-                    f"{harbor.agent}; pass --model (and --dataset) to train {harbor.agent}"
-                )
-            if harbor.heldout_dataset:
-                raise TrainSetupError(
-                    f"--heldout_dataset samples the model through a tool-calling harness ({harbor.agent} owns its "
-                    "own loop); evaluate it with `harbor run` instead, or drop --heldout_dataset"
-                )
-        spec = specs[0] if len(specs) == 1 else HarborSpec.mix(specs, harbor.dataset_weights, seed=config.seed)
-        heldout_spec = None
-        if harbor.heldout_dataset:
-            try:
-                heldout_spec = HarborSpec(
-                    harbor.heldout_dataset, agent=harbor.agent, environment_type=harbor.environment_type,
-                    options=options,
-                )  # fmt: skip
-            except (ValueError, FileNotFoundError) as exc:
-                raise TrainSetupError(f"--heldout_dataset {harbor.heldout_dataset}: {exc}") from exc
-        chat_template = resolve_chat_template(harbor.chat_template) if harbor.chat_template else None
-        few_shot = load_few_shot(harbor.few_shot) if harbor.few_shot else None
-        for env_cls in {s.env_cls for s in specs} if few_shot else ():
-            check_few_shot_tools(few_shot, tool_names(env_cls), harbor.agent)
-    except (ValueError, TypeError, FileNotFoundError, BackendUnavailableError, PromptError) as exc:
-        raise TrainSetupError(str(exc)) from exc
-    prefix = prompt_prefix(harbor.system_prompt, few_shot)
-    output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-
-    if default_run:
-        from trl_harbor.starter_model import StarterModelError, ensure_starter_model, starter_model_dir
-
-        t0 = time.monotonic()
-        try:
-            harbor.model = str(ensure_starter_model(print_fn=print_fn))
-        except StarterModelError as exc:
-            raise TrainSetupError(str(exc)) from exc
-        if time.monotonic() - t0 > 1:
-            timings["fetch_model_s"] = round(time.monotonic() - t0, 1)
-        print_fn(
-            DEFAULT_BANNER.format(
-                model=starter_model_dir(),
-                suite=dataset,
-                tasks=len(spec.tasks),
-                agent=harbor.agent,
-                environment_type=harbor.environment_type,
-                chat_template=harbor.chat_template or "(the tokenizer's)",
-                shots=sum(m["role"] == "user" for m in few_shot or []),
-                few_shot=harbor.few_shot,
-                heldout=harbor.heldout_dataset,
-                heldout_tasks=len(heldout_spec.tasks) if heldout_spec else 0,
-            )
-        )
-    else:
-        print_fn(f"trl-harbor train: {harbor.model} on {dataset} ({len(spec.tasks)} tasks), harness {harbor.agent}, "
-                 f"backend {harbor.environment_type}")  # fmt: skip
-    images = _prebuild_images([*suites, *([harbor.heldout_dataset] if heldout_spec else [])], harbor, print_fn)
+    plan = _plan(harbor, config)
+    plan.output_dir.mkdir(parents=True, exist_ok=True)
+    _introduce(harbor, plan, timings, print_fn)
+    heldout_suites = [str(harbor.heldout_dataset)] if plan.heldout is not None else []
+    images = _prebuild_images([*plan.suites, *heldout_suites], harbor.environment_type, print_fn)
     if images is not None:
         timings["images_s"] = round(images, 1)
-
-    t0 = time.monotonic()
-    tokenizer = None
-    if chat_template is not None:
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(harbor.model)
-        except OSError as exc:
-            raise TrainSetupError(f"--model {harbor.model}: cannot load its tokenizer: {exc}") from exc
-        tokenizer.chat_template = chat_template
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-    environment_factory = spec.environment_factory
-    rollout_func = getattr(spec, "rollout_func", None)  # a loop-owning agent (terminus-2) runs as TRL's rollout_func
-    reward_funcs = spec.reward_funcs
-    log = None
-    if harbor.trajectories:
-        log = TrajectoryLog(output_dir / "trajectories.jsonl", environment_type=harbor.environment_type)
-        if int(os.environ.get("RANK", "0") or 0) == 0:
-            log.path.unlink(missing_ok=True)  # one run, one log (every rank appends to it)
-        if environment_factory is not None:
-            environment_factory = log.environment_factory(environment_factory)
-        reward_funcs = log.reward_func(reward_funcs)
-    torch.manual_seed(config.seed)
-    trainer = GRPOTrainer(
-        model=harbor.model,
-        processing_class=tokenizer,
-        args=config,
-        train_dataset=with_prompt_prefix(spec.train_dataset, prefix),
-        environment_factory=environment_factory,
-        rollout_func=rollout_func,
-        reward_funcs=reward_funcs,
-    )
-    timings["model_load_s"] = round(time.monotonic() - t0, 1)
+    start = time.monotonic()
+    trainer, tokenizer, log = _trainer(harbor, config, plan, print_fn)
+    timings["model_load_s"] = round(time.monotonic() - start, 1)
     parameters = sum(p.numel() for p in trainer.model.parameters())
     print_fn(f"  model   loaded in {timings['model_load_s']:.0f} s ({parameters / 1e6:.1f}M parameters)")
-    total = trainer.args.max_steps if trainer.args.max_steps > 0 else None
-    trainer.remove_callback(ProgressCallback)
-    trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(_progress_callback(total or 0, print_fn))
-
-    policy = None
-    heldout: dict[str, HeldoutResult] = {}
-    main_process = trainer.is_world_process_zero()
-    if heldout_spec is not None and main_process:
-        from trl_harbor.evaluate import LocalPolicy
-
-        policy = LocalPolicy(trainer.model, trainer.processing_class)
-    # Inside a step: sandbox starts and verification, as a line that is redrawn on a terminal.
-    previous = progress.set_reporter(progress.LineReporter(sys.stderr.write, sys.stderr.isatty()))
-    try:
-        if policy is not None:
-            t0 = time.monotonic()
-            heldout["before"] = _heldout("before", options, harbor, config, (harbor.system_prompt, few_shot),
-                                         policy, output_dir, print_fn)  # fmt: skip
-            timings["heldout_before_s"] = round(time.monotonic() - t0, 1)
-        print_fn(f"training: {total or 'one epoch of'} steps, {config.num_generations} rollouts per task, "
-                 f"logs in {output_dir}", flush=True)  # fmt: skip
-        t0 = time.monotonic()
-        torch.manual_seed(config.seed)
-        trainer.train()
-        seconds = time.monotonic() - t0
-        timings["train_s"] = round(seconds, 1)
-        if policy is not None:
-            t0 = time.monotonic()
-            heldout["after"] = _heldout("after", options, harbor, config, (harbor.system_prompt, few_shot),
-                                        policy, output_dir, print_fn)  # fmt: skip
-            timings["heldout_after_s"] = round(time.monotonic() - t0, 1)
-    finally:
-        progress.set_reporter(previous)
-        close_all()
-        if rollout_func is not None:
-            rollout_func.close()  # the capture endpoint
-    trainer.save_model(str(output_dir))  # `trl-harbor eval --model OUTPUT_DIR` evaluates it
+    heldout = _train(trainer, harbor, config, plan, timings, print_fn)
+    trainer.save_model(str(plan.output_dir))  # `trl-harbor eval --model OUTPUT_DIR` evaluates it
+    main_process = trainer.is_world_process_zero()  # one writer in a multi-process run
     if tokenizer is not None and main_process:
-        tokenizer.save_pretrained(str(output_dir))  # with the chat template it was trained with
-    history = trainer.state.log_history
-    rewards = [record.get("reward") for record in history if "reward" in record]
+        tokenizer.save_pretrained(str(plan.output_dir))  # with the chat template it was trained with
     timings["total_s"] = round(time.monotonic() - started, 1)
-    summary = TrainSummary(
+    summary = _summary(trainer, harbor, plan, heldout, log, timings)
+    if main_process:
+        _write_outputs(summary, trainer.state.log_history, log, print_fn)
+    return summary
+
+
+def _summary(trainer, harbor: HarborTrainArguments, plan: _Plan, heldout: dict[str, HeldoutResult], log,
+             timings: dict[str, float]) -> TrainSummary:  # fmt: skip
+    from trl_harbor.trajectories import read_trajectories
+
+    rewards = [record.get("reward") for record in trainer.state.log_history if "reward" in record]
+    return TrainSummary(
         steps=int(trainer.state.global_step),
         rewards=rewards,
         first_reward=rewards[0] if rewards else None,
         last_reward=rewards[-1] if rewards else None,
         # Every rank's rollouts (they append to one log; all are written once training returns).
         rollouts=len(read_trajectories(log.path)) if log is not None and log.path.exists() else 0,
-        seconds=round(seconds, 1),
-        output_dir=str(output_dir),
-        default_run=default_run,
+        seconds=timings["train_s"],
+        output_dir=str(plan.output_dir),
+        default_run=plan.default_run,
         model=str(harbor.model),
         heldout_dataset=harbor.heldout_dataset if heldout else None,
-        heldout_tasks=len(heldout_spec.tasks) if heldout_spec is not None and heldout else 0,
+        heldout_tasks=len(plan.heldout.tasks) if heldout else 0,
         heldout_rollouts=harbor.heldout_rollouts if heldout else 0,
         heldout_before=heldout.get("before"),
         heldout_after=heldout.get("after"),
         timings=timings,
         peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 0),
     )
-    if main_process:  # one writer in a multi-process run
-        from dataclasses import asdict
 
-        from trl_harbor.report import ReportError, build_report
 
-        (output_dir / "log_history.json").write_text(json.dumps(history, indent=1, default=str))
-        (output_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
-        try:
-            report = build_report(output_dir)
-        except (ReportError, OSError) as exc:  # the run is done; a report that fails is not its failure
-            logger.warning("no report: %s", exc)
-            report = None
-        print_fn(_summary_text(summary, log, report))
-    return summary
+def _write_outputs(summary: TrainSummary, history: list[dict[str, Any]], log, print_fn) -> None:
+    """``log_history.json``, ``summary.json`` and the report; then the summary, printed."""
+    from dataclasses import asdict
+
+    from trl_harbor.report import ReportError, build_report
+
+    output_dir = Path(summary.output_dir)
+    (output_dir / "log_history.json").write_text(json.dumps(history, indent=1, default=str))
+    (output_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
+    try:
+        report = build_report(output_dir)
+    except (ReportError, OSError) as exc:  # the run is done; a report that fails is not its failure
+        logger.warning("no report: %s", exc)
+        report = None
+    print_fn(_summary_text(summary, log, report))
 
 
 _BARS = "▁▂▃▄▅▆▇█"

@@ -301,17 +301,10 @@ class VLLMSampler:
     def _served(self, request: GenerationRequest) -> Generation:
         if self._model is None:
             self._model = self._post("/v1/models")["data"][0]["id"]
-        params = self.sampling
         payload: dict[str, Any] = {
             "model": self._model,
             "prompt": [list(request.prompt_ids)],
-            "n": 1,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k else -1,
-            "min_p": params.min_p,
-            "max_tokens": request.max_tokens,
-            "logprobs": 0,
+            **_vllm_sampling(self.sampling, request.max_tokens),
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
@@ -327,21 +320,8 @@ class VLLMSampler:
     def _colocated(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         from vllm import SamplingParams as VllmSamplingParams
 
-        params = self.sampling
         prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
-        sampling = [
-            VllmSamplingParams(
-                n=1,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k if params.top_k else -1,
-                min_p=params.min_p,
-                max_tokens=r.max_tokens,
-                logprobs=0,
-                seed=r.seed,
-            )
-            for r in requests
-        ]
+        sampling = [VllmSamplingParams(**_vllm_sampling(self.sampling, r.max_tokens), seed=r.seed) for r in requests]
         generations = []
         for output in self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False):
             sample = output.outputs[0]
@@ -349,6 +329,12 @@ class VLLMSampler:
             logprobs = [_finite(step[token].logprob) for step, token in zip(sample.logprobs, ids, strict=True)]
             generations.append(Generation(ids, logprobs, "length" if sample.finish_reason == "length" else "stop"))
         return generations
+
+
+def _vllm_sampling(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """What vLLM's server and its engine both take: one sample, its log-probability (top-k off is -1)."""
+    return {"n": 1, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
+            "min_p": params.min_p, "max_tokens": max_tokens, "logprobs": 0}  # fmt: skip
 
 
 def _cache_of(output: Any) -> dict[str, Any]:
