@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from trl_harbor.options import refuse_unknown
 from trl_harbor.rollout import steps
 from trl_harbor.rollout.outcome import Cause
 
@@ -100,11 +101,7 @@ class TerminusOptions:
         Raises:
             TypeError: For a key that is no option (the message lists them).
         """
-        unknown = sorted(set(kwargs) - set(TERMINUS_OPTION_NAMES))
-        if unknown:
-            raise TypeError(
-                f"unknown Terminus-2 option(s) {', '.join(unknown)}; they are: {', '.join(TERMINUS_OPTION_NAMES)}"
-            )
+        refuse_unknown(kwargs, TERMINUS_OPTION_NAMES, "Terminus-2 option")
         return cls(**dict(kwargs))
 
 
@@ -145,15 +142,15 @@ class AgentRun:
         for step in self.steps:
             results = (step.get("observation") or {}).get("results") or []
             output = "\n".join(str(r.get("content")) for r in results if r.get("content") is not None)
-            for call in step.get("tool_calls") or []:
-                calls.append(
-                    {
-                        "tool": call.get("function_name"),
-                        "arguments": call.get("arguments") or {},
-                        "output": output,
-                        "error": None,
-                    }
-                )
+            calls += [
+                {
+                    "tool": call.get("function_name"),
+                    "arguments": call.get("arguments") or {},
+                    "output": output,
+                    "error": None,
+                }
+                for call in step.get("tool_calls") or []
+            ]
         return calls
 
     def harbor_token_ids(self) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
