@@ -552,32 +552,7 @@ def _infra(environments: Sequence[Any] | None, rewards: list[float | None], i: i
     return False
 
 
-def mix(
-    specs: Sequence[HarborSpec] | Mapping[str, HarborSpec],
-    weights: Sequence[float] | Mapping[str, float] | None = None,
-    seed: int = 0,
-    *,
-    num_rows: int | None = None,
-) -> HarborMix:
-    """Mix several specs (suites, harnesses, backends) into one training run (``HarborSpec.mix``).
-
-    See :class:`HarborMix` and ``docs/mixing.md``.
-
-    Args:
-        specs: The specs, as a list or a mapping ``{suite name: spec}``.
-        weights: One positive weight per spec (need not sum to 1); ``None``: equal.
-        seed: Seed of the mixed dataset's row order.
-        num_rows: Rows of the mixed dataset; ``None``: every task at least once.
-
-    Returns:
-        A :class:`HarborMix` with ``train_dataset``, ``environment_factory`` (a dict) and ``reward_funcs``.
-
-    Raises:
-        TypeError: When a spec is not a ``HarborSpec``.
-        HarborMixError: When the combination is impossible (a ``ValueError``).
-    """
-    return HarborMix(specs, weights, seed, num_rows=num_rows)
-
-
-# ``HarborSpec.mix(...)``: defined here, so that the spec module does not depend on mixing.
-HarborSpec.mix = staticmethod(mix)  # type: ignore[attr-defined]
+#: ``HarborSpec.mix(specs, weights=None, seed=0, *, num_rows=None)``: a :class:`HarborMix` (see
+#: ``docs/mixing.md``). Set here, so that the spec module does not depend on mixing.
+mix = HarborMix
+HarborSpec.mix = staticmethod(HarborMix)  # type: ignore[attr-defined]
