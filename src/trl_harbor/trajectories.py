@@ -68,18 +68,18 @@ def _record_tool(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             arguments = {"args": list(args), **kwargs}
         call: dict[str, Any] = {"tool": name, "arguments": {k: _jsonable(v) for k, v in arguments.items()}}
         start = time.monotonic()
+
+        def done(output: Any, error: str | None) -> None:
+            call.update(output=output, error=error, duration_s=round(time.monotonic() - start, 4))
+            if record is not None:
+                record["tool_calls"].append(call)
+
         try:
             output = fn(self, *args, **kwargs)
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            call.update(output=None, error=error, duration_s=round(time.monotonic() - start, 4))
-            if record is not None:
-                record["tool_calls"].append(call)
+            done(None, f"{type(exc).__name__}: {exc}")
             raise
-        text = output if isinstance(output, str) else _jsonable(output)
-        call.update(output=text, error=None, duration_s=round(time.monotonic() - start, 4))
-        if record is not None:
-            record["tool_calls"].append(call)
+        done(output if isinstance(output, str) else _jsonable(output), None)
         return output
 
     return tool
