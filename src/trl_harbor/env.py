@@ -80,11 +80,7 @@ def release(env: HarborEnv) -> None:
     """
     episode, env._episode = env._episode, None
     if episode is not None:
-        runtime.submit(_stop(episode))
-
-
-async def _stop(episode: Episode) -> None:
-    await episode.stop()
+        runtime.submit(episode.stop())
 
 
 class HarborEnv:
@@ -299,11 +295,9 @@ class HarborEnv:
             _PROVISIONING.reset(token)
 
     def __del__(self) -> None:
-        episode = getattr(self, "_episode", None)
-        if episode is None or sys.is_finalizing():
-            return
-        with contextlib.suppress(Exception):  # best effort; close_all() at exit is the safety net
-            runtime.submit(_stop(episode))
+        if getattr(self, "_episode", None) is not None and not sys.is_finalizing():
+            with contextlib.suppress(Exception):  # best effort; close_all() at exit is the safety net
+                release(self)
 
 
 def _error_text(episode: Episode, exc: BaseException, timeout: int) -> str:

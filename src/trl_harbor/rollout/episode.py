@@ -77,8 +77,7 @@ class Episode:
         task: Harbor's task.
         backend: Where its sandboxes run.
         options: How it runs and is graded.
-        trial_dir: A fresh folder for Harbor's trial files, removed at :meth:`stop` (default: a new
-            one in this process's folder of trials).
+        trial_dir: A fresh folder for Harbor's trial files, removed at :meth:`stop` (default: a new one).
         label: A human-readable part of the sandboxes' session ids.
     """
 
@@ -117,8 +116,7 @@ class Episode:
     @property
     def instruction(self) -> str:
         """The instruction of the current step (the task's, for a single-step task)."""
-        step = self.step
-        return self.task.instruction if step is None else self.task.step_instruction(step.name)
+        return self.task.instruction if self.step is None else self.task.step_instruction(self.step.name)
 
     def fail(self, stage: str, error: BaseException | str, cause: Cause = Cause.INFRASTRUCTURE) -> Failure:
         """End the rollout: record why (the first failure wins; ``stage`` is ``start``, ``exec`` or
@@ -189,11 +187,11 @@ class Episode:
         if self.ready is not None:
             await asyncio.wait([asyncio.wrap_future(self.ready)])
 
-    def stop(self) -> asyncio.Future[None]:
-        """Stop the sandbox and remove the trial folder (idempotent; on the shared loop): a future done once stopped."""
+    async def stop(self) -> None:
+        """Stop the sandbox and remove the trial folder (idempotent: every caller waits for the one stop)."""
         if self._stopping is None:
             self._stopping = asyncio.ensure_future(self._stop())
-        return self._stopping
+        await self._stopping
 
     async def _stop(self) -> None:
         if self.ready is not None and not self.ready.done():
