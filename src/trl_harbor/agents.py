@@ -47,10 +47,6 @@ EXAMPLE_AGENTS: dict[str, str] = {
 LOOP_AGENT_NAMES: frozenset[str] = frozenset({"terminus-2", "terminus_2", "terminus2"})
 
 
-def _is_file_target(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target
-
-
 def _load_module_from_file(target: str, agent: str) -> ModuleType:
     path = Path(target).expanduser()
     if not path.is_file():
@@ -111,7 +107,7 @@ def resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
         target, _, class_name = agent.rpartition(":")
         if not target or not class_name.isidentifier():
             raise ValueError(f"agent {agent!r}: expected 'package.module:ClassName' or 'path/to/file.py:ClassName'.")
-        if _is_file_target(target):
+        if target.endswith(".py") or "/" in target or "\\" in target:  # a file, not a module
             module = _load_module_from_file(target, agent)
         else:
             try:

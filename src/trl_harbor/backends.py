@@ -40,7 +40,7 @@ def parse_backend_options(pairs: list[str] | None) -> dict[str, Any]:
     """Backend options from ``key=value`` strings (the command line's ``--ek``, as in ``harbor run``).
 
     Values are read as JSON where they are JSON (``pids_max=64``, ``host_trust=false``), else kept
-    as text (``root=host``).
+    as text (``cache_dir=/data/cache``).
 
     Args:
         pairs: The ``key=value`` strings.
@@ -57,7 +57,7 @@ def parse_backend_options(pairs: list[str] | None) -> dict[str, Any]:
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--ek expects key=value (e.g. --ek root=host), got {pair!r}")
+            raise ValueError(f"--ek expects key=value (e.g. --ek pids_max=64), got {pair!r}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:

@@ -22,15 +22,10 @@ Harbor is asynchronous: every coroutine runs on the one process-wide loop of
 
 from __future__ import annotations
 
-import asyncio
-import atexit
 import contextlib
 import contextvars
 import functools
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,11 +80,7 @@ def release(env: HarborEnv) -> None:
     """
     episode, env._episode = env._episode, None
     if episode is not None:
-        runtime.submit(_stop(episode))
-
-
-async def _stop(episode: Episode) -> None:
-    await episode.stop()
+        runtime.submit(episode.stop())
 
 
 class HarborEnv:
@@ -157,7 +148,7 @@ class HarborEnv:
                 f"{task_dir}: a multi-step task needs a harness with a `submit_step` tool; use "
                 "agent='bash_steps', or add trl_harbor.StepsMixin to your harness."
             )
-        episode = Episode(task, self._resolved_backend(), self._options, Path(tempfile.mkdtemp(dir=_trial_root())))
+        episode = Episode(task, self._resolved_backend(), self._options)
         self._episode, self._reward_reported = episode, False
         episode.ready = runtime.submit(self._provision(episode))
         return episode.instruction + self.PROMPT_SUFFIX + _steps_note(task)
@@ -169,10 +160,14 @@ class HarborEnv:
         ``0.0`` for an environment that was never reset, without touching any backend. After an
         infrastructure failure: ``None`` or ``0.0``, as ``on_infra_error`` says.
         """
+        return 0.0 if self._episode is None else runtime.run(self._verified_reward())
+
+    async def _verified_reward(self) -> float | None:
+        """The current episode's reward, graded once (``0.0`` without an episode), marked as reported."""
         episode = self._episode
         if episode is None:
             return 0.0
-        value = runtime.run(episode.grade()).reward
+        value = (await episode.grade()).reward
         self._reward_reported = True
         return value
 
@@ -300,11 +295,9 @@ class HarborEnv:
             _PROVISIONING.reset(token)
 
     def __del__(self) -> None:
-        episode = getattr(self, "_episode", None)
-        if episode is None or sys.is_finalizing():
-            return
-        with contextlib.suppress(Exception):  # best effort; close_all() at exit is the safety net
-            runtime.submit(_stop(episode))
+        if getattr(self, "_episode", None) is not None and not sys.is_finalizing():
+            with contextlib.suppress(Exception):  # best effort; close_all() at exit is the safety net
+                release(self)
 
 
 def _error_text(episode: Episode, exc: BaseException, timeout: int) -> str:
@@ -355,25 +348,7 @@ def verify_all(environments: Sequence[HarborEnv]) -> list[float | None]:
         One reward per environment (``None`` for a skipped infrastructure failure; ``0.0`` for an
         environment never reset).
     """
-    done = 0
-
-    async def one(env: HarborEnv) -> float | None:
-        nonlocal done
-        try:
-            episode = env._episode
-            if episode is None:
-                return 0.0
-            value = (await episode.grade()).reward
-            env._reward_reported = True
-            return value
-        finally:
-            done += 1
-            progress.report("verification", done, len(environments))
-
-    async def every() -> list[float | None]:
-        return list(await asyncio.gather(*(one(env) for env in environments)))
-
-    return runtime.run(every())
+    return runtime.run(progress.gather("verification", [env._verified_reward() for env in environments]))
 
 
 # ── the built-in harnesses ──────────────────────────────────────────────────────────
@@ -500,40 +475,3 @@ class StepsMixin:
 
 class HarborBashStepsEnv(StepsMixin, HarborBashEnv):
     """The ``bash`` harness plus ``submit_step``, for suites with multi-step tasks (``agent="bash_steps"``)."""
-
-
-# ── where episodes keep Harbor's trial files ────────────────────────────────────────
-
-_TRIAL_ROOT: Path | None = None
-
-
-def _trial_root() -> Path:
-    """This process's folder for Harbor's per-episode files; those of dead processes are swept."""
-    global _TRIAL_ROOT
-    if _TRIAL_ROOT is None:
-        base = Path(tempfile.gettempdir()) / f"trl-harbor-trials-{os.getuid()}"
-        base.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for entry in base.iterdir():
-            owner = entry.name.split("-", 1)[0]
-            if owner.isdigit() and not _alive(int(owner)):
-                shutil.rmtree(entry, ignore_errors=True)
-        _TRIAL_ROOT = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base))
-        atexit.register(_remove_trial_root, _TRIAL_ROOT)
-    return _TRIAL_ROOT
-
-
-def _remove_trial_root(root: Path) -> None:
-    # Registered after runtime's own exit hook, so it runs first: stop the sandboxes (episodes
-    # still starting write into the folder) before removing it.
-    runtime.close_all()
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

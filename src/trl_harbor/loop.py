@@ -39,12 +39,10 @@ token ids differ from the endpoint's.
 
 from __future__ import annotations
 
-import asyncio
 import math
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,10 +51,8 @@ from trl_harbor import progress, runtime
 from trl_harbor.agents import LOOP_AGENT_NAMES
 from trl_harbor.capture import CaptureEndpoint, ModelSampler, Renderer, Route, Row, VLLMSampler, derive_seed
 from trl_harbor.capture.samplers import Sampler, SamplingParams, sampling_from_trainer
-from trl_harbor.env import _trial_root
 from trl_harbor.options import HarborOptions
-from trl_harbor.preflight import check_batch
-from trl_harbor.rewards import batch_metrics
+from trl_harbor.rewards import report_batch
 from trl_harbor.rollout.episode import Episode
 from trl_harbor.rollout.outcome import Verification
 from trl_harbor.terminus import AGENT_NAME, AgentRun, TerminusOptions, run_terminus
@@ -156,11 +152,11 @@ class LoopRollout:
         return (
             prompts == [t.prompt_ids for t in turns]
             and completions == [t.completion_ids for t in turns]
+            and len(logprobs) == len(turns)  # before the zip: strict=True raises on a length mismatch
             and all(
                 len(a) == len(b) and all(math.isclose(x, y, abs_tol=1e-6) for x, y in zip(a, b, strict=True))
                 for a, b in zip(logprobs, [t.logprobs for t in turns], strict=True)
             )
-            and len(logprobs) == len(turns)
         )
 
     @property
@@ -218,14 +214,13 @@ class LoopRolloutFunc:
         max_tokens_per_turn: int | None = None,
         check_drift: bool = True,
     ) -> None:
-        fork_policy = agent_options.fork_policy if fork_policy is None else fork_policy
-        if fork_policy not in ("truncate", "skip"):
-            raise ValueError(f"fork_policy must be 'truncate' or 'skip', got {fork_policy!r}")
+        if fork_policy is not None:  # TerminusOptions checks it
+            agent_options = replace(agent_options, fork_policy=fork_policy)
         self.backend = backend
         self.options = options
         self.agent_options = agent_options
         self.sampler_factory = sampler or default_sampler
-        self.fork_policy = fork_policy
+        self.fork_policy = agent_options.fork_policy
         self.max_tokens_per_turn = max_tokens_per_turn
         self.check_drift = check_drift
         self.endpoint: CaptureEndpoint | None = None
@@ -236,6 +231,17 @@ class LoopRolloutFunc:
     @property
     def __name__(self) -> str:  # TRL names things after their callables
         return "harbor_loop_rollout"
+
+    def max_turns(self, args: Any) -> int:
+        """Model calls per rollout: the agent's ``max_turns``, else the trainer's ``max_tool_calling_iterations``.
+
+        Args:
+            args: The trainer's config.
+
+        Returns:
+            The turns (:data:`DEFAULT_MAX_TURNS` when neither is set).
+        """
+        return self.agent_options.max_turns or args.max_tool_calling_iterations or DEFAULT_MAX_TURNS
 
     # ── the endpoint ─────────────────────────────────────────────────────────────────
 
@@ -292,7 +298,7 @@ class LoopRolloutFunc:
         endpoint = self.endpoint_for(trainer)
         args = trainer.args
         task_dirs = [task_dir_of(prompt) for prompt in prompts]
-        max_turns = self.agent_options.max_turns or args.max_tool_calling_iterations or DEFAULT_MAX_TURNS
+        max_turns = self.max_turns(args)
         step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
         rank = int(getattr(getattr(trainer, "accelerator", None), "process_index", 0) or 0)
         # A step may generate more than once (gradient accumulation): the batch counter keeps their seeds apart.
@@ -318,20 +324,11 @@ class LoopRolloutFunc:
         Returns:
             The rollouts, in order (also kept as :attr:`last`).
         """
-        done = 0
-
-        async def one(task_dir: str, seed: int | None) -> LoopRollout:
-            nonlocal done
-            try:
-                return await self.rollout(endpoint, task_dir, seed, budget=budget, max_turns=max_turns)
-            finally:
-                done += 1
-                progress.report("verification", done, len(task_dirs))
-
-        async def every() -> list[LoopRollout]:
-            return list(await asyncio.gather(*(one(d, s) for d, s in zip(task_dirs, seeds, strict=True))))
-
-        self.last = runtime.run(every())
+        rollouts = [
+            self.rollout(endpoint, task_dir, seed, budget=budget, max_turns=max_turns)
+            for task_dir, seed in zip(task_dirs, seeds, strict=True)
+        ]
+        self.last = runtime.run(progress.gather("verification", rollouts))
         return self.last
 
     async def rollout(
@@ -361,7 +358,7 @@ class LoopRolloutFunc:
             started_at=datetime.now(UTC).isoformat(timespec="milliseconds"),
             stop_fraction=self.options.infra_stop_fraction,
         )
-        episode = Episode(task, self.backend, self.options, Path(tempfile.mkdtemp(dir=_trial_root())))
+        episode = Episode(task, self.backend, self.options)
         route = endpoint.open_route(budget=budget, seed=seed, label=task.name)
         result.route = route
         try:
@@ -400,7 +397,7 @@ class LoopRolloutFunc:
         Returns:
             ``prompt_ids``, ``completion_ids``, ``logprobs``, ``env_mask`` and ``harbor_rollout``.
         """
-        out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+        rows = []
         for rollout, prompt in zip(rollouts, prompts, strict=True):
             row = rollout.row
             if row is None:  # nothing sampled (the sandbox did not start): a placeholder row that trains nothing
@@ -408,12 +405,9 @@ class LoopRolloutFunc:
                 row = Row(renderer.prompt(messages), [renderer.eos_id], [0], [0.0])
                 if rollout.skipped is None and rollout.reward is not None:
                     rollout.skipped = "the policy sampled nothing"
-            out["prompt_ids"].append(row.prompt_ids)
-            out["completion_ids"].append(row.completion_ids)
-            out["logprobs"].append(row.logprobs)
-            out["env_mask"].append(row.env_mask)
-        out["harbor_rollout"] = list(rollouts)
-        return out
+            rows.append(row)
+        names = ("prompt_ids", "completion_ids", "logprobs", "env_mask")
+        return {**{name: [getattr(row, name) for row in rows] for name in names}, "harbor_rollout": list(rollouts)}
 
 
 def default_sampler(trainer: Any, sampling: SamplingParams) -> Sampler:
@@ -473,14 +467,9 @@ def loop_reward(
             "loop_reward needs the `harbor_rollout` field of a loop agent's rollout_func (spec.rollout_func)"
         )
     rollouts = list(harbor_rollout)
-    outcomes = [r.verification for r in rollouts]
-    if log_metric is not None:
-        for name, value in {**batch_metrics(outcomes), **loop_metrics(rollouts)}.items():
-            log_metric(name, value)
-    if log_extra is not None:
-        log_extra("harbor_error", [(r.skipped or (r.verification.reason if r.verification else "")) for r in rollouts])
+    reasons = [(r.skipped or (r.verification.reason if r.verification else "")) for r in rollouts]
     fractions = [r.stop_fraction for r in rollouts]
-    check_batch(outcomes, None if not fractions or None in fractions else min(fractions))  # type: ignore[type-var]
+    report_batch([r.verification for r in rollouts], reasons, fractions, log_metric, log_extra, loop_metrics(rollouts))
     return [r.reward for r in rollouts]
 
 

@@ -29,6 +29,8 @@ model as the sampler.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import queue
 import threading
@@ -39,7 +41,7 @@ from typing import Any
 from trl_harbor import runtime
 from trl_harbor.capture import CaptureEndpoint, Renderer, VLLMSampler, derive_seed
 from trl_harbor.capture.samplers import Sampler, SamplingParams
-from trl_harbor.loop import DEFAULT_MAX_TURNS, LoopRollout, LoopRolloutFunc, loop_metrics, task_dir_of
+from trl_harbor.loop import LoopRollout, LoopRolloutFunc, loop_metrics, task_dir_of
 
 __all__ = ["HarborRolloutWorker", "group_samples"]
 
@@ -182,7 +184,7 @@ class HarborRolloutWorker:
             sampler=VLLMSampler(sampling, base_url=args.vllm_server_base_url, timeout=float(args.request_timeout)),
             sampling=sampling,
             num_generations=args.num_generations,
-            max_turns=spec.agent_options.max_turns or args.max_tool_calling_iterations or DEFAULT_MAX_TURNS,
+            max_turns=spec.rollout_func.max_turns(args),
             budget=int(args.max_completion_length),
             chat_template_kwargs=args.chat_template_kwargs if isinstance(args.chat_template_kwargs, dict) else None,
             max_inflight_groups=_groups_in_flight(int(args.max_inflight_tasks), int(args.num_generations)),
@@ -261,8 +263,6 @@ class HarborRolloutWorker:
             runtime.run(endpoint.stop())
 
     async def _group(self, endpoint: CaptureEndpoint, prompt: Any, group_id: int, version: int) -> list[Any]:
-        import asyncio
-
         task_dir = task_dir_of(prompt)
         seeds = [derive_seed(self.seed, "async", group_id, index) for index in range(self.num_generations)]
         rollouts = await asyncio.gather(
@@ -272,9 +272,6 @@ class HarborRolloutWorker:
             )
         )
         samples = group_samples(rollouts, prompt, version, group_id)
-        metrics = {f"{key}": value for key, value in loop_metrics(rollouts).items()}
-        try:
-            self.metrics_queue.put_nowait(metrics)
-        except queue.Full:
-            pass
+        with contextlib.suppress(queue.Full):  # the trainer reads metrics when it can: drop what does not fit
+            self.metrics_queue.put_nowait(loop_metrics(rollouts))
         return samples

@@ -30,6 +30,7 @@ prefix of it follows the weights too.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import numbers
@@ -125,6 +126,87 @@ def _environment_name(suite: str, harness: str, environment_type: str | None, op
     return name
 
 
+def _label(names: list[str] | None, i: int) -> str:
+    """How a message names the ``i``-th spec: by its key in a mapping, else by its position."""
+    return f"specs[{names[i]!r}]" if names else f"specs[{i}]"
+
+
+def _named_specs(
+    specs: Sequence[HarborSpec] | Mapping[str, HarborSpec],
+) -> tuple[list[str] | None, list[HarborSpec]]:
+    """The specs as a list, and their names when given as a mapping; each checked to be a mixable spec."""
+    names: list[str] | None = None
+    if isinstance(specs, Mapping):
+        names = [str(name) for name in specs]
+        if any(not name for name in names):
+            raise HarborMixError("A suite name in the specs mapping is empty; name every suite.")
+        spec_list = list(specs.values())
+    elif isinstance(specs, (HarborSpec, str, bytes)) or not isinstance(specs, Sequence):
+        raise TypeError(
+            f"HarborSpec.mix takes a list of HarborSpec (or a mapping name -> HarborSpec), got {type(specs).__name__}."
+        )
+    else:
+        spec_list = list(specs)
+    if not spec_list:
+        raise HarborMixError("HarborSpec.mix needs at least one spec; got none.")
+    for i, spec in enumerate(spec_list):
+        if not isinstance(spec, HarborSpec):
+            hint = " (pass the specs of a mix, not the mix)" if isinstance(spec, HarborMix) else ""
+            raise TypeError(f"{_label(names, i)} is a {type(spec).__name__}, not a HarborSpec{hint}.")
+        if spec.loop_agent is not None:
+            raise HarborMixError(
+                f"{_label(names, i)} runs the loop-owning agent {spec.loop_agent!r}, which trains through a "
+                "rollout_func and cannot be mixed with other specs yet. Fix: train it on its own spec."
+            )
+    return names, spec_list
+
+
+def _environment_names(suites: list[str], specs: list[HarborSpec], names: list[str] | None) -> list[str]:
+    """Each spec's environment name, refusing suites, combinations and names that two specs would share."""
+    roots: dict[str, tuple[int, Path]] = {}
+    combos: dict[tuple[Any, ...], int] = {}
+    environments: dict[str, int] = {}
+    for i, (suite, spec) in enumerate(zip(suites, specs, strict=True)):
+        first, root = roots.setdefault(suite, (i, spec.suite.root))
+        if root != spec.suite.root:
+            raise HarborMixError(
+                f"{_label(names, first)} and {_label(names, i)} are two different suites named {suite!r} ({root} "
+                f"and {spec.suite.root}). Fix: name them apart, HarborSpec.mix({{'name_a': spec_a, "
+                "'name_b': spec_b}, ...)."
+            )
+        options = _spec_options(spec)
+        combo = (suite, spec.env_cls, spec.environment_type, _options_key(options))
+        if combo in combos:
+            raise HarborMixError(
+                f"{_label(names, combos[combo])} and {_label(names, i)} are the same combination (suite {suite!r}, "
+                f"harness {spec.env_cls.__name__}, backend {spec.environment_type!r}, same options): their rows "
+                "could not be told apart. Fix: merge them into one spec (its weight is the sum), or "
+                "name them apart with a mapping {name: spec} (e.g. easy and hard subsets of one suite)."
+            )
+        combos[combo] = i
+        name = _environment_name(suite, _harness_label(spec), spec.environment_type, options)
+        if name in environments:
+            raise HarborMixError(
+                f"{_label(names, environments[name])} and {_label(names, i)} both make the environment name "
+                f"{name!r} from different harness classes of the same name. Fix: rename one harness class, or "
+                "name the suites apart with a mapping {name: spec}."
+            )
+        environments[name] = i
+    return list(environments)
+
+
+def _mixable_dataset(suite: str, spec: HarborSpec) -> Dataset:
+    """A spec's dataset, without the columns the mix sets itself (``environment``, ``suite``)."""
+    dataset = spec.train_dataset
+    if "environment" in dataset.column_names:  # suite.py renames such a metadata key
+        raise HarborMixError(
+            f"The dataset of suite {suite!r} already has a column 'environment', which a mix "
+            "sets itself (TRL routes rows by it). Fix: rename that column."
+        )
+    # A [metadata] key named "suite" would collide with the mix's column: keep it as metadata_suite.
+    return dataset.rename_column("suite", "metadata_suite") if "suite" in dataset.column_names else dataset
+
+
 def _check_weights(
     weights: Iterable[Any] | Mapping[str, Any] | None, names: list[str] | None, count: int
 ) -> list[Fraction]:
@@ -200,22 +282,15 @@ def _deal(size: int, count: int, rng: random.Random) -> list[int]:
     return dealt[:count]
 
 
+def _dtype(feature: Any) -> str | None:
+    """A plain column's type (``"int64"``, ``"null"``, ...); ``None`` for a nested one."""
+    from datasets import Value
+
+    return feature.dtype if isinstance(feature, Value) else None
+
+
 def _numeric(feature: Any) -> bool:
-    from datasets import Value
-
-    return isinstance(feature, Value) and (feature.dtype.startswith(("int", "uint", "float")))
-
-
-def _is_null(feature: Any) -> bool:
-    from datasets import Value
-
-    return isinstance(feature, Value) and feature.dtype == "null"
-
-
-def _describe(feature: Any) -> str:
-    from datasets import Value
-
-    return feature.dtype if isinstance(feature, Value) else repr(feature)
+    return (_dtype(feature) or "").startswith(("int", "uint", "float"))
 
 
 def merge_features(named: Sequence[tuple[str, Features]]) -> tuple[Features, set[str]]:
@@ -241,19 +316,19 @@ def merge_features(named: Sequence[tuple[str, Features]]) -> tuple[Features, set
     widened: set[str] = set()
     for suite, features in named:
         for column, feature in features.items():
-            if column not in merged or _is_null(merged[column]):
+            if column not in merged or _dtype(merged[column]) == "null":
                 merged[column], owner[column] = feature, suite
                 continue
             current = merged[column]
-            if _is_null(feature) or feature == current:
+            if _dtype(feature) == "null" or feature == current:
                 continue
             if _numeric(feature) and _numeric(current):
                 merged[column] = Value("float64")
                 widened.add(column)
                 continue
             raise HarborMixError(
-                f"Column {column!r} is {_describe(current)} in suite {owner[column]!r} but "
-                f"{_describe(feature)} in suite {suite!r}; a mixed dataset needs one type per column. "
+                f"Column {column!r} is {_dtype(current) or repr(current)} in suite {owner[column]!r} but "
+                f"{_dtype(feature) or repr(feature)} in suite {suite!r}; a mixed dataset needs one type per column. "
                 f"Fix: rename the [metadata] key {column!r} in one suite's task.toml files, or build "
                 "one of the specs with include_metadata=False."
             )
@@ -294,87 +369,17 @@ class HarborMix:
         *,
         num_rows: int | None = None,
     ) -> None:
-        names: list[str] | None = None
-        if isinstance(specs, Mapping):
-            names = [str(name) for name in specs]
-            if any(not name for name in names):
-                raise HarborMixError("A suite name in the specs mapping is empty; name every suite.")
-            spec_list = list(specs.values())
-        elif isinstance(specs, (HarborSpec, str, bytes)) or not isinstance(specs, Sequence):
-            raise TypeError(
-                f"HarborSpec.mix takes a list of HarborSpec (or a mapping name -> HarborSpec), "
-                f"got {type(specs).__name__}."
-            )
-        else:
-            spec_list = list(specs)
-        if not spec_list:
-            raise HarborMixError("HarborSpec.mix needs at least one spec; got none.")
-        for i, spec in enumerate(spec_list):
-            if not isinstance(spec, HarborSpec):
-                where = f"specs[{names[i]!r}]" if names else f"specs[{i}]"
-                hint = " (pass the specs of a mix, not the mix)" if isinstance(spec, HarborMix) else ""
-                raise TypeError(f"{where} is a {type(spec).__name__}, not a HarborSpec{hint}.")
-            if spec.loop_agent is not None:
-                where = f"specs[{names[i]!r}]" if names else f"specs[{i}]"
-                raise HarborMixError(
-                    f"{where} runs the loop-owning agent {spec.loop_agent!r}, which trains through a rollout_func "
-                    "and cannot be mixed with other specs yet. Fix: train it on its own spec."
-                )
+        names, spec_list = _named_specs(specs)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an integer, got {seed!r}.")
         if num_rows is not None and (isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1):
             raise HarborMixError(f"num_rows must be a positive integer (or None), got {num_rows!r}.")
         suites = names if names is not None else [suite_name(spec) for spec in spec_list]
-
-        def label(i: int) -> str:
-            return f"specs[{names[i]!r}]" if names else f"specs[{i}]"
-
         fractions = _check_weights(weights, names, len(spec_list))
-
-        roots: dict[str, tuple[int, Path]] = {}
-        combos: dict[tuple[Any, ...], int] = {}
-        env_names: dict[str, int] = {}
-        for i, (suite, spec) in enumerate(zip(suites, spec_list, strict=True)):
-            seen = roots.setdefault(suite, (i, spec.suite.root))
-            if seen[1] != spec.suite.root:
-                raise HarborMixError(
-                    f"{label(seen[0])} and {label(i)} are two different suites named {suite!r} ({seen[1]} and "
-                    f"{spec.suite.root}). Fix: name them apart, HarborSpec.mix({{'name_a': spec_a, "
-                    "'name_b': spec_b}, ...)."
-                )
-            factory = spec.environment_factory
-            environment_type = factory.environment_type
-            options = _spec_options(spec)
-            combo = (suite, spec.env_cls, environment_type, _options_key(options))
-            if combo in combos:
-                raise HarborMixError(
-                    f"{label(combos[combo])} and {label(i)} are the same combination (suite {suite!r}, harness "
-                    f"{spec.env_cls.__name__}, backend {environment_type!r}, same options): their rows "
-                    "could not be told apart. Fix: merge them into one spec (its weight is the sum), or "
-                    "name them apart with a mapping {name: spec} (e.g. easy and hard subsets of one suite)."
-                )
-            combos[combo] = i
-            name = _environment_name(suite, _harness_label(spec), environment_type, options)
-            if name in env_names:
-                raise HarborMixError(
-                    f"{label(env_names[name])} and {label(i)} both make the environment name {name!r} from "
-                    "different harness classes of the same name. Fix: rename one harness class, or "
-                    "name the suites apart with a mapping {name: spec}."
-                )
-            env_names[name] = i
-
-        for i, spec in enumerate(spec_list):
-            if "environment" in spec.train_dataset.column_names:  # suite.py renames such a metadata key
-                raise HarborMixError(
-                    f"The dataset of suite {suites[i]!r} already has a column 'environment', which a mix "
-                    "sets itself (TRL routes rows by it). Fix: rename that column."
-                )
-        self._datasets = [self._without_suite_column(spec.train_dataset) for spec in spec_list]
-        self._features, self._widened = merge_features(
-            [(suite, ds.features) for suite, ds in zip(suites, self._datasets, strict=True)]
-        )
-        sizes = [len(ds) for ds in self._datasets]
-        quotas = _quotas(fractions, sizes, num_rows, suites)
+        environments = _environment_names(suites, spec_list, names)
+        self._datasets = [_mixable_dataset(suite, spec) for suite, spec in zip(suites, spec_list, strict=True)]
+        self._features, _ = merge_features([(s, ds.features) for s, ds in zip(suites, self._datasets, strict=True)])
+        quotas = _quotas(fractions, [len(ds) for ds in self._datasets], num_rows, suites)
         total = sum(fractions)
         self._seed = seed
         self.entries: list[MixEntry] = [
@@ -388,15 +393,8 @@ class HarborMix:
                 environment_type=spec.environment_type,
                 options=_spec_options(spec),
             )
-            for suite, name, spec, weight, quota in zip(suites, env_names, spec_list, fractions, quotas, strict=True)
+            for suite, name, spec, weight, quota in zip(suites, environments, spec_list, fractions, quotas, strict=True)
         ]
-
-    @staticmethod
-    def _without_suite_column(dataset: Dataset) -> Dataset:
-        # A [metadata] key named "suite" would collide with the mix's column: keep it as metadata_suite.
-        if "suite" in dataset.column_names:
-            return dataset.rename_column("suite", "metadata_suite")
-        return dataset
 
     @property
     def specs(self) -> list[HarborSpec]:
@@ -463,14 +461,8 @@ class HarborMix:
             ]
             pieces.append(pa.Table.from_arrays(arrays, schema=schema))
         # ... then interleaved: the k-th row of spec i in the order is row offset_i + k of the stack.
-        offsets = [0]
-        for entry in self.entries[:-1]:
-            offsets.append(offsets[-1] + entry.rows)
-        taken = [0] * len(self.entries)
-        positions = []
-        for i in order:
-            positions.append(offsets[i] + taken[i])
-            taken[i] += 1
+        rows = [itertools.count(start) for start in itertools.accumulate((e.rows for e in self.entries), initial=0)]
+        positions = [next(rows[i]) for i in order]
         table = pa.concat_tables(pieces).take(pa.array(positions, pa.int64()))
         return Dataset(table.combine_chunks(), info=DatasetInfo(features=features))
 
@@ -560,32 +552,7 @@ def _infra(environments: Sequence[Any] | None, rewards: list[float | None], i: i
     return False
 
 
-def mix(
-    specs: Sequence[HarborSpec] | Mapping[str, HarborSpec],
-    weights: Sequence[float] | Mapping[str, float] | None = None,
-    seed: int = 0,
-    *,
-    num_rows: int | None = None,
-) -> HarborMix:
-    """Mix several specs (suites, harnesses, backends) into one training run (``HarborSpec.mix``).
-
-    See :class:`HarborMix` and ``docs/mixing.md``.
-
-    Args:
-        specs: The specs, as a list or a mapping ``{suite name: spec}``.
-        weights: One positive weight per spec (need not sum to 1); ``None``: equal.
-        seed: Seed of the mixed dataset's row order.
-        num_rows: Rows of the mixed dataset; ``None``: every task at least once.
-
-    Returns:
-        A :class:`HarborMix` with ``train_dataset``, ``environment_factory`` (a dict) and ``reward_funcs``.
-
-    Raises:
-        TypeError: When a spec is not a ``HarborSpec``.
-        HarborMixError: When the combination is impossible (a ``ValueError``).
-    """
-    return HarborMix(specs, weights, seed, num_rows=num_rows)
-
-
-# ``HarborSpec.mix(...)``: defined here, so that the spec module does not depend on mixing.
-HarborSpec.mix = staticmethod(mix)  # type: ignore[attr-defined]
+#: ``HarborSpec.mix(specs, weights=None, seed=0, *, num_rows=None)``: a :class:`HarborMix` (see
+#: ``docs/mixing.md``). Set here, so that the spec module does not depend on mixing.
+mix = HarborMix
+HarborSpec.mix = staticmethod(HarborMix)  # type: ignore[attr-defined]

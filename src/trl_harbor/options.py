@@ -19,13 +19,12 @@ they override the object's (:meth:`HarborOptions.merged`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["HarborOptions", "InfraPolicy", "OPTION_NAMES"]
+__all__ = ["HarborOptions", "InfraPolicy", "OPTION_NAMES", "refuse_unknown"]
 
 InfraPolicy = Literal["skip", "zero", "raise"]
 AgentProcesses = Literal["keep", "kill"]
@@ -64,7 +63,7 @@ class HarborOptions:
             ran, as Harbor does; ``"zero"`` counts every step never reached as 0, so a policy
             gains nothing by stopping after an easy first step (see ``docs/rewards.md``).
         backend_options: Options of the sandbox backend (Harbor's environment ``kwargs``, the
-            command line's ``--ek``), e.g. ``{"root": "host"}`` for the local sandbox.
+            command line's ``--ek``), e.g. ``{"pids_max": 64}`` for the local sandbox.
     """
 
     command_timeout_sec: int = 180
@@ -80,10 +79,8 @@ class HarborOptions:
     backend_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.allowed_changes, str):
-            object.__setattr__(self, "allowed_changes", (self.allowed_changes,))
-        else:
-            object.__setattr__(self, "allowed_changes", tuple(self.allowed_changes))
+        changes = self.allowed_changes
+        object.__setattr__(self, "allowed_changes", (changes,) if isinstance(changes, str) else tuple(changes))
         object.__setattr__(self, "backend_options", dict(self.backend_options or {}))
         if self.reward_weights is not None:
             object.__setattr__(self, "reward_weights", {str(k): float(v) for k, v in self.reward_weights.items()})
@@ -121,15 +118,9 @@ class HarborOptions:
         Raises:
             TypeError: When an override names no option (the message lists the options).
         """
+        refuse_unknown(overrides, OPTION_NAMES)
         base = options if options is not None else cls()
-        unknown = sorted(set(overrides) - set(OPTION_NAMES))
-        if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are: {', '.join(OPTION_NAMES)}")
         return dataclasses.replace(base, **overrides) if overrides else base
-
-    def key(self) -> str:
-        """A stable text form (the same options give the same key), e.g. for naming environments."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
 
     def changed(self) -> dict[str, Any]:
         """The fields that differ from their defaults.
@@ -143,6 +134,22 @@ class HarborOptions:
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != getattr(default, f.name)
         }
+
+
+def refuse_unknown(given: Iterable[str], known: Sequence[str], what: str = "option") -> None:
+    """Refuse names that are no field: a misspelt option must fail, not be silently ignored.
+
+    Args:
+        given: The names given.
+        known: The fields.
+        what: What a field is called in the message.
+
+    Raises:
+        TypeError: Naming the unknown names and listing the fields.
+    """
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise TypeError(f"unknown {what}(s) {', '.join(unknown)}; the {what}s are: {', '.join(known)}")
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> None:

@@ -179,29 +179,15 @@ def docker_network_problem(backend: Backend, task_dirs: Sequence[Path]) -> str |
         The explanation, or ``None`` when every task can run (or the backend is not Docker).
     """
     from harbor.models.environment_type import EnvironmentType
-    from harbor.models.task.config import NetworkMode
-
-    from trl_harbor.suite import load_task
 
     config = backend.config
     if config.import_path or config.type != EnvironmentType.DOCKER:
         return None
-    needing: list[str] = []
-    modes: set[str] = set()
-    for task_dir in task_dirs:
-        try:
-            task = load_task(Path(task_dir))
-            plans = [backend.plan(task)] + [backend.plan(task, s) for s in task.config.steps or []]
-        except Exception:  # noqa: BLE001 - a task Harbor cannot read is reported by the suite checks
-            continue
-        policies = [p for plan in plans for p in (plan.agent_env_baseline, plan.agent_phase,
-                                                  plan.verifier_env_baseline, plan.verifier_phase) if p]  # fmt: skip
-        closed = {p.network_mode.value for p in policies if p.network_mode != NetworkMode.PUBLIC}
-        if closed:
-            needing.append(task.short_name)
-            modes |= closed
-    if not needing:
+    closed = _closed_networks(backend, task_dirs)
+    if not closed:
         return None
+    needing = [name for name, _ in closed]
+    modes = set().union(*(modes for _, modes in closed))
     from harbor.environments.docker.docker import DockerEnvironment
 
     probe_ok = DockerEnvironment._egress_control_kernel_support()  # Harbor's own decision, cached by Harbor
@@ -227,6 +213,27 @@ def docker_network_problem(backend: Backend, task_dirs: Sequence[Path]) -> str |
     )
 
 
+def _closed_networks(backend: Backend, task_dirs: Sequence[Path]) -> list[tuple[str, set[str]]]:
+    """``(task name, its network modes but public)`` over every phase of every step, for the tasks with any."""
+    from harbor.models.task.config import NetworkMode
+
+    from trl_harbor.suite import load_task
+
+    closed: list[tuple[str, set[str]]] = []
+    for task_dir in task_dirs:
+        try:
+            task = load_task(Path(task_dir))
+            plans = [backend.plan(task)] + [backend.plan(task, s) for s in task.config.steps or []]
+        except Exception:  # noqa: BLE001 - a task Harbor cannot read is reported by the suite checks
+            continue
+        policies = [p for plan in plans for p in (plan.agent_env_baseline, plan.agent_phase,
+                                                  plan.verifier_env_baseline, plan.verifier_phase) if p]  # fmt: skip
+        modes = {p.network_mode.value for p in policies if p.network_mode != NetworkMode.PUBLIC}
+        if modes:
+            closed.append((task.short_name, modes))
+    return closed
+
+
 def _egress_images_missing(docker_env: type, probe_ok: bool) -> list[str]:
     """One line per egress-control image the daemon lacks, with why Harbor cannot get it."""
     lines = []
@@ -241,7 +248,7 @@ def _egress_images_missing(docker_env: type, probe_ok: bool) -> list[str]:
             )
     sidecar, base = _sidecar_image(docker_env)
     if sidecar and not _docker_image_present(sidecar):
-        if _docker_ok("buildx", "version"):
+        if _docker("buildx", "version") is not None:
             if base and not _docker_image_present(base):
                 lines.append(
                     f"{sidecar} (the sidecar): not in the daemon; Harbor builds it with `docker buildx build` "
@@ -264,7 +271,7 @@ def _sidecar_image(docker_env: type) -> tuple[str | None, str | None]:
         dockerfile = Path(docker_env._egress_control_sidecar_dockerfile_path())
         name = str(docker_env._EGRESS_CONTROL_SIDECAR_DOCKER_NAME)
         froms = [line.split()[1] for line in dockerfile.read_text().splitlines() if line.upper().startswith("FROM ")]
-        platform = _docker_output("version", "--format", "{{.Server.Os}}/{{.Server.Arch}}")
+        platform = _docker("version", "--format", "{{.Server.Os}}/{{.Server.Arch}}")
         if not platform:
             return None, froms[0] if froms else None
         digest = docker_build_context_hash(
@@ -276,23 +283,17 @@ def _sidecar_image(docker_env: type) -> tuple[str | None, str | None]:
         return None, None
 
 
-def _docker_output(*args: str) -> str:
+def _docker(*args: str) -> str | None:
+    """What the docker CLI prints when it succeeds; ``None`` when it fails, is missing or does not answer."""
     try:
-        result = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=30)
+        result = subprocess.run(["docker", *args], capture_output=True, text=True, errors="replace", timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return result.stdout.strip() if result.returncode == 0 else ""
-
-
-def _docker_ok(*args: str) -> bool:
-    try:
-        return subprocess.run(["docker", *args], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
 
 
 def _docker_image_present(reference: str) -> bool:
-    return _docker_ok("image", "inspect", reference)
+    return _docker("image", "inspect", reference) is not None
 
 
 # ── task.toml: keys Harbor would ignore ─────────────────────────────────────────────
@@ -348,11 +349,7 @@ def _unknown_keys(raw: Any, model: Any, where: str) -> list[tuple[str, str, str 
     if not isinstance(raw, dict):
         return []
     fields = model.model_fields
-    names = {}
-    for name, info in fields.items():
-        names[name] = info
-        if info.alias:
-            names[info.alias] = info
+    names = {**fields, **{info.alias: info for info in fields.values() if info.alias}}
     found: list[tuple[str, str, str | None]] = []
     for key, value in raw.items():
         info = names.get(key)

@@ -13,12 +13,13 @@ Phases reported:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-__all__ = ["LineReporter", "Reporter", "SandboxStarts", "report", "set_reporter"]
+__all__ = ["LineReporter", "Reporter", "SandboxStarts", "gather", "report", "set_reporter"]
 
 
 class Reporter(Protocol):
@@ -61,6 +62,29 @@ def report(phase: str, done: int, total: int) -> None:
         reporter(phase, done, total)
     except Exception:  # noqa: BLE001 - showing progress must never break training
         pass
+
+
+async def gather[T](phase: str, awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """Await ``awaitables`` together, reporting each one's end as progress of ``phase``.
+
+    Args:
+        phase: The phase's name.
+        awaitables: What to await.
+
+    Returns:
+        Their results, in order (an exception propagates, as from ``asyncio.gather``).
+    """
+    done = 0
+
+    async def one(awaitable: Awaitable[T]) -> T:
+        nonlocal done
+        try:
+            return await awaitable
+        finally:
+            done += 1
+            report(phase, done, len(awaitables))
+
+    return list(await asyncio.gather(*(one(a) for a in awaitables)))
 
 
 class SandboxStarts:

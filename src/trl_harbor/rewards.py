@@ -15,7 +15,7 @@ from trl_harbor.env import HarborEnv, verify_all
 from trl_harbor.preflight import check_batch
 from trl_harbor.rollout.outcome import Cause, Verification
 
-__all__ = ["batch_metrics", "harbor_reward"]
+__all__ = ["batch_metrics", "harbor_reward", "report_batch"]
 
 
 def harbor_reward(
@@ -67,14 +67,38 @@ def harbor_reward(
     verified = iter(verify_all(ours))
     rewards = [next(verified) if isinstance(env, HarborEnv) else _as_reward(env.reward) for env in environments]
     outcomes = [env.verification if isinstance(env, HarborEnv) else None for env in environments]
+    reasons = [(o.reason if o else "") for o in outcomes]
+    report_batch(outcomes, reasons, [env.options.infra_stop_fraction for env in ours], log_metric, log_extra)
+    return rewards
+
+
+def report_batch(
+    outcomes: Sequence[Verification | None],
+    reasons: Sequence[str],
+    stop_fractions: Sequence[float | None],
+    log_metric: Callable[[str, float], None] | None,
+    log_extra: Callable[[str, list], None] | None,
+    metrics: dict[str, float] | None = None,
+) -> None:
+    """Log a graded batch (its :func:`batch_metrics` and ``metrics``, each rollout's reason), then guard it.
+
+    Args:
+        outcomes: Each rollout's verification (``None`` for an environment that is not trl-harbor's).
+        reasons: Each rollout's reason, for the ``harbor_error`` column.
+        stop_fractions: The rollouts' ``infra_stop_fraction`` (the smallest applies; one ``None``: never stop).
+        log_metric: TRL's metric logger.
+        log_extra: TRL's completions-table logger.
+        metrics: Further metrics of the batch.
+
+    Raises:
+        trl_harbor.preflight.InfrastructureFailureError: When the batch was lost to the infrastructure.
+    """
     if log_metric is not None:
-        for name, value in batch_metrics(outcomes).items():
+        for name, value in {**batch_metrics(outcomes), **(metrics or {})}.items():
             log_metric(name, value)
     if log_extra is not None:
-        log_extra("harbor_error", [(o.reason if o else "") for o in outcomes])
-    fractions = [env.options.infra_stop_fraction for env in ours]
-    check_batch(outcomes, None if not fractions or None in fractions else min(fractions))
-    return rewards
+        log_extra("harbor_error", list(reasons))
+    check_batch(outcomes, None if not stop_fractions or None in stop_fractions else min(stop_fractions))  # type: ignore[type-var]
 
 
 def batch_metrics(outcomes: Sequence[Verification | None]) -> dict[str, float]:

@@ -222,17 +222,12 @@ def run[T](coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         TimeoutError: When ``timeout`` passes before the coroutine finishes.
         Exception: Whatever the coroutine raises is re-raised in the caller.
     """
-    loop = get_loop()
     if threading.current_thread() is _thread:
         coro.close()
         raise RuntimeError(
             "trl_harbor.runtime.run() was called from the shared event loop's own thread; await the coroutine instead."
         )
-    try:
-        future = asyncio.run_coroutine_threadsafe(coro, loop)
-    except BaseException:
-        coro.close()
-        raise
+    future = submit(coro)
     try:
         return future.result(timeout)
     except FutureTimeoutError as exc:

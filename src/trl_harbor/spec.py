@@ -72,30 +72,25 @@ def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv] | None, b
         TaskSuiteError: Naming every such task, why, and the fix.
     """
     problems = []
-    if env_cls is None:  # a loop-owning agent (terminus-2)
-        for task in tasks:
-            if task.steps:
-                problems.append(
-                    f"{task.path}/task.toml: [[steps]] ({task.steps} steps): a loop-owning agent (terminus-2) "
-                    "trains on single-step tasks only for now. Fix: a harness with `submit_step` "
-                    "(agent='bash_steps'), or leave the task out."
-                )
-    elif not callable(getattr(env_cls, "submit_step", None)):
-        for task in tasks:
-            if task.steps:
-                problems.append(
-                    f"{task.path}/task.toml: [[steps]] ({task.steps} steps) needs a harness with a "
-                    f"`submit_step` tool, and {env_cls.__name__} has none. Fix: agent='bash_steps', or "
-                    "add trl_harbor.StepsMixin to your harness."
-                )
-    if backend.local:
-        for task in tasks:
-            if task.compose:
-                problems.append(
-                    f"{task.path}/environment/docker-compose.yaml: the local sandbox runs one container, "
-                    "not compose services (the sidecars would be silently missing). Fix: "
-                    "environment_type='docker' (or another backend that runs compose), or leave the task out."
-                )
+    for task in tasks:
+        if task.steps and env_cls is None:  # a loop-owning agent (terminus-2)
+            problems.append(
+                f"{task.path}/task.toml: [[steps]] ({task.steps} steps): a loop-owning agent (terminus-2) "
+                "trains on single-step tasks only for now. Fix: a harness with `submit_step` "
+                "(agent='bash_steps'), or leave the task out."
+            )
+        elif task.steps and not callable(getattr(env_cls, "submit_step", None)):
+            problems.append(
+                f"{task.path}/task.toml: [[steps]] ({task.steps} steps) needs a harness with a "
+                f"`submit_step` tool, and {env_cls.__name__} has none. Fix: agent='bash_steps', or "
+                "add trl_harbor.StepsMixin to your harness."
+            )
+        if task.compose and backend.local:
+            problems.append(
+                f"{task.path}/environment/docker-compose.yaml: the local sandbox runs one container, "
+                "not compose services (the sidecars would be silently missing). Fix: "
+                "environment_type='docker' (or another backend that runs compose), or leave the task out."
+            )
     if problems:
         raise TaskSuiteError(f"{len(problems)} task(s) cannot run here:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -275,13 +270,12 @@ class HarborSpec:
         check_task_configs(self.tasks, self.suite.root)
         if preflight_enabled(preflight):
             check_backend(self.backend, self.task_dirs)
-        transforms = (with_environment_reward,) if reward_source == "environment" else ()
         self._factory: EnvironmentFactory | None = None
         self._rollout_func: LoopRolloutFunc | None = None
-        if self.env_cls is None:
-            assert self.agent_options is not None
+        if self.agent_options is not None:
             self._rollout_func = LoopRolloutFunc(self.backend, self.options, self.agent_options)
         else:
+            transforms = (with_environment_reward,) if reward_source == "environment" else ()
             self._factory = EnvironmentFactory(
                 agent, self.backend, self.options, harness_kwargs, self.env_cls, transforms
             )
@@ -313,7 +307,7 @@ class HarborSpec:
 
         if self.loop_agent is not None:  # the rollout_func gets only the prompts: each carries its task
             prompts = [
-                [{"role": "user", "content": _instruction(task), "task_dir": str(task.path)}]
+                [{"role": "user", "content": task.task.instruction, "task_dir": str(task.path)}]
                 for _, task in self._selected
             ]
         else:
@@ -363,12 +357,3 @@ class HarborSpec:
             f"HarborSpec(dataset={str(self._dataset)!r}, agent={self._agent!r}, "
             f"environment_type={self.backend.name!r}, tasks={len(self._selected)})"
         )
-
-
-def _instruction(task: TaskInfo) -> str:
-    """The task's instruction (a loop agent's prompt shows it; the agent writes its own prompt from it)."""
-    instruction = getattr(task.task, "instruction", None)
-    if isinstance(instruction, str):
-        return instruction
-    path = Path(task.path) / "instruction.md"
-    return path.read_text(encoding="utf-8") if path.is_file() else ""

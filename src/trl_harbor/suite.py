@@ -196,24 +196,19 @@ def validate_task(task_dir: Path) -> tuple[TaskInfo | None, list[str]]:
         ``(info, problems)``: ``info`` is ``None`` when the task is unusable, and ``problems``
         lists every defect found, each with a hint on how to fix it.
     """
-    problems: list[str] = []
-    raw, config_problems = _read_config(task_dir)
-    problems += config_problems
+    raw, problems = _read_config(task_dir)
     has_steps = bool(raw and raw.get("steps"))
     if not has_steps and not (task_dir / "instruction.md").is_file():
         problems.append("instruction.md is missing. Fix: add instruction.md with the prompt the agent gets.")
-    if has_steps:
-        pass  # each step has its own tests (steps/<name>/tests/); Harbor's model checks them below
-    elif not (task_dir / "tests").is_dir() or not any(
-        (task_dir / "tests" / name).is_file() for name in ("test.sh", "test.ps1", "test.cmd", "test.bat")
-    ):
-        # A separate verifier image may bundle its own tests; Harbor's model decides below.
-        bundled = bool(raw and (raw.get("verifier") or {}).get("environment"))
-        if not bundled:
-            problems.append(
-                "tests/test.sh is missing. Fix: add tests/test.sh that writes "
-                "/logs/verifier/reward.txt (a number) or /logs/verifier/reward.json."
-            )
+    # Each step has its own tests (steps/<name>/tests/), and a separate verifier image may bundle its
+    # own: Harbor's model checks those below.
+    elsewhere = has_steps or bool(raw and (raw.get("verifier") or {}).get("environment"))
+    tests = ("test.sh", "test.ps1", "test.cmd", "test.bat")
+    if not elsewhere and not any((task_dir / "tests" / name).is_file() for name in tests):
+        problems.append(
+            "tests/test.sh is missing. Fix: add tests/test.sh that writes "
+            "/logs/verifier/reward.txt (a number) or /logs/verifier/reward.json."
+        )
     if problems:
         return None, problems
 
@@ -225,15 +220,13 @@ def validate_task(task_dir: Path) -> tuple[TaskInfo | None, list[str]]:
             f"Harbor rejects the task: {type(exc).__name__}: {detail}. Fix: make task.toml and "
             "the task layout follow Harbor's task format (see `harbor tasks check`)."
         ]
-    problems += _missing_host_variables(task)
+    problems = _missing_host_variables(task)
     if problems:
         return None, problems
     metadata = dict(task.config.metadata or {})
     compose = (task_dir / "environment" / "docker-compose.yaml").is_file()
-    info = TaskInfo(
-        task_dir.resolve(), task.name, metadata, len(task.config.steps or []), compose, task=task, raw=raw or {}
-    )
-    return info, []
+    steps = len(task.config.steps or [])
+    return TaskInfo(task_dir.resolve(), task.name, metadata, steps, compose, task=task, raw=raw or {}), []
 
 
 _TASKS: dict[Path, Any] = {}

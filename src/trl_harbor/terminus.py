@@ -35,10 +35,11 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from trl_harbor.options import refuse_unknown
 from trl_harbor.rollout import steps
 from trl_harbor.rollout.outcome import Cause
 
@@ -100,11 +101,7 @@ class TerminusOptions:
         Raises:
             TypeError: For a key that is no option (the message lists them).
         """
-        unknown = sorted(set(kwargs) - set(TERMINUS_OPTION_NAMES))
-        if unknown:
-            raise TypeError(
-                f"unknown Terminus-2 option(s) {', '.join(unknown)}; they are: {', '.join(TERMINUS_OPTION_NAMES)}"
-            )
+        refuse_unknown(kwargs, TERMINUS_OPTION_NAMES, "Terminus-2 option")
         return cls(**dict(kwargs))
 
 
@@ -145,15 +142,15 @@ class AgentRun:
         for step in self.steps:
             results = (step.get("observation") or {}).get("results") or []
             output = "\n".join(str(r.get("content")) for r in results if r.get("content") is not None)
-            for call in step.get("tool_calls") or []:
-                calls.append(
-                    {
-                        "tool": call.get("function_name"),
-                        "arguments": call.get("arguments") or {},
-                        "output": output,
-                        "error": None,
-                    }
-                )
+            calls += [
+                {
+                    "tool": call.get("function_name"),
+                    "arguments": call.get("arguments") or {},
+                    "output": output,
+                    "error": None,
+                }
+                for call in step.get("tool_calls") or []
+            ]
         return calls
 
     def harbor_token_ids(self) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
@@ -207,26 +204,13 @@ async def run_terminus(
     Returns:
         How the run went.
     """
-    await episode.wait_ready()
-    if episode.failure is not None or episode.environment is None:
-        return AgentRun("not_started", error=episode.failure.reason if episode.failure else "no sandbox")
+    refused = await _check_sandbox(episode)
+    if refused is not None:
+        return refused
     task, environment = episode.task, episode.environment
-    try:
-        probe = await episode.exec("command -v tmux >/dev/null 2>&1", timeout=60, user="root")
-    except Exception as exc:  # noqa: BLE001 - the episode records an infrastructure failure itself
-        return AgentRun("not_started", error=f"{type(exc).__name__}: {exc}")
-    if probe.return_code != 0:
-        reason = (
-            f"the sandbox of task {task.name!r} has no tmux, which Terminus-2 drives the terminal with; add "
-            "`RUN apt-get update && apt-get install -y --no-install-recommends tmux` (or the image's package "
-            "manager's equivalent) to the task's environment/Dockerfile"
-        )
-        episode.fail("start", reason, Cause.CONFIGURATION)
-        return AgentRun("not_started", error=reason)
+    assert environment is not None
     agent = _build_agent(episode, base_url, options, max_turns, session_id, context_tokens)
     timeout = options.timeout_sec if options.timeout_sec is not None else task.config.agent.timeout_sec
-    run = AgentRun("completed")
-    from harbor.llms.base import ContextLengthExceededError
     from harbor.models.agent.context import AgentContext
 
     context = AgentContext()
@@ -236,26 +220,7 @@ async def run_terminus(
         except Exception as exc:  # noqa: BLE001
             episode.fail("start", f"Terminus-2's setup failed: {type(exc).__name__}: {exc}")
             return AgentRun("not_started", error=episode.failure.reason if episode.failure else str(exc))
-        job = asyncio.ensure_future(agent.run(episode.instruction, environment, context))
-        guard = asyncio.ensure_future(abort()) if abort is not None else None
-        try:
-            done, _ = await asyncio.wait(
-                {job, *([guard] if guard else [])}, timeout=timeout, return_when="FIRST_COMPLETED"
-            )
-            if job not in done:
-                run.ended = "aborted" if guard is not None and guard in done else "timeout"
-                job.cancel()
-                await asyncio.gather(job, return_exceptions=True)
-                if run.ended == "aborted":
-                    run.error = "the model endpoint failed"
-            elif job.exception() is not None:
-                error = job.exception()
-                run.ended = "context" if isinstance(error, ContextLengthExceededError) else "error"
-                if run.ended == "error":
-                    run.error = f"{type(error).__name__}: {error}"
-        finally:
-            if guard is not None:
-                guard.cancel()
+        run = await _until_done(agent.run(episode.instruction, environment, context), timeout, abort)
     run.turns = int((context.metadata or {}).get("n_episodes") or 0)
     run.rollout_details = [dict(d) for d in context.rollout_details or []]
     run.steps = _trajectory_steps(episode)
@@ -264,6 +229,54 @@ async def run_terminus(
     if run.ended == "error":
         logger.info("trl-harbor: Terminus-2 on %s stopped: %s", task.name, run.error)
     return run
+
+
+async def _check_sandbox(episode: Episode) -> AgentRun | None:
+    """Wait for the sandbox; a ``not_started`` run when it did not start or has no tmux (which fails the episode)."""
+    await episode.wait_ready()
+    if episode.failure is not None or episode.environment is None:
+        return AgentRun("not_started", error=episode.failure.reason if episode.failure else "no sandbox")
+    try:
+        probe = await episode.exec("command -v tmux >/dev/null 2>&1", timeout=60, user="root")
+    except Exception as exc:  # noqa: BLE001 - the episode records an infrastructure failure itself
+        return AgentRun("not_started", error=f"{type(exc).__name__}: {exc}")
+    if probe.return_code == 0:
+        return None
+    reason = (
+        f"the sandbox of task {episode.task.name!r} has no tmux, which Terminus-2 drives the terminal with; add "
+        "`RUN apt-get update && apt-get install -y --no-install-recommends tmux` (or the image's package "
+        "manager's equivalent) to the task's environment/Dockerfile"
+    )
+    episode.fail("start", reason, Cause.CONFIGURATION)
+    return AgentRun("not_started", error=reason)
+
+
+async def _until_done(
+    job: Coroutine[Any, Any, Any], timeout: float | None, abort: Callable[[], Awaitable[Any]] | None
+) -> AgentRun:
+    """Run the agent until it returns, raises, runs past ``timeout`` or ``abort`` fires; how it ended."""
+    from harbor.llms.base import ContextLengthExceededError
+
+    running = asyncio.ensure_future(job)
+    guard = asyncio.ensure_future(abort()) if abort is not None else None
+    try:
+        done, _ = await asyncio.wait(
+            {running, *([guard] if guard else [])}, timeout=timeout, return_when="FIRST_COMPLETED"
+        )
+        if running not in done:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            aborted = guard is not None and guard in done
+            return AgentRun("aborted", error="the model endpoint failed") if aborted else AgentRun("timeout")
+    finally:
+        if guard is not None:
+            guard.cancel()
+    error = running.exception()
+    if error is None:
+        return AgentRun("completed")
+    if isinstance(error, ContextLengthExceededError):
+        return AgentRun("context")
+    return AgentRun("error", error=f"{type(error).__name__}: {error}")
 
 
 def _build_agent(

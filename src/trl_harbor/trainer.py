@@ -38,6 +38,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import trl
 from trl import GRPOTrainer
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "ConcurrentToolsMixin", "HarborGRPOTrainer", "concurrent_tools_supported"]
@@ -60,11 +61,7 @@ def concurrent_tools_supported(version: str | None = None) -> bool:
         ``True`` for a release in :data:`SUPPORTED_TRL_VERSIONS`; on any other the mixin runs
         TRL's own, sequential loop.
     """
-    if version is None:
-        import trl
-
-        version = trl.__version__
-    return version in SUPPORTED_TRL_VERSIONS
+    return (trl.__version__ if version is None else version) in SUPPORTED_TRL_VERSIONS
 
 
 def _warn_unsupported_once() -> None:
@@ -72,8 +69,6 @@ def _warn_unsupported_once() -> None:
     if _warned_unsupported:
         return
     _warned_unsupported = True
-    import trl
-
     warnings.warn(
         f"trl-harbor: concurrent tool calls are tested with TRL {', '.join(SUPPORTED_TRL_VERSIONS)}, "
         f"but TRL {trl.__version__} is installed; HarborGRPOTrainer runs TRL's own tool loop instead "
@@ -305,12 +300,9 @@ class _TurnDispatcher:
 
 
 class ConcurrentToolsMixin:
-    """Mixin for ``GRPOTrainer``: every rollout's tool calls of a turn run at the same time.
+    """Mixin for ``GRPOTrainer``: every rollout's tool calls of a turn run at the same time (see the module).
 
-    Put it before ``GRPOTrainer`` (or a subclass) in the bases. TRL's own tool loop still
-    decides everything (calls, order, messages, token ids, roll-back, failure counts); only
-    the waiting overlaps, so a turn of N rollouts costs about one command instead of N. On a
-    TRL release not in :data:`SUPPORTED_TRL_VERSIONS` it warns once and runs TRL's loop.
+    Put it before ``GRPOTrainer`` (or a subclass) in the bases.
 
     Args:
         *args: Passed on to the trainer.
@@ -332,8 +324,7 @@ class ConcurrentToolsMixin:
 
     def _tool_call_loop(self, *args: Any, **kwargs: Any) -> Any:
         parent = super()._tool_call_loop  # type: ignore[misc]
-        if not concurrent_tools_supported():
-            _warn_unsupported_once()
+        if not concurrent_tools_supported():  # warned once, in __init__
             return parent(*args, **kwargs)
         completions = inspect.signature(parent).bind(*args, **kwargs).arguments["completions"]
         sync_dicts, async_dicts = self._sync_tool_dicts, self._async_tool_dicts

@@ -68,18 +68,18 @@ def _record_tool(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             arguments = {"args": list(args), **kwargs}
         call: dict[str, Any] = {"tool": name, "arguments": {k: _jsonable(v) for k, v in arguments.items()}}
         start = time.monotonic()
+
+        def done(output: Any, error: str | None) -> None:
+            call.update(output=output, error=error, duration_s=round(time.monotonic() - start, 4))
+            if record is not None:
+                record["tool_calls"].append(call)
+
         try:
             output = fn(self, *args, **kwargs)
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            call.update(output=None, error=error, duration_s=round(time.monotonic() - start, 4))
-            if record is not None:
-                record["tool_calls"].append(call)
+            done(None, f"{type(exc).__name__}: {exc}")
             raise
-        text = output if isinstance(output, str) else _jsonable(output)
-        call.update(output=text, error=None, duration_s=round(time.monotonic() - start, 4))
-        if record is not None:
-            record["tool_calls"].append(call)
+        done(output if isinstance(output, str) else _jsonable(output), None)
         return output
 
     return tool
@@ -230,48 +230,56 @@ class TrajectoryLog:
             batch = self.batches
         lines = []
         for index, (env, reward) in enumerate(zip(environments, rewards, strict=True)):
-            record = dict(getattr(env, _RECORD, None) or {"task": None, "tool_calls": []})
-            t0 = record.pop("_t0", None)
-            verification = getattr(env, "verification", None)  # HarborEnv: how the rollout was graded
-            components = getattr(verification, "rewards", None)
-            infra_error = getattr(env, "infra_error", None) if hasattr(type(env), "infra_error") else None
-            value = None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else float(reward)
             line = {
                 "step": None if global_step is None else global_step + 1,
                 "global_step": global_step,
                 "rank": self.rank,
                 "batch": batch,
                 "rollout": index,
-                "task": record.get("task"),
-                "task_dir": record.get("task_dir"),
-                "harness": type(env).__name__,
-                "environment_type": self.environment_type,
-                "started_at": record.get("started_at"),
-                "duration_s": None if t0 is None else round(now - t0, 3),
-                "tool_calls": record.get("tool_calls", []),
-                "num_tool_calls": len(record.get("tool_calls", [])),
-                "final_message": _final_message(completions[index]) if completions is not None else None,
-                "reward": value,
-                "reward_components": _jsonable(dict(components)) if isinstance(components, dict) else None,
-                "infra_error": infra_error,
+                **self._rollout(env, reward, None if completions is None else completions[index], now),
             }
-            if verification is not None:
-                cause = getattr(verification, "cause", None)
-                line["verification"] = {
-                    "cause": None if cause is None else str(cause),
-                    "reason": getattr(verification, "reason", ""),
-                    "concealed": list(getattr(verification, "concealed", ())),
-                    "tampered": list(getattr(verification, "tampered", ())),
-                    "killed": getattr(verification, "killed", 0),
-                }
-            fields = getattr(env, "trajectory_fields", None)
-            if callable(fields):  # a loop agent's rollout: turns, forks, drift, how the agent ended
-                line.update(fields())
             if extra is not None:
                 line.update(extra[index])
             lines.append(json.dumps(line, ensure_ascii=False))
-        if not lines:
-            return
+        if lines:
+            self._append(lines)
+
+    def _rollout(self, env: Any, reward: float | None, completion: Any, now: float) -> dict[str, Any]:
+        """A line's fields of one rollout: the task, its tool calls, the final message, how it was graded."""
+        record = dict(getattr(env, _RECORD, None) or {"task": None, "tool_calls": []})
+        t0 = record.pop("_t0", None)
+        verification = getattr(env, "verification", None)  # HarborEnv: how the rollout was graded
+        components = getattr(verification, "rewards", None)
+        line = {
+            "task": record.get("task"),
+            "task_dir": record.get("task_dir"),
+            "harness": type(env).__name__,
+            "environment_type": self.environment_type,
+            "started_at": record.get("started_at"),
+            "duration_s": None if t0 is None else round(now - t0, 3),
+            "tool_calls": record.get("tool_calls", []),
+            "num_tool_calls": len(record.get("tool_calls", [])),
+            "final_message": None if completion is None else _final_message(completion),
+            "reward": None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else float(reward),
+            "reward_components": _jsonable(dict(components)) if isinstance(components, dict) else None,
+            "infra_error": getattr(env, "infra_error", None) if hasattr(type(env), "infra_error") else None,
+        }
+        if verification is not None:
+            cause = getattr(verification, "cause", None)
+            line["verification"] = {
+                "cause": None if cause is None else str(cause),
+                "reason": getattr(verification, "reason", ""),
+                "concealed": list(getattr(verification, "concealed", ())),
+                "tampered": list(getattr(verification, "tampered", ())),
+                "killed": getattr(verification, "killed", 0),
+            }
+        fields = getattr(env, "trajectory_fields", None)
+        if callable(fields):  # a loop agent's rollout: turns, forks, drift, how the agent ended
+            line.update(fields())
+        return line
+
+    def _append(self, lines: list[str]) -> None:
+        """Append whole lines in one locked write, whatever other processes append to the file."""
         data = ("\n".join(lines) + "\n").encode()
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -175,13 +175,14 @@ def own_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]:
     """
     if os.geteuid() != 0:
         pytest.skip("mounting the small file systems needs root (as do sandboxes on task images)")
-    from trl_harbor import env as env_module
+    from trl_harbor.rollout import episode as episode_module
 
     close_all()
     base = Path(tempfile.mkdtemp(prefix="adv-", dir="/tmp"))  # short: the sandboxes' sockets live under it
     with small_tmpfs(base / "state", 1024, inodes=6000) as state, small_tmpfs(base / "trials", 256) as trials:
         monkeypatch.setenv("TRL_HARBOR_STATE_DIR", str(state))
-        monkeypatch.setattr(env_module, "_TRIAL_ROOT", Path(tempfile.mkdtemp(dir=trials)))
+        trial_root = Path(tempfile.mkdtemp(dir=trials))
+        monkeypatch.setattr(episode_module, "_trial_root", lambda: trial_root)
         yield {"state": state, "trials": trials}
         close_all()
     shutil.rmtree(base, ignore_errors=True)

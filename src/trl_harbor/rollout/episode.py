@@ -12,10 +12,14 @@ Every coroutine here runs on the shared loop of :mod:`trl_harbor.runtime`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import enum
+import functools
 import logging
+import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -73,17 +77,19 @@ class Episode:
         task: Harbor's task.
         backend: Where its sandboxes run.
         options: How it runs and is graded.
-        trial_dir: A fresh folder for Harbor's trial files (removed at :meth:`stop`).
+        trial_dir: A fresh folder for Harbor's trial files, removed at :meth:`stop` (default: a new one).
         label: A human-readable part of the sandboxes' session ids.
     """
 
-    def __init__(self, task: Task, backend: Backend, options: HarborOptions, trial_dir: Path, label: str = "") -> None:
+    def __init__(
+        self, task: Task, backend: Backend, options: HarborOptions, trial_dir: Path | None = None, label: str = ""
+    ) -> None:
         from harbor.models.trial.paths import TrialPaths
 
         self.task = task
         self.backend = backend
         self.options = options
-        self.paths: TrialPaths = TrialPaths(trial_dir=trial_dir)
+        self.paths: TrialPaths = TrialPaths(trial_dir=trial_dir or Path(tempfile.mkdtemp(dir=_trial_root())))
         self.label = label or task.short_name
         self.phase = Phase.STARTING
         self.failure: Failure | None = None
@@ -110,8 +116,7 @@ class Episode:
     @property
     def instruction(self) -> str:
         """The instruction of the current step (the task's, for a single-step task)."""
-        step = self.step
-        return self.task.instruction if step is None else self.task.step_instruction(step.name)
+        return self.task.instruction if self.step is None else self.task.step_instruction(self.step.name)
 
     def fail(self, stage: str, error: BaseException | str, cause: Cause = Cause.INFRASTRUCTURE) -> Failure:
         """End the rollout: record why (the first failure wins; ``stage`` is ``start``, ``exec`` or
@@ -147,7 +152,6 @@ class Episode:
             async with runtime.limit("harbor-sandbox-starts", self.options.max_concurrent_starts):
                 self.plan = plan = self.backend.plan(self.task, self.step)
                 shared = plan.verifier_env_baseline is None
-                self.paths.mkdir()
                 self.environment = environment = self.backend.create(
                     self.task,
                     self.paths,
@@ -183,11 +187,11 @@ class Episode:
         if self.ready is not None:
             await asyncio.wait([asyncio.wrap_future(self.ready)])
 
-    def stop(self) -> asyncio.Future[None]:
-        """Stop the sandbox and remove the trial folder (idempotent; on the shared loop): a future done once stopped."""
+    async def stop(self) -> None:
+        """Stop the sandbox and remove the trial folder (idempotent: every caller waits for the one stop)."""
         if self._stopping is None:
             self._stopping = asyncio.ensure_future(self._stop())
-        return self._stopping
+        await self._stopping
 
     async def _stop(self) -> None:
         if self.ready is not None and not self.ready.done():
@@ -318,3 +322,34 @@ class Episode:
 
 
 _STAGES = {"start": "sandbox start", "exec": "a tool call", "verify": "verification"}
+
+
+@functools.cache
+def _trial_root() -> Path:
+    """This process's folder for Harbor's per-episode files; those of dead processes are swept."""
+    base = Path(tempfile.gettempdir()) / f"trl-harbor-trials-{os.getuid()}"
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for entry in base.iterdir():
+        owner = entry.name.split("-", 1)[0]
+        if owner.isdigit() and not _alive(int(owner)):
+            shutil.rmtree(entry, ignore_errors=True)
+    root = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base))
+    atexit.register(_remove_trial_root, root)
+    return root
+
+
+def _remove_trial_root(root: Path) -> None:
+    # Registered after runtime's own exit hook, so it runs first: stop the sandboxes (episodes
+    # still starting write into the folder) before removing it.
+    runtime.close_all()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

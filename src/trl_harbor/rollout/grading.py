@@ -152,10 +152,15 @@ async def grade(environment: BaseEnvironment, context: Context, baseline: Baseli
             return await _grade_isolated(environment, context)
         return await _grade_in_place(environment, context, baseline)
     except _BackendFault as fault:
-        found = await exhaustion(environment)
-        if found:
-            return failed(Cause.EXHAUSTED, f"the rollout exhausted its sandbox ({found}), which stopped answering")
-        return failed(Cause.INFRASTRUCTURE, str(fault))
+        return await _lost(environment, str(fault))
+
+
+async def _lost(environment: BaseEnvironment, reason: str) -> Verification:
+    """A sandbox that stopped answering: exhausted by the rollout (0), else lost to the infrastructure."""
+    found = await exhaustion(environment)
+    if found:
+        return failed(Cause.EXHAUSTED, f"the rollout exhausted its sandbox ({found}), which stopped answering")
+    return failed(Cause.INFRASTRUCTURE, reason)
 
 
 async def _grade_isolated(environment: BaseEnvironment, context: Context) -> Verification:
@@ -305,10 +310,7 @@ async def _verifier_failed(
     """Score 0 when the backend still runs the sandbox (the rollout broke its verification), else infrastructure."""
     cause = f"{type(exc).__name__}: {exc}"
     if not await alive(environment):
-        found = await exhaustion(environment)
-        if found:
-            return failed(Cause.EXHAUSTED, f"the rollout exhausted its sandbox ({found}), which stopped answering")
-        return failed(Cause.INFRASTRUCTURE, cause)
+        return await _lost(environment, cause)
     reason = f"verification failed in a healthy sandbox ({cause}); scored 0"
     logger.info("trl-harbor: task %s: %s", context.task.name, reason)
     return failed(Cause.VERIFIER, reason, **details)

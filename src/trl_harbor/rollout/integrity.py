@@ -1,16 +1,14 @@
 """What the verifier runs is not the agent's: the agent's processes and tampering, before grading.
 
-An RL policy is an adversary: whatever it can reach that changes its reward, it will find. Two
-things make a verifier's score trustworthy, and this module provides both, for any Harbor
-backend:
+An RL policy is an adversary: whatever it can reach that changes its reward, it will find. For
+backends that verify in the agent's own sandbox, this module provides two safeguards:
 
-* **The agent is gone before the verifier starts.** Every process the agent's tool calls left
-  (``nohup``, ``setsid``, double forks, processes that ignore SIGTERM, a harness's kernel) is
-  killed, so nothing can rewrite the reward file or the files under test while the verifier
-  runs. Backends that can do this exactly provide an async ``kill_processes()`` (the local
-  sandbox: its supervisor sees every process of the sandbox's PID namespace); elsewhere the
-  processes started after the sandbox came up are found in ``/proc`` and killed
-  (:data:`KILL_SCRIPT`), keeping the backend's own daemons.
+* **The agent's processes can be gone before the verifier starts** (``agent_processes="kill"``).
+  Every process the agent's tool calls left (``nohup``, ``setsid``, double forks, processes that
+  ignore SIGTERM, a harness's kernel) is killed, so nothing can rewrite the reward file or the
+  files under test while the verifier runs. Backends that can do this exactly provide an async
+  ``kill_processes()``; elsewhere the processes started after the sandbox came up are found in
+  ``/proc`` and killed (:data:`KILL_SCRIPT`), keeping the backend's own daemons.
 * **The agent cannot change the code that grades it.** Before the agent's first command, the
   files the verifier executes or that shape how it starts are fingerprinted; before grading they
   are fingerprinted again. The watched set (:func:`watches`) is every directory on the

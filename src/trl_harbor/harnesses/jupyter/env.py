@@ -103,12 +103,11 @@ class JupyterEnv(HarborEnv):
             if not match or match.group(1) != "ok":
                 raise RuntimeError(f"the kernel did not start:\n{output[-2000:]}")
             self._kernel_backend = output[match.end() :].strip() or None
-        except Exception as exc:
+        except BaseException as exc:
             # Not fatal to the episode: the cell tool reports it, the shell tool still works.
             self._kernel_error = f"{type(exc).__name__}: {exc}"
-        except BaseException as exc:  # cancelled: the episode is going away
-            self._kernel_error = f"{type(exc).__name__}: {exc}"
-            raise
+            if not isinstance(exc, Exception):  # cancelled: the episode is going away
+                raise
         finally:
             ready.set()
 
@@ -117,16 +116,12 @@ class JupyterEnv(HarborEnv):
         state = SANDBOX_DIR
         mode = self._kernel_mode
         if mode == "auto":  # pick ipykernel only where the sandbox's python3 has both packages
-            mode_expr = (
-                '$(python3 -c "import ipykernel, jupyter_client" >/dev/null 2>&1 && echo ipykernel || echo builtin)'
-            )
-        else:
-            mode_expr = mode
+            mode = '$(python3 -c "import ipykernel, jupyter_client" >/dev/null 2>&1 && echo ipykernel || echo builtin)'
         return (
             f"for f in {state}/server.pid {state}/kernel.pid; do "
             "[ -f $f ] && kill -KILL -- -$(cat $f) $(cat $f) 2>/dev/null; done; "
             f"rm -f {state}/ready {state}/kernel.sock {state}/kernel.pid; "
-            f"setsid python3 {state}/kernel_server.py --state {state} --mode {mode_expr} "
+            f"setsid python3 {state}/kernel_server.py --state {state} --mode {mode} "
             f">{state}/server.log 2>&1 </dev/null & echo $! > {state}/server.pid; "
             f"python3 {state}/kernel_client.py --state {state} --ping --wait 120 || true; "
             f"[ -f {state}/ready ] || tail -c 2000 {state}/server.log"

@@ -23,14 +23,6 @@ import sys
 import time
 
 
-def _pid(state: str) -> int | None:
-    try:
-        with open(os.path.join(state, "kernel.pid")) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def _server_dead(state: str) -> bool:
     """True when the server process recorded in ``server.pid`` is gone (or a zombie)."""
     try:
@@ -73,12 +65,9 @@ def _receive(sock: socket.socket, seconds: float) -> bytes | None:
 
 
 def _receive_rest(sock: socket.socket, chunks: list) -> bytes:
-    sock.settimeout(30)
-    while True:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
+    sock.settimeout(30)  # the reply has begun: the rest follows at once
+    with sock.makefile("rb") as rest:
+        return b"".join(chunks) + rest.read()
 
 
 def _emit(status: str, text: str) -> int:
@@ -88,6 +77,44 @@ def _emit(status: str, text: str) -> int:
 
 
 MARKER_PREFIX = "<<kernel:"
+
+
+def _signal(state: str, signum: int) -> bool:
+    """Send ``signum`` to the kernel (``STATE/kernel.pid``); ``False`` when its process is gone."""
+    try:
+        with open(os.path.join(state, "kernel.pid")) as f:
+            os.kill(int(f.read().strip()), signum)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):  # no pid recorded (yet): nothing to signal
+        pass
+    return True
+
+
+def _interrupt(state: str, sock: socket.socket) -> bytes | None:
+    """Interrupt a cell past its time (twice at most): its reply, or ``None`` when it never came."""
+    for _attempt in (1, 2):
+        if not _signal(state, signal.SIGINT):
+            return None
+        reply = _receive(sock, 3.0)
+        if reply is not None:
+            return reply
+    return None
+
+
+def _result(reply: bytes, notes: list) -> tuple:
+    """The status marker and the text shown for the server's reply, with the client's notes appended."""
+    result = json.loads(reply.decode("utf-8"))
+    output = result.get("output", "")
+    status = result.get("status")
+    if status == "died":
+        status = "restarted"
+        notes.append("[the kernel died while running the cell and was restarted; all variables are lost]")
+    if notes:
+        if output and not output.endswith("\n"):
+            output += "\n"
+        output += "\n".join(notes) + "\n"
+    return (status if status in ("ok", "error", "interrupted", "restarted") else "error"), output
 
 
 def main() -> int:
@@ -113,24 +140,10 @@ def main() -> int:
         reply = _receive(sock, args.timeout)
         notes = []
         if reply is None:
-            for _attempt in (1, 2):
-                pid = _pid(args.state)
-                if pid is not None:
-                    try:
-                        os.kill(pid, signal.SIGINT)
-                    except ProcessLookupError:
-                        break
-                reply = _receive(sock, 3.0)
-                if reply is not None:
-                    break
+            reply = _interrupt(args.state, sock)
             notes.append(f"[the cell ran longer than {args.timeout:g} s and was interrupted]")
         if reply is None:
-            pid = _pid(args.state)
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _signal(args.state, signal.SIGKILL)
             return _emit(
                 "dead",
                 f"[the cell ran longer than {args.timeout:g} s and ignored interrupts: the kernel was killed "
@@ -140,17 +153,7 @@ def main() -> int:
             return _emit(
                 "dead", "[the kernel died while running the cell; it was restarted and all variables are lost]\n"
             )
-    result = json.loads(reply.decode("utf-8"))
-    output = result.get("output", "")
-    status = result.get("status")
-    if status == "died":
-        status = "restarted"
-        notes.append("[the kernel died while running the cell and was restarted; all variables are lost]")
-    if notes:
-        if output and not output.endswith("\n"):
-            output += "\n"
-        output += "\n".join(notes) + "\n"
-    return _emit(status if status in ("ok", "error", "interrupted", "restarted") else "error", output)
+    return _emit(*_result(reply, notes))
 
 
 if __name__ == "__main__":

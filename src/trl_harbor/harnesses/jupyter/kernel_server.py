@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import builtins
+import contextlib
 import io
 import json
 import linecache
@@ -77,6 +78,58 @@ class CappedText:
 # ── builtin kernel ───────────────────────────────────────────────────────────────────────
 
 
+def _drain(read_fd: int, captured: CappedText) -> None:
+    """Copy a pipe into ``captured`` until its last writer closes it, decoding UTF-8 across reads."""
+    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+        pending = b""
+        while True:
+            chunk = pipe.read(65536)
+            if not chunk:
+                break
+            pending += chunk
+            try:
+                text, pending = pending.decode("utf-8"), b""
+            except UnicodeDecodeError as exc:
+                if exc.start > 0 and len(pending) - exc.start < 4:  # a character cut between two reads
+                    text, pending = pending[: exc.start].decode("utf-8"), pending[exc.start :]
+                else:
+                    text, pending = pending.decode("utf-8", "backslashreplace"), b""
+            captured.write(text)
+        if pending:
+            captured.write(pending.decode("utf-8", "backslashreplace"))
+
+
+@contextlib.contextmanager
+def _output_to(write_fd: int):
+    """Send fds 1 and 2, ``sys.stdout`` and ``sys.stderr`` to ``write_fd`` (which it closes) for the block.
+
+    The file descriptors, not only Python's streams: a subprocess the cell starts writes there too.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    os.dup2(write_fd, 1)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    old_streams = sys.stdout, sys.stderr
+    stream = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
+    )
+    sys.stdout = sys.stderr = stream
+    try:
+        yield stream
+    finally:
+        try:
+            stream.flush()
+        except Exception:
+            pass
+        sys.stdout, sys.stderr = old_streams
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
 class BuiltinKernel:
     """A minimal stateful Python kernel running in this process."""
 
@@ -104,74 +157,37 @@ class BuiltinKernel:
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         captured = CappedText(max_chars)
         read_fd, write_fd = os.pipe()
-
-        def drain() -> None:
-            with os.fdopen(read_fd, "rb", buffering=0) as pipe:
-                pending = b""
-                while True:
-                    chunk = pipe.read(65536)
-                    if not chunk:
-                        break
-                    pending += chunk
-                    try:
-                        text, pending = pending.decode("utf-8"), b""
-                    except UnicodeDecodeError as exc:
-                        if exc.start > 0 and len(pending) - exc.start < 4:
-                            text, pending = pending[: exc.start].decode("utf-8"), pending[exc.start :]
-                        else:
-                            text, pending = pending.decode("utf-8", "backslashreplace"), b""
-                    captured.write(text)
-                if pending:
-                    captured.write(pending.decode("utf-8", "backslashreplace"))
-
-        reader = threading.Thread(target=drain, daemon=True)
+        reader = threading.Thread(target=_drain, args=(read_fd, captured), daemon=True)
         reader.start()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved = (os.dup(1), os.dup(2))
-        os.dup2(write_fd, 1)
-        os.dup2(write_fd, 2)
-        os.close(write_fd)
-        old_streams = sys.stdout, sys.stderr
-        stream = io.TextIOWrapper(
-            io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
-        )
-        sys.stdout = sys.stderr = stream
         status = "ok"
-        try:
-            self.executing = True
+        with _output_to(write_fd) as stream:
             try:
-                tree = ast.parse(code, filename, "exec")
-                last = None
-                if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
-                    last = ast.Expression(tree.body.pop().value)
-                exec(compile(tree, filename, "exec"), self.namespace)
-                if last is not None:
-                    value = eval(compile(last, filename, "eval"), self.namespace)
-                    if value is not None:
-                        self.namespace["_"] = value
-                        stream.write(repr(value) + "\n")
-            finally:
-                self.executing = False
-        except KeyboardInterrupt as exc:
-            status = "interrupted"
-            stream.write(self._format(exc))
-        except BaseException as exc:  # SystemExit too: the kernel must survive the cell
-            status = "error"
-            stream.write(self._format(exc))
-        finally:
-            self.executing = False
-            try:
-                stream.flush()
-            except Exception:
-                pass
-            sys.stdout, sys.stderr = old_streams
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
+                self._execute(code, filename, stream)
+            except KeyboardInterrupt as exc:
+                status = "interrupted"
+                stream.write(self._format(exc))
+            except BaseException as exc:  # SystemExit too: the kernel must survive the cell
+                status = "error"
+                stream.write(self._format(exc))
         reader.join(timeout=1.0)  # a background child still holding the pipe: stop waiting
         return {"status": status, "output": captured.value()}
+
+    def _execute(self, code: str, filename: str, stream: io.TextIOBase) -> None:
+        """Run a cell in the namespace, echoing a bare last expression's value as Jupyter does."""
+        self.executing = True
+        try:
+            tree = ast.parse(code, filename, "exec")
+            last = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
+                last = ast.Expression(tree.body.pop().value)
+            exec(compile(tree, filename, "exec"), self.namespace)
+            if last is not None:
+                value = eval(compile(last, filename, "eval"), self.namespace)
+                if value is not None:
+                    self.namespace["_"] = value
+                    stream.write(repr(value) + "\n")
+        finally:
+            self.executing = False
 
     @staticmethod
     def _format(exc: BaseException) -> str:
@@ -193,13 +209,13 @@ class IPyKernel:
     mode = "ipykernel"
 
     def __init__(self) -> None:
-        from jupyter_client import KernelManager
-
-        self.manager = KernelManager(kernel_name="python3")
         self._start()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def _start(self) -> None:
+        from jupyter_client import KernelManager
+
+        self.manager = KernelManager(kernel_name="python3")  # a fresh manager: fresh ports and sockets
         self.manager.start_kernel(cwd=os.getcwd())
         self.client = self.manager.client()
         self.client.start_channels()
@@ -250,17 +266,11 @@ class IPyKernel:
         return {"status": status, "output": captured.value()}
 
     def restart(self) -> None:
-        from jupyter_client import KernelManager
-
-        try:
-            self.client.stop_channels()
-        except Exception:
-            pass
-        try:
-            self.manager.shutdown_kernel(now=True)
-        except Exception:
-            pass
-        self.manager = KernelManager(kernel_name="python3")  # a fresh manager: fresh ports and sockets
+        for stop in (self.client.stop_channels, lambda: self.manager.shutdown_kernel(now=True)):
+            try:
+                stop()
+            except Exception:  # a dead kernel may fail to stop cleanly: start afresh anyway
+                pass
         self._start()
 
 
@@ -302,13 +312,8 @@ def serve(state: str, mode: str) -> None:
             continue
         with conn:
             try:
-                chunks = []
-                while True:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                request = json.loads(b"".join(chunks).decode("utf-8"))
+                with conn.makefile("rb") as stream:  # the client ends its request with EOF
+                    request = json.loads(stream.read().decode("utf-8"))
                 if request.get("ping"):
                     reply = {"status": "ok", "output": kernel.mode}
                 else:
