@@ -466,21 +466,17 @@ class Box:
             # Written where bubblewrap reads it (the holder's view of the tree, without root).
             resolv = self.state_dir / "resolv.conf"
             await asyncio.to_thread(self.host.call, _write_text, resolv, f"nameserver {SLIRP_GATEWAY_DNS}\n")
-        info_r = info_w = block_r = block_w = exe_fd = None
-        own = self.config.join is None  # a joined box has no namespaces of its own to map or network to attach
-        if own:  # its init's PID: for its cgroups, id maps and network
-            info_r, info_w = os.pipe()
-        if own:  # bubblewrap waits on it while the box's ids are mapped
-            block_r, block_w = os.pipe()
-        # Executed through its descriptor: the binary appears nowhere in the box.
-        exe_fd = os.open(binary, os.O_RDONLY)
-        supervisor = [f"/proc/self/fd/{exe_fd}"]
+        info_r = info_w = block_r = block_w = None
+        if self.config.join is None:  # a joined box has no namespaces of its own to map or network to attach
+            info_r, info_w = os.pipe()  # its init's PID: for its cgroups, id maps and network
+            block_r, block_w = os.pipe()  # bubblewrap waits on it while the box's ids are mapped
+        exe_fd = os.open(binary, os.O_RDONLY)  # executed through its descriptor: it appears nowhere in the box
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.supervisor.address)
         listener.listen(128)
         limits = _rlimits(self.config, bool(self._cgroups.paths))
         bwrap = [
-            *_bwrap_command(self.config, self.state_dir, info_w, block_r), *supervisor,
+            *_bwrap_command(self.config, self.state_dir, info_w, block_r), f"/proc/self/fd/{exe_fd}",
             str(listener.fileno()), *map(str, limits),
         ]  # fmt: skip
         private = _private_mounts(self.owned_dir)
@@ -712,7 +708,7 @@ class UserNetwork:
 
 
 class SupervisorClient:
-    """Requests to one box's supervisor, one per connection to its socket (protocol: ``_supervisor.py``)."""
+    """Requests to one box's supervisor, one per connection to its socket (protocol: ``_supervisor.c``)."""
 
     def __init__(self, socket_path: Path):
         self.socket_path = socket_path

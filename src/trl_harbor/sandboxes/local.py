@@ -106,7 +106,125 @@ class LocalEnvironmentOptions(EnvironmentOptions):
         return data
 
 
-class LocalEnvironment(BaseEnvironment):
+class _GradingSupport:
+    """What rollout grading can ask of a local sandbox beyond Harbor's interface: an isolated view for
+    the verifier, whether it still runs, which limits its agent exhausted, its processes and its files
+    (``trl_harbor.rollout.seal`` and ``grading`` look these up by name, so any backend may offer them)."""
+
+    _sandbox: ImageRoot
+    local_options: LocalEnvironmentOptions
+    #: In a verifier view: what it held back of the agent's changes, and why (see :meth:`verifier_view`).
+    concealed: tuple[str, ...] = ()
+
+    @property
+    def isolated_verification(self) -> bool:
+        """Whether grading uses :meth:`verifier_view` (unless ``verifier_isolation=False``)."""
+        return self.local_options.verifier_isolation
+
+    async def alive(self) -> bool:
+        """Whether the sandbox still runs: its supervisor (which the agent cannot kill) answers.
+
+        Asked of the backend itself, not of a shell the agent could have broken.
+        """
+        box = self._sandbox.box
+        if box is None or box.closed:
+            return False
+        try:
+            await box.supervisor.list_processes()
+        except SandboxError:
+            return False
+        return True
+
+    @contextlib.asynccontextmanager
+    async def verifier_view(self, allowed_changes: Sequence[str] = ()) -> AsyncIterator[Any]:
+        """The verifier's view of the sandbox, as a Harbor environment of its own, while the context lasts.
+
+        A sibling of the agent's sandbox (its own PID, mount, IPC and UTS namespaces; the agent's
+        user and network namespaces) whose root is the image under a snapshot of the agent's
+        changes, filtered by the rule of ``_view.py``: the agent's work is there, the image's code is
+        the image's, and what the agent's processes do from now on does not reach it. The agent's
+        processes keep running. Its ``concealed`` lists what the view held back, and why.
+
+        Args:
+            allowed_changes: Globs of paths whose agent-made version the view shows whatever they are.
+
+        Yields:
+            The view, a ``LocalEnvironment`` of its own (exec, uploads and downloads go to the verifier's box).
+
+        Raises:
+            SandboxError: If the sandbox is not running, or the view cannot be made.
+        """
+        if type(self._sandbox) is not ImageRoot:
+            raise SandboxError("a verifier view is made of the agent's sandbox, not of another view")
+        root = VerifierRoot(self._sandbox, allowed_changes)
+        await root.open()
+        view = copy.copy(self)
+        view._sandbox = root
+        assert root.view is not None
+        view.concealed = tuple(root.view.concealed)
+        try:
+            yield view
+        finally:
+            await root.stop()
+
+    async def resource_exhaustion(self) -> str | None:
+        """Which of the sandbox's limits its processes ran into (memory, processes, storage), or ``None``.
+
+        A sandbox that stopped answering after its agent exhausted its limits (e.g. its memory
+        cgroup killed the supervisor) is the agent's doing, not an infrastructure failure.
+
+        Returns:
+            A short description, or ``None`` (only where cgroups are in use: as root).
+        """
+        box = self._sandbox.box
+        return None if box is None else box.resource_exhaustion()
+
+    async def list_processes(self) -> list[str]:
+        """The sandbox's processes (its supervisor aside), as ``"PID:START"`` entries.
+
+        Taken before the agent's first command, it says what to keep at :meth:`kill_processes`
+        (e.g. a service the image's ``ENTRYPOINT`` started).
+
+        Returns:
+            One entry per live process.
+
+        Raises:
+            SandboxCommandError: If the sandbox is not running.
+        """
+        return await self._sandbox.running_box().supervisor.list_processes()
+
+    async def kill_processes(self, keep: Sequence[str] = ()) -> int:
+        """Kill every process in the sandbox but its supervisor and ``keep`` (before verification).
+
+        Nothing the agent started survives, whatever it did to detach: the supervisor sees
+        every process of the sandbox's PID namespace. The sandbox stays usable.
+
+        Args:
+            keep: ``"PID:START"`` entries from :meth:`list_processes` to leave running.
+
+        Returns:
+            How many processes were killed.
+
+        Raises:
+            SandboxCommandError: If the sandbox is not running.
+        """
+        return await self._sandbox.running_box().supervisor.kill_processes(keep)
+
+    async def file_fingerprints(self, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:
+        """Fingerprint sandbox paths from the host, without running anything in the sandbox.
+
+        Args:
+            patterns: ``(absolute sandbox path, depth)`` pairs; wildcards allowed in the path;
+                depth ``0`` is the entry itself, ``None`` everything below it.
+
+        Returns:
+            ``{sandbox path: signature}``; a signature changes when the entry's content,
+            inode, mode or type does (folders: type and mode only).
+        """
+        return await asyncio.to_thread(self._sandbox.fingerprints, list(patterns))
+
+
+class LocalEnvironment(_GradingSupport, BaseEnvironment):
     """Runs a Harbor task in a bubblewrap sandbox on this machine (see the module docstring).
 
     Takes Harbor's standard environment arguments; the options in
@@ -115,8 +233,6 @@ class LocalEnvironment(BaseEnvironment):
     """
 
     options_model: ClassVar[type[EnvironmentOptions] | None] = LocalEnvironmentOptions
-    #: In a verifier view: what it held back of the agent's changes, and why (see :meth:`verifier_view`).
-    concealed: tuple[str, ...] = ()
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -260,115 +376,6 @@ class LocalEnvironment(BaseEnvironment):
         if result["timed_out"]:
             raise SandboxTimeoutError(f"Command timed out after {timeout_sec} seconds")
         return ExecResult(stdout=result["stdout"], stderr=result["stderr"], return_code=result["rc"])
-
-    # -- what the verifier can trust -------------------------------------------
-
-    @property
-    def isolated_verification(self) -> bool:
-        """Whether grading uses :meth:`verifier_view` (unless ``verifier_isolation=False``)."""
-        return self.local_options.verifier_isolation
-
-    async def alive(self) -> bool:
-        """Whether the sandbox still runs: its supervisor (which the agent cannot kill) answers.
-
-        Asked of the backend itself, not of a shell the agent could have broken.
-        """
-        box = self._sandbox.box
-        if box is None or box.closed:
-            return False
-        try:
-            await box.supervisor.list_processes()
-        except SandboxError:
-            return False
-        return True
-
-    @contextlib.asynccontextmanager
-    async def verifier_view(self, allowed_changes: Sequence[str] = ()) -> AsyncIterator[LocalEnvironment]:
-        """The verifier's view of the sandbox, as a Harbor environment of its own, while the context lasts.
-
-        A sibling of the agent's sandbox (its own PID, mount, IPC and UTS namespaces; the agent's
-        user and network namespaces) whose root is the image under a snapshot of the agent's
-        changes, filtered by the rule of ``_view.py``: the agent's work is there, the image's code is
-        the image's, and what the agent's processes do from now on does not reach it. The agent's
-        processes keep running. Its ``concealed`` lists what the view held back, and why.
-
-        Args:
-            allowed_changes: Globs of paths whose agent-made version the view shows whatever they are.
-
-        Yields:
-            The view (exec, uploads and downloads go to the verifier's box).
-
-        Raises:
-            SandboxError: If the sandbox is not running, or the view cannot be made.
-        """
-        if type(self._sandbox) is not ImageRoot:
-            raise SandboxError("a verifier view is made of the agent's sandbox, not of another view")
-        root = VerifierRoot(self._sandbox, allowed_changes)
-        await root.open()
-        view = copy.copy(self)
-        view._sandbox = root
-        assert root.view is not None
-        view.concealed = tuple(root.view.concealed)
-        try:
-            yield view
-        finally:
-            await root.stop()
-
-    async def resource_exhaustion(self) -> str | None:
-        """Which of the sandbox's limits its processes ran into (memory, processes, storage), or ``None``.
-
-        A sandbox that stopped answering after its agent exhausted its limits (e.g. its memory
-        cgroup killed the supervisor) is the agent's doing, not an infrastructure failure.
-
-        Returns:
-            A short description, or ``None`` (only where cgroups are in use: as root).
-        """
-        box = self._sandbox.box
-        return None if box is None else box.resource_exhaustion()
-
-    async def list_processes(self) -> list[str]:
-        """The sandbox's processes (its supervisor aside), as ``"PID:START"`` entries.
-
-        Taken before the agent's first command, it says what to keep at :meth:`kill_processes`
-        (e.g. a service the image's ``ENTRYPOINT`` started).
-
-        Returns:
-            One entry per live process.
-
-        Raises:
-            SandboxCommandError: If the sandbox is not running.
-        """
-        return await self._sandbox.running_box().supervisor.list_processes()
-
-    async def kill_processes(self, keep: Sequence[str] = ()) -> int:
-        """Kill every process in the sandbox but its supervisor and ``keep`` (before verification).
-
-        Nothing the agent started survives, whatever it did to detach: the supervisor sees
-        every process of the sandbox's PID namespace. The sandbox stays usable.
-
-        Args:
-            keep: ``"PID:START"`` entries from :meth:`list_processes` to leave running.
-
-        Returns:
-            How many processes were killed.
-
-        Raises:
-            SandboxCommandError: If the sandbox is not running.
-        """
-        return await self._sandbox.running_box().supervisor.kill_processes(keep)
-
-    async def file_fingerprints(self, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:
-        """Fingerprint sandbox paths from the host, without running anything in the sandbox.
-
-        Args:
-            patterns: ``(absolute sandbox path, depth)`` pairs; wildcards allowed in the path;
-                depth ``0`` is the entry itself, ``None`` everything below it.
-
-        Returns:
-            ``{sandbox path: signature}``; a signature changes when the entry's content,
-            inode, mode or type does (folders: type and mode only).
-        """
-        return await asyncio.to_thread(self._sandbox.fingerprints, list(patterns))
 
     # -- files -----------------------------------------------------------------
 

@@ -442,6 +442,16 @@ class Buildah:
         raise ImageError(f"{archive} is neither an OCI nor a Docker archive buildah can read:\n" + "\n".join(errors))
 
 
+def _context_signature(environment_dir: Path) -> tuple:
+    """What changes with a build context's files: a cheap check before hashing them."""
+    entries = []
+    for path in sorted(environment_dir.rglob("*")):
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            entries.append((str(path), st.st_size, st.st_mtime_ns, st.st_mode))
+    return (str(environment_dir.resolve()), tuple(entries))
+
+
 def _private(*folders: Path) -> None:
     # Image roots hold the image's setuid programs, owned by the host's root: like
     # /var/lib/docker, nobody else on the host may reach them.
@@ -519,7 +529,7 @@ class ImageStore:
             BaseImageUnavailableError: If a ``FROM`` image cannot be pulled.
         """
         environment_dir = Path(environment_dir)
-        signature = self._signature(environment_dir)
+        signature = (_context_signature(environment_dir), tuple(sorted(self.build_args.items())))
         if not force and signature in self._memo:
             return self._memo[signature]
         key = await asyncio.to_thread(self.content_key, environment_dir)
@@ -530,15 +540,6 @@ class ImageStore:
             await self._build_locked(environment_dir, final, task_name, force)
             self._memo[signature] = built = await self._load(environment_dir, final, task_name)
             return built
-
-    def _signature(self, environment_dir: Path) -> tuple:
-        """What changes with the context's files: a cheap check before hashing them."""
-        entries = []
-        for path in sorted(environment_dir.rglob("*")):
-            with contextlib.suppress(OSError):
-                st = path.lstat()
-                entries.append((str(path), st.st_size, st.st_mtime_ns, st.st_mode))
-        return (str(environment_dir.resolve()), tuple(entries), tuple(sorted(self.build_args.items())))
 
     async def _load(self, environment_dir: Path, final: Path, task_name: str) -> BuiltImage:
         image = load_image(final)
