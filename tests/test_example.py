@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import BUNDLED_SUITE, REPO, requires_local
 
 from demo_policy import build_demo_policy
-from trl_harbor.env import _alive
+from trl_harbor.rollout.episode import _alive
 from trl_harbor.sandboxes._lifetime import state_root
 
 

@@ -152,6 +152,7 @@ class Episode:
             async with runtime.limit("harbor-sandbox-starts", self.options.max_concurrent_starts):
                 self.plan = plan = self.backend.plan(self.task, self.step)
                 shared = plan.verifier_env_baseline is None
+                self.paths.mkdir()
                 self.environment = environment = self.backend.create(
                     self.task,
                     self.paths,
