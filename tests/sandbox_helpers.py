@@ -283,7 +283,8 @@ def defences_off(monkeypatch: pytest.MonkeyPatch) -> dict:
         return SealReport(0)
 
     monkeypatch.setattr(Baseline, "apply", refuse_nothing)
-    if "alive" in vars(LocalEnvironment):
-        monkeypatch.delattr(LocalEnvironment, "alive")
+    owner = next((cls for cls in LocalEnvironment.__mro__ if "alive" in vars(cls)), None)
+    if owner is not None:  # defined by a base of it (its grading support): removed there
+        monkeypatch.delattr(owner, "alive")
     monkeypatch.setattr(grading, "_unsafe", lambda error: False)
     return {"agent_processes": "keep", "backend_options": isolation_off()}
