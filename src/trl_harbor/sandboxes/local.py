@@ -168,7 +168,9 @@ class _GradingSupport:
             await root.stop()
 
     async def resource_exhaustion(self) -> str | None:
-        """Which of the sandbox's limits its processes ran into (memory, processes, storage), or ``None``.
+        """Which of the sandbox's limits its processes ran into (memory, processes), or ``None``.
+
+        (A full storage bound needs no report: a write past it fails with ``ENOSPC``, the sandbox lives on.)
 
         A sandbox that stopped answering after its agent exhausted its limits (e.g. its memory
         cgroup killed the supervisor) is the agent's doing, not an infrastructure failure.
