@@ -470,8 +470,12 @@ def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tm
             box = second._sandbox.running_box()
             assert box._proc.pid == launcher_pid  # the parked launcher became this box's bubblewrap
             memory = ROOT / "memory" / "trl-harbor" / group
-            assert int((memory / "memory.limit_in_bytes").read_text()) == 512 * 1024 * 1024
-            assert f"memory:/trl-harbor/{group}" in Path(f"/proc/{box.init_pid}/cgroup").read_text()
+            # The agent's leaf has the task's limit; the box (its keel, a verifier) as much again.
+            assert int((memory / "agent" / "memory.limit_in_bytes").read_text()) == 512 * 1024 * 1024
+            assert int((memory / "memory.limit_in_bytes").read_text()) == 2 * 512 * 1024 * 1024
+            assert f"memory:/trl-harbor/{group}/keel" in Path(f"/proc/{box.init_pid}/cgroup").read_text()
+            agent = await second.exec("cat /proc/self/cgroup")
+            assert "memory:/../agent" in agent.stdout  # its cgroup namespace is rooted at the keel's leaf
             hog = await second.exec(
                 'python3 -c "b = []\nwhile True: b.append(bytearray(64 * 1024 * 1024))"', timeout_sec=60
             )

@@ -75,10 +75,6 @@ EXPLOITS = {
     "double-forked daemon": f"(sh -c '{LOOP}' >/dev/null 2>&1 &) ; true",
     "own session": f"setsid sh -c '{LOOP}' >/dev/null 2>&1 < /dev/null &",
     "ignores SIGTERM": f"nohup sh -c 'trap \"\" TERM HUP INT; {LOOP}' >/dev/null 2>&1 &",
-    "rewrites the file under test": (
-        f"nohup sh -c 'while :; do [ -e /workdir/.verifying ] && echo {GOLD} > /workdir/answer.txt; "
-        "sleep 0.002; done' >/dev/null 2>&1 &"
-    ),
     ".pth plant": f"echo '{HOOK}' > {SITE}/zz.pth",
     "fake python3 first on PATH": f"{FAKE} > /usr/local/bin/python3 && chmod +x /usr/local/bin/python3",
     "fake grader first on PATH": f"{FAKE} > /usr/local/bin/run-grader && chmod +x /usr/local/bin/run-grader",
@@ -102,6 +98,12 @@ SABOTAGE = {
     "kills every process": "kill -9 -1",
 }
 HONEST = f"nohup sleep 600 >/dev/null 2>&1 & echo {GOLD} > /workdir/answer.txt"
+#: An honest answer a background job writes once grading has begun (the verifier sees the agent's
+#: files live, as in Harbor's shared trial: issue #31).
+HONEST_LATE = (
+    f"nohup sh -c 'while :; do [ -e /workdir/.verifying ] && echo {GOLD} > /workdir/answer.txt; "
+    "sleep 0.002; done' >/dev/null 2>&1 &"
+)
 #: The service task's honest solution: a server left running, which the verifier connects to.
 HONEST_SERVICE = (
     f"mkdir -p /srv/www && echo {GOLD} > /srv/www/answer.txt && "
@@ -181,10 +183,11 @@ def _rollouts(
 def test_every_exploit_scores_zero_and_honest_solutions_one(suite: Path, harness: str, close_sandboxes: None) -> None:
     """The defaults: the agent's processes keep running, and gain nothing; a server left running answers."""
     before_infra = COUNTERS.infra_failures()
-    commands = {**EXPLOITS, **SABOTAGE, "honest": HONEST, "honest service": HONEST_SERVICE}
+    commands = {**EXPLOITS, **SABOTAGE, "honest": HONEST, "honest service": HONEST_SERVICE, "honest late": HONEST_LATE}
     outcome, verifications = _rollouts(suite, harness, commands)
     assert outcome.pop("honest") == 1.0
     assert outcome.pop("honest service") == 1.0
+    assert outcome.pop("honest late") == 1.0
     assert outcome == dict.fromkeys(outcome, 0.0), outcome
     assert COUNTERS.infra_failures()["start"] == before_infra["start"] + 1  # the backend fault, counted once
     assert COUNTERS.infra_failures()["verify"] == before_infra["verify"]  # nothing the agent did is an infra failure

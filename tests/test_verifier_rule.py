@@ -74,16 +74,25 @@ def _snap(layers: tuple[Path, Path, Path], allowed: tuple[str, ...] = (), workdi
     return snapshot(upper, lower, target, SEARCH, workdir, allowed)
 
 
-def test_the_image_code_the_agent_changed_or_deleted_is_the_images(layers) -> None:
+def test_the_image_code_the_agent_changed_is_the_images(layers) -> None:
     lower, upper, target = layers
     _files(upper, {"/usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0": "patched", "/usr/lib/python3.11/os.py": "evil"})
-    _whiteout(upper, "/usr/bin/awk")
     _files(upper, {"/etc/ld.so.cache": "points at a planted library", "/etc/nsswitch.conf": "passwd: evil"})
     result = _snap(layers)
-    for path in ("/usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0", "/usr/lib/python3.11/os.py", "/usr/bin/awk",
+    for path in ("/usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0", "/usr/lib/python3.11/os.py",
                  "/etc/ld.so.cache", "/etc/nsswitch.conf"):  # fmt: skip
         assert not os.path.lexists(target / path.lstrip("/")), path  # the image's entry shows through
         assert any(c.startswith(path + " ") for c in result.concealed), (path, result.concealed)
+
+
+def test_a_deletion_of_the_images_code_is_seen(layers) -> None:
+    """Deleting only removes code (a task may ask to remove a binary): the verifier sees it gone."""
+    lower, upper, target = layers
+    _whiteout(upper, "/usr/bin/awk")
+    result = _snap(layers)
+    laid = os.lstat(target / "usr/bin/awk")
+    assert stat.S_ISCHR(laid.st_mode) and laid.st_rdev == 0  # a whiteout in the snapshot: awk is gone
+    assert not any(c.startswith("/usr/bin/awk") for c in result.concealed), result.concealed
 
 
 def test_added_code_that_would_run_instead_of_the_images_is_hidden(layers) -> None:
@@ -107,7 +116,6 @@ def test_added_code_that_would_run_instead_of_the_images_is_hidden(layers) -> No
             "/conftest.py": "an ancestor of the workdir and of /tests",
             "/pytest.ini": "[pytest]",
             "/pytest/__init__.py": "python -m pytest from /",
-            "/root/.bashrc": "evil",
             "/root/.local/lib/python3.11/site-packages/evil.pth": "user site hook",
         },
     )
@@ -120,7 +128,7 @@ def test_added_code_that_would_run_instead_of_the_images_is_hidden(layers) -> No
         "usr/pyvenv.cfg", "usr/lib/python3/dist-packages/sitecustomize.py",
         "usr/lib/python3/dist-packages/plug-1.0.dist-info", "usr/lib/python3/dist-packages/pytest",
         "usr/local/lib/libssl.so.3", "etc/ld.so.conf.d/evil.conf", "conftest.py", "pytest.ini", "pytest",
-        "root/.bashrc", "root/.local/lib/python3.11/site-packages/evil.pth",
+        "root/.local/lib/python3.11/site-packages/evil.pth",
     ):  # fmt: skip
         assert not os.path.lexists(target / relative), (relative, result.concealed)
 
@@ -140,8 +148,9 @@ def test_honest_changes_are_seen(layers) -> None:
             "/app/solution.py": "print(42)",
             "/app/conftest.py": "the agent's work: the working directory is the agent's",
             "/workdir/answer.txt": "42",
-            "/tmp/notes.txt": "scratch",
             "/var/www/html/index.html": "new",
+            "/root/.bashrc": "alias ll='ls -l'  # bash reads it for interactive shells only",
+            "/etc/ssl/certs/local-ca.pem": "update-ca-certificates: a CA the task's service uses",
             "/usr/lib/x86_64-linux-gnu/perl5/5.36/JSON.pm": "apt-get install libjson-perl",
         },
     )
@@ -151,7 +160,9 @@ def test_honest_changes_are_seen(layers) -> None:
         ("usr/lib/python3/dist-packages/numpy/__pycache__/__init__.cpython-311.pyc", "its own bytecode"),
         ("etc/nginx/nginx.conf", "worker_processes 4;"), ("etc/hosts", "127.0.0.1 localhost db"),
         ("app/solution.py", "print(42)"), ("app/conftest.py", "the agent's work: the working directory is the agent's"),
-        ("workdir/answer.txt", "42"), ("tmp/notes.txt", "scratch"), ("var/www/html/index.html", "new"),
+        ("workdir/answer.txt", "42"), ("var/www/html/index.html", "new"),
+        ("root/.bashrc", "alias ll='ls -l'  # bash reads it for interactive shells only"),
+        ("etc/ssl/certs/local-ca.pem", "update-ca-certificates: a CA the task's service uses"),
         ("usr/lib/x86_64-linux-gnu/libjq.so.1", "its library"),
         ("usr/lib/x86_64-linux-gnu/perl5/5.36/JSON.pm", "apt-get install libjson-perl"),
     ):  # fmt: skip
@@ -169,7 +180,8 @@ def test_allowed_changes_and_the_verifiers_own_folders(layers) -> None:
         assert not os.path.lexists(target / relative), result.concealed
 
 
-def test_outputs_are_copied_sparse_and_deletions_of_data_stand(layers) -> None:
+def test_outputs_are_the_agents_own_files_and_deletions_of_data_stand(layers) -> None:
+    """The snapshot holds names: a file is the agent's own (a hard link), its data and metadata live."""
     lower, upper, target = layers
     (upper / "app").mkdir()
     with open(upper / "app" / "big.img", "wb") as handle:
@@ -177,11 +189,13 @@ def test_outputs_are_copied_sparse_and_deletions_of_data_stand(layers) -> None:
         handle.write(b"x")
     _whiteout(upper, "/var/www/html/index.html")
     result = _snap(layers)
-    copied = target / "app" / "big.img"
-    assert copied.stat().st_size == 10 << 30 and copied.stat().st_blocks * 512 < 1 << 20
-    assert copied.stat().st_ino != (upper / "app" / "big.img").stat().st_ino  # a copy: frozen at grading
+    laid = target / "app" / "big.img"
+    assert laid.stat().st_ino == (upper / "app" / "big.img").stat().st_ino  # the agent's inode: nothing copied
+    with open(upper / "app" / "big.img", "ab") as handle:
+        handle.write(b"later")
+    assert laid.stat().st_size == (10 << 30) + 5  # what the agent writes after the snapshot is seen
     assert stat.S_ISCHR(os.lstat(target / "var/www/html/index.html").st_mode)  # the agent's deletion stands
-    assert result.copied < 1 << 20
+    assert result.copied == 0
 
 
 def test_a_code_folder_replaced_whole_keeps_the_images_code(layers) -> None:

@@ -357,7 +357,7 @@ def test_the_test_runners_own_package_anywhere(layers, path: str) -> None:
     assert not _seen(target, top), result.concealed
 
 
-@pytest.mark.parametrize("path", ["/app/argparse.py", "/tmp/os.py", "/app/_json.cpython-311-x86_64-linux-gnu.so"])
+@pytest.mark.parametrize("path", ["/app/argparse.py", "/app/nt.py", "/app/_json.cpython-311-x86_64-linux-gnu.so"])
 def test_a_module_of_the_images_python_in_a_folder_the_verifier_runs_in(layers, path: str) -> None:
     """``cd /app && python -m pytest``: ``/app/argparse.py`` would be pytest's ``argparse``."""
     lower, upper, target = layers
@@ -368,11 +368,9 @@ def test_a_module_of_the_images_python_in_a_folder_the_verifier_runs_in(layers, 
 
 def test_the_agents_own_modules_in_the_working_directory_are_seen(layers) -> None:
     lower, upper, target = layers
-    _files(upper, {"/app/solution.py": "", "/app/parsers/__init__.py": "", "/tmp/notes.py": "", "/app/py/x.txt": ""})
+    _files(upper, {"/app/solution.py": "", "/app/parsers/__init__.py": "", "/app/py/x.txt": ""})
     result = _snap(layers)
-    assert all(_seen(target, p) for p in ("/app/solution.py", "/app/parsers", "/tmp/notes.py", "/app/py")), (
-        result.concealed
-    )
+    assert all(_seen(target, p) for p in ("/app/solution.py", "/app/parsers", "/app/py")), result.concealed
 
 
 def test_perl_and_other_interpreters_module_paths(layers) -> None:
@@ -392,8 +390,9 @@ def test_perl_and_other_interpreters_module_paths(layers) -> None:
     assert _seen(target, "/etc/perl/New.pm"), result.concealed
 
 
-def test_a_repositorys_configuration_and_hooks(layers) -> None:
-    """``git status`` in the working directory runs ``core.fsmonitor``; ``git commit`` runs hooks."""
+def test_a_repositorys_configuration_and_hooks_are_the_agents(layers) -> None:
+    """A task may ask to configure a repository (a remote, a hook): the verifier sees it. Tests that run
+    git in the agent's repository run what it configured, as under Harbor (docs/security.md)."""
     lower, upper, target = layers
     _files(lower, {"/app/.git/config": "[core]\n\tbare = false\n", "/app/.git/HEAD": "ref: refs/heads/main\n"})
     _files(
@@ -406,7 +405,7 @@ def test_a_repositorys_configuration_and_hooks(layers) -> None:
         },
     )
     result = _snap(layers)
-    assert not any(_seen(target, p) for p in ("/app/.git/config", "/app/.git/hooks", "/app/sub/.git/config"))
+    assert all(_seen(target, p) for p in ("/app/.git/config", "/app/.git/hooks", "/app/sub/.git/config"))
     assert _seen(target, "/app/.git/refs/heads/main"), result.concealed  # the agent's commits are its work
 
 
@@ -438,7 +437,9 @@ def test_the_name_service_cache_socket(layers) -> None:
         nscd.bind(str(upper / "run/nscd/socket"))
         service.bind(str(upper / "app/service.sock"))
         result = _snap(layers)
-    assert not _seen(target, "/run/nscd/socket") and result.sockets == ["/app/service.sock"], result.concealed
+    assert not _seen(target, "/run/nscd/socket"), result.concealed
+    # the agent's own socket, as a hard link: connecting to it reaches the agent's service
+    assert os.lstat(target / "app/service.sock").st_ino == os.lstat(upper / "app/service.sock").st_ino
 
 
 def test_a_library_added_where_the_loader_looks_asks_for_a_new_loader_cache(layers) -> None:

@@ -13,15 +13,20 @@ taken before the agent — and returns a :class:`~trl_harbor.rollout.outcome.Ver
 * **Separate verification** (``[verifier] environment_mode = "separate"``): the agent's processes
   are stopped, the declared artifacts copied as files into a fresh verifier sandbox, and the
   verifier runs there.
-* **Failures** are classified by the backend, not by a shell the agent could break: a backend
-  that still runs the sandbox means the rollout broke its own verification (0); one that does not
-  is an infrastructure failure, unless the agent exhausted the sandbox's limits (0).
+* **Failures** are classified by where the fault is, asked of the backend, not of a shell the agent
+  could break. The verifier ran and wrote no usable reward in a sandbox the backend still runs: the
+  rollout broke its own verification (0). The sandbox stopped answering: an infrastructure failure,
+  unless the agent exhausted its limits (0). Anything else that goes wrong in grading itself — an
+  unexpected exception in this package's code or in how it calls Harbor's — is never the policy's:
+  it is an infrastructure failure, logged at WARNING with its traceback and counted by the batch
+  guard.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import tempfile
 import uuid
@@ -81,6 +86,32 @@ class Context:
 
 class _BackendFault(RuntimeError):
     """A failure of the backend by construction (a verifier sandbox that did not start, a view that did not open)."""
+
+
+#: Programming errors: raised by this package's grading code, or by how it calls Harbor's (a changed
+#: keyword is a ``TypeError``), never by anything a rollout leaves in its sandbox — which shows as
+#: Harbor's reward-file errors, a failed command, a timeout, a sandbox error.
+_GRADING_BUGS = (
+    TypeError, AttributeError, NameError, LookupError, AssertionError, ImportError, NotImplementedError, SyntaxError,
+)  # fmt: skip
+
+
+def _policys(exc: BaseException) -> bool:
+    """Whether a failure of the verifier's run is one a rollout can cause (else it is grading's own)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:  # Harbor wraps what failed on the way
+        if isinstance(exc, _GRADING_BUGS):
+            return False
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return True
+
+
+def _grading_fault(context: Context, what: str, exc: BaseException) -> Verification:
+    """An unexpected failure of grading itself: infrastructure, at WARNING with its traceback."""
+    reason = f"{what} failed unexpectedly ({type(exc).__name__}: {exc}); an error in grading, not the rollout's"
+    logger.warning("trl-harbor: task %s: %s", context.task.name, reason, exc_info=exc)
+    return failed(Cause.INFRASTRUCTURE, reason, error=exc)
 
 
 def verifier_user(task: Task, step: StepConfig | None) -> str | int | None:
@@ -164,16 +195,21 @@ async def _lost(environment: BaseEnvironment, reason: str) -> Verification:
 
 
 async def _grade_isolated(environment: BaseEnvironment, context: Context) -> Verification:
-    plan = context.plan
     try:
-        if plan.verifier_phase != plan.agent_phase:
-            await environment.set_network_policy(plan.verifier_phase)
-        view = environment.verifier_view(allowed_changes=context.allowed_changes)  # type: ignore[attr-defined]
+        # The view has a network of its own, the verifier's; the agent's processes keep the agent's.
+        view = environment.verifier_view(  # type: ignore[attr-defined]
+            allowed_changes=context.allowed_changes, network_policy=context.plan.verifier_phase
+        )
         opened = await view.__aenter__()
     except Exception as exc:
-        if await alive(environment) and not await exhaustion(environment):
-            return failed(Cause.VERIFIER, f"the verifier's view could not be prepared ({type(exc).__name__}: {exc})")
-        raise _BackendFault(f"opening the verifier's view failed: {type(exc).__name__}: {exc}") from exc
+        if not await alive(environment) or await exhaustion(environment):
+            raise _BackendFault(f"opening the verifier's view failed: {type(exc).__name__}: {exc}") from exc
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return failed(
+                Cause.VERIFIER,
+                f"the rollout filled its sandbox's storage; the verifier's view could not be made ({exc})",
+            )
+        return _grading_fault(context, "opening the verifier's view", exc)
     concealed = tuple(getattr(opened, "concealed", ()))
     try:
         try:
@@ -307,10 +343,14 @@ def _scored(rewards: dict[str, float], context: Context, **details: Any) -> Veri
 async def _verifier_failed(
     exc: BaseException, environment: BaseEnvironment, context: Context, **details: Any
 ) -> Verification:
-    """Score 0 when the backend still runs the sandbox (the rollout broke its verification), else infrastructure."""
+    """Score 0 when the verifier ran and left no usable reward in a sandbox the backend still runs (the
+    rollout broke its verification); infrastructure when the backend stopped answering, or when the
+    failure is grading's own (see the module docstring)."""
     cause = f"{type(exc).__name__}: {exc}"
     if not await alive(environment):
         return await _lost(environment, cause)
+    if not _policys(exc):
+        return _grading_fault(context, "running the verifier", exc)
     reason = f"verification failed in a healthy sandbox ({cause}); scored 0"
     logger.info("trl-harbor: task %s: %s", context.task.name, reason)
     return failed(Cause.VERIFIER, reason, **details)

@@ -1,14 +1,21 @@
 """One bubblewrap sandbox: a long-lived set of namespaces and the commands run in it.
 
-``Box`` is the mechanism under the local Harbor environment's sandboxes (the agent's and its
-verifier's). It knows nothing of Harbor: it mounts an image root at ``/``, starts bubblewrap
-once with a statically linked supervisor as the box's init (``_supervisor.c``), runs commands
-through it over a Unix socket (:class:`SupervisorClient`), and tears everything down on ``kill``.
+``Box`` is the mechanism under the local Harbor environment's sandboxes. It knows nothing of
+Harbor: it mounts an image root at ``/``, starts bubblewrap once with a statically linked
+supervisor as the box's init (``_supervisor.c``), runs commands through it over Unix sockets
+(:class:`SupervisorClient`), and tears everything down on ``kill``.
 
-Its :class:`BoxConfig` says what it gets: its namespaces (all its own today, set up from the
-config by :func:`namespace_args` and :func:`write_id_maps` alone, so a box that joins another's has one
-place to say so), its mounts (``_mounts.py``), its network (none, or :class:`UserNetwork`), its
-limits (``_cgroups.py`` as root, else rlimits; storage by the bounded tmpfs its tree is on).
+A box has two PID namespaces, one inside the other. The outer one's init is the box's *keel*,
+which serves :attr:`Box.control` (the agent's processes, liveness) and, while the box is graded,
+starts a *view* (:meth:`Box.open_view`): the verifier's supervisor, in the keel's PID namespace
+(it sees and can signal the agent's processes, which cannot see it) with mount, network, IPC and
+UTS namespaces of its own, its root a mount tree the host made. The inner namespace is the
+agent's: its supervisor serves :attr:`Box.supervisor`, and every command of the agent runs there.
+
+Its :class:`BoxConfig` says what it gets: its namespaces (:func:`namespace_args`,
+:func:`write_id_maps`), its mounts (``_mounts.py``), its network (none, or :class:`UserNetwork`),
+its limits (``_cgroups.py`` as root: the agent's leaf and the keel's; else rlimits; storage by the
+bounded tmpfs its tree is on).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from trl_harbor.sandboxes._binaries import (
 from trl_harbor.sandboxes._cgroups import Cgroups
 from trl_harbor.sandboxes._diagnose import namespace_problem
 from trl_harbor.sandboxes._hostfs import remove_tree
-from trl_harbor.sandboxes._mounts import kernel_fs_args, unmount
+from trl_harbor.sandboxes._mounts import kernel_fs_args, proc_hardening_items, unmount
 from trl_harbor.sandboxes.errors import SandboxCommandError, SandboxError, SandboxStartError, SandboxTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -57,22 +64,31 @@ SANDBOX_CAPS = (
     "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
     "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
 )  # fmt: skip
+#: What the keel keeps besides (it makes the agent's and the verifier's namespaces, lists and kills
+#: the agent's processes whatever their user); the agent's and the verifier's supervisors drop them.
+KEEL_CAPS = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SYS_PTRACE")
+_CAP_NUMBERS = {
+    "CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4, "CAP_KILL": 5, "CAP_SETGID": 6,
+    "CAP_SETUID": 7, "CAP_SETPCAP": 8, "CAP_NET_BIND_SERVICE": 10, "CAP_NET_ADMIN": 12, "CAP_NET_RAW": 13,
+    "CAP_SYS_CHROOT": 18, "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21, "CAP_MKNOD": 27, "CAP_AUDIT_WRITE": 29,
+    "CAP_SETFCAP": 31,
+}  # fmt: skip
 
 
-def namespace_args(*, hostname: str, block_fd: int | None) -> list[str]:
-    """bubblewrap's namespace, capability and process options for a box (see ``BoxConfig``).
+def capability_mask(names: Sequence[str]) -> str:
+    """The capabilities ``names`` as the supervisor takes them (a hexadecimal bit mask)."""
+    return format(sum(1 << _CAP_NUMBERS[name] for name in names), "x")
 
-    A box of its own (``block_fd``: bubblewrap waits on it while the host maps the box's ids and
-    forbids nested user namespaces, :func:`write_id_maps`) gets its own user and network namespaces;
-    a joined box (``None``) runs in another box's, entered before bubblewrap."""
-    own_user = () if block_fd is None else (
-        "--unshare-user", "--uid", "0", "--gid", "0", "--userns-block-fd", str(block_fd), "--unshare-net",
-    )  # fmt: skip
+
+def namespace_args(*, hostname: str, block_fd: int) -> list[str]:
+    """bubblewrap's namespace, capability and process options for a box (see ``BoxConfig``): its own user
+    (bubblewrap waits on ``block_fd`` while the host maps the box's ids and forbids nested user
+    namespaces, :func:`write_id_maps`), network, PID, IPC and UTS namespaces; the keel's capabilities."""
     return [
-        *own_user,
+        "--unshare-user", "--uid", "0", "--gid", "0", "--userns-block-fd", str(block_fd), "--unshare-net",
         "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--die-with-parent", "--new-session",
-        "--cap-drop", "ALL", *(arg for cap in SANDBOX_CAPS for arg in ("--cap-add", cap)),
+        "--cap-drop", "ALL", *(arg for cap in (*SANDBOX_CAPS, *KEEL_CAPS) for arg in ("--cap-add", cap)),
         "--hostname", hostname,
     ]  # fmt: skip
 
@@ -152,10 +168,9 @@ class BoxConfig:
         storage_mb: Bound on what the box writes, or ``None``: its tree is on a tmpfs of its own that
             the kernel bounds (``_mounts.mount_bounded_tmpfs``, made by its root), and its ``/dev`` is
             read-only but for ``/dev/shm``, a tmpfs of ``_mounts.DEV_SHM_BYTES``.
-        join: The host PID of another box's init whose user and network namespaces this box
-            shares (its PID, mount, IPC and UTS namespaces are its own): a sibling that reaches
-            the other box's services but that the other box's processes cannot see.
-        extra_binds: More ``(host path, box path)`` writable mounts (e.g. another box's unix sockets).
+        mediate_links: Every symbolic link the agent makes goes through the keel, which refuses one
+            that could lead into a verifier's own places (``_supervisor.c``): what its verifier's view
+            needs, since it follows the agent's links live.
     """
 
     rootfs: Path
@@ -167,27 +182,18 @@ class BoxConfig:
     extra_ro_binds: list[tuple[str, str]] = field(default_factory=list)
     network_switchable: bool = False
     storage_mb: int | None = None
-    join: int | None = None
-    extra_binds: list[tuple[str, str]] = field(default_factory=list)
+    mediate_links: bool = True
 
 
-def _bwrap_command(c: BoxConfig, state_dir: Path, info_fd: int | None, block_fd: int | None) -> list[str]:
+def _bwrap_command(c: BoxConfig, state_dir: Path, info_fd: int, block_fd: int) -> list[str]:
     """bubblewrap's command line for a box, up to the supervisor: its namespaces, then its mounts in order."""
-    enter = () if c.join is None else (
-        which("nsenter") or "nsenter", f"--user=/proc/{c.join}/ns/user", f"--net=/proc/{c.join}/ns/net",
-        "--preserve-credentials", "--",
-    )  # fmt: skip
-    args = [*enter, bwrap_path(), *namespace_args(hostname=c.hostname, block_fd=block_fd), "--bind", str(c.rootfs), "/"]
+    args = [bwrap_path(), *namespace_args(hostname=c.hostname, block_fd=block_fd), "--bind", str(c.rootfs), "/"]
     if c.network == "user" or c.network_switchable:
         args += ["--ro-bind", str(state_dir / "resolv.conf"), "/etc/resolv.conf"]
     args += kernel_fs_args(storage_bound=bool(c.storage_mb))
     for source, target in c.extra_ro_binds:
         args += ["--ro-bind", source, target]
-    for source, target in c.extra_binds:
-        args += ["--bind", source, target]
-    if info_fd is not None:
-        args += ["--info-fd", str(info_fd)]
-    return args + ["--chdir", "/", "--clearenv"]
+    return args + ["--info-fd", str(info_fd), "--chdir", "/", "--clearenv"]
 
 
 def _rlimits(config: BoxConfig, cgroups: bool) -> list[int]:
@@ -210,8 +216,7 @@ def _private_mounts(owned_dir: Path | None) -> list[str]:
 
     bubblewrap copies the whole table into the box and reads it whole for every mount it makes, so
     each running sandbox (two mounts on an image root) made every later start slower. Run after the
-    holder's ``nsenter`` (its mounts are the trees, without root) and before a joined box's (the
-    agent's user namespace would lock the copied mounts in place)."""
+    holder's ``nsenter`` (its mounts are the trees, without root)."""
     binary = launcher_binary()
     root = state_root()
     if binary is None or owned_dir is None or not owned_dir.is_relative_to(root):
@@ -383,7 +388,8 @@ async def _new_parked() -> _Parked | None:
 
 
 class Box:
-    """A running bubblewrap sandbox; its commands go through :attr:`supervisor`.
+    """A running bubblewrap sandbox; its agent's commands go through :attr:`supervisor`, the rest through
+    :attr:`control` (the keel).
 
     ``state_dir`` holds its socket; ``name`` (default: ``state_dir``'s) names its cgroups;
     ``owned_dir`` goes with it, also at exit."""
@@ -394,8 +400,11 @@ class Box:
         #: Where its mounts and tree are handled: this process, or (task images without root) the holder.
         self.host = _userns.host()
         self.state_dir = state_dir
-        #: Runs commands in the box, lists and kills its processes.
+        #: Runs the agent's commands in the box.
         self.supervisor = SupervisorClient(state_dir / "supervisor.sock")
+        #: The keel: lists and kills the agent's processes, starts the verifier's views; the agent
+        #: cannot reach it (nor starve it: it is in the keel's cgroup leaf).
+        self.control = SupervisorClient(state_dir / "control.sock")
         self._proc: asyncio.subprocess.Process | None = None
         self._network = UserNetwork()
         self._child_pid: int | None = None
@@ -407,10 +416,11 @@ class Box:
         self._parked: _Parked | None = None
         #: Host mounts (the copy-on-write root) to detach when the box goes.
         self.mounts: list[Path] = []
+        self._views = 0
 
     @property
     def init_pid(self) -> int | None:
-        """The host PID of the box's init (its supervisor), whose namespaces another box can join."""
+        """The host PID of the box's init (its keel)."""
         return self._child_pid
 
     @property
@@ -457,30 +467,32 @@ class Box:
             self._cgroups.adopt(self._parked.cgroups)
         else:
             self._cgroups.create()
-            if self._cgroups.paths:
-                Cgroups.primed()
+        if self._cgroups.paths:
+            Cgroups.primed()  # the agent's supervisor moves to its own leaf, whatever the start
 
-    async def _spawn(self, binary: str) -> tuple[int | None, int | None]:
+    async def _spawn(self, binary: str) -> tuple[int, int]:
         """Run bubblewrap with the supervisor as the box's init; return the host's ends of its info and block pipes."""
         if self.config.network == "user" or self.config.network_switchable:
             # Written where bubblewrap reads it (the holder's view of the tree, without root).
             resolv = self.state_dir / "resolv.conf"
             await asyncio.to_thread(self.host.call, _write_text, resolv, f"nameserver {SLIRP_GATEWAY_DNS}\n")
-        info_r = info_w = block_r = block_w = None
-        if self.config.join is None:  # a joined box has no namespaces of its own to map or network to attach
-            info_r, info_w = os.pipe()  # its init's PID: for its cgroups, id maps and network
-            block_r, block_w = os.pipe()  # bubblewrap waits on it while the box's ids are mapped
+        info_r, info_w = os.pipe()  # its init's PID: for its cgroups, id maps and network
+        block_r, block_w = os.pipe()  # bubblewrap waits on it while the box's ids are mapped
         exe_fd = os.open(binary, os.O_RDONLY)  # executed through its descriptor: it appears nowhere in the box
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.supervisor.address)
-        listener.listen(128)
+        listeners = []
+        for client in (self.control, self.supervisor):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(client.address)
+            listener.listen(128)
+            listeners.append(listener)
         limits = _rlimits(self.config, bool(self._cgroups.paths))
         bwrap = [
             *_bwrap_command(self.config, self.state_dir, info_w, block_r), f"/proc/self/fd/{exe_fd}",
-            str(listener.fileno()), *map(str, limits),
+            *(str(listener.fileno()) for listener in listeners), *map(str, limits),
+            capability_mask(SANDBOX_CAPS), *proc_hardening_items(), *(["links"] if self.config.mediate_links else []),
         ]  # fmt: skip
         private = _private_mounts(self.owned_dir)
-        fds = [listener.fileno(), *(fd for fd in (info_w, exe_fd, block_r) if fd is not None)]
+        fds = [*(listener.fileno() for listener in listeners), info_w, exe_fd, block_r]
         command = [*self.host.command(), *private, *bwrap]
         try:
             if self._parked is not None:
@@ -491,22 +503,21 @@ class Box:
         except OSError as error:
             self._cleanup_files()
             for fd in (info_r, block_w):
-                if fd is not None:
-                    os.close(fd)
+                os.close(fd)
             raise SandboxStartError(f"could not run bubblewrap: {error}") from error
         finally:
-            listener.close()
+            for listener in listeners:
+                listener.close()
             for fd in (info_w, exe_fd, block_r):
-                if fd is not None:
-                    os.close(fd)
+                os.close(fd)
         _lifetime.LIVE.add(self)
         return info_r, block_w
 
-    async def _until_ready(self, info_r: int | None, block_w: int | None) -> None:
+    async def _until_ready(self, info_r: int, block_w: int) -> None:
         """Finish the box's namespaces, wait for its supervisor's "ready", then bound and connect it."""
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        child_pid = None if info_r is None else await self._settle(info_r, block_w)
+        child_pid = await self._settle(info_r, block_w)
         proc.stdin.close()
         line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
         if line.strip() != b"ready":
@@ -518,19 +529,23 @@ class Box:
             if diagnosis:
                 why += f"; {diagnosis}"
             raise SandboxStartError(f"bubblewrap failed to start the sandbox: {why}")
-        if info_r is not None and child_pid is None:
+        if child_pid is None:
             raise SandboxStartError("bubblewrap started the sandbox without reporting its process")
         if self._cgroups.paths:
             # Every process of the box so far is in its cgroups before any command runs (normally
-            # :meth:`_settle` put them there: none is moved here); later ones are forked from them.
-            self._cgroups.join(_process_tree(proc.pid))
+            # :meth:`_settle` put them there: none is moved here), and the agent's supervisor in the
+            # agent's leaf; later ones are forked from them.
+            tree = _process_tree(proc.pid)
+            agent = [pid for pid in _process_tree(child_pid) if pid != child_pid]
+            await self._cgroups.moved([pid for pid in tree if pid not in agent])
+            await self._cgroups.moved(agent, "agent")
         self._child_pid = child_pid
-        if self.config.network == "user" and child_pid is not None and self.config.join is None:
+        if self.config.network == "user":
             # Only once bubblewrap has finished setting up the namespace's loopback:
             # configuring it concurrently races on netlink.
             await self._network.attach(child_pid)
 
-    async def _settle(self, info_r: int, block_w: int | None) -> int | None:
+    async def _settle(self, info_r: int, block_w: int) -> int | None:
         """Map the box's ids (image roots) and put its processes in its cgroups; its init's PID
         (``None``: bubblewrap failed before it made one, and says why on its standard error).
 
@@ -546,7 +561,7 @@ class Box:
         joining = self._cgroups.moved([proc.pid] if self._parked is None else [])
         try:
             pid = await read_child_pid(info_r)
-            if pid is not None and block_w is not None:
+            if pid is not None:
                 await asyncio.to_thread(self.host.call, write_id_maps, pid, self.host.id_map)
                 os.write(block_w, b"1")
         finally:
@@ -572,9 +587,47 @@ class Box:
             await self._network.detach()
 
     def resource_exhaustion(self) -> str | None:
-        """Which of its limits the box ran into (memory, processes: its cgroups' event counters, as
-        root only), or ``None``."""
+        """Which of its limits the agent ran into (memory, processes, CPU time: its cgroup leaf's event
+        counters, as root only), or ``None``."""
         return self._cgroups.exhaustion()
+
+    async def open_view(self, tree_fd: int, hostname: str, network: NetworkMode, forward: bool = True) -> ViewBox:
+        """Start a verifier's supervisor in this box (see the module docstring); its root is ``tree_fd``.
+
+        Args:
+            tree_fd: A detached mount tree (``open_tree``): the view's ``/``.
+            hostname: Its host name.
+            network: Its own network: ``"none"`` (loopback only) or ``"user"``.
+            forward: Make the agent's TCP listeners reachable in the view at their addresses and ports.
+
+        Raises:
+            SandboxError: If the box is not running, or the view cannot start.
+        """
+        if self.closed or self._child_pid is None:
+            raise SandboxCommandError("the sandbox is not running")
+        self._views += 1
+        client = SupervisorClient(self.state_dir / f"view-{self._views}.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = [tree_fd, listener.fileno()]
+        if forward:  # executed through its descriptor, as the supervisor is
+            fds.append(os.open(await asyncio.to_thread(static_binary, "forwarder"), os.O_RDONLY | os.O_CLOEXEC))
+        try:
+            listener.bind(client.address)
+            listener.listen(128)
+            answer = await self.control._control("view", hostname, fds=fds)
+        finally:
+            listener.close()
+            for fd in fds[2:]:
+                os.close(fd)
+        view = ViewBox(self, client, int(answer["stdout"]))
+        try:
+            if network == "user":
+                view.host_pid = await asyncio.to_thread(_host_pid, self._child_pid, view.pid)
+                await view.set_network("user")
+        except BaseException:
+            await view.kill()
+            raise
+        return view
 
     def kill_now(self) -> None:
         """Kill every process of the box and remove its state, synchronously (idempotent; safe at exit)."""
@@ -633,10 +686,72 @@ class Box:
         _lifetime.LIVE.discard(self)
 
     def _cleanup_files(self) -> None:
+        for client in (self.supervisor, self.control):
+            with contextlib.suppress(FileNotFoundError):
+                client.socket_path.unlink()
+            client.forget_address()
+        self._network.close()
+
+
+class ViewBox:
+    """A verifier's supervisor running in a box (:meth:`Box.open_view`): its commands go through
+    :attr:`supervisor`; the box's keel answers for its health and kills it."""
+
+    def __init__(self, box: Box, supervisor: SupervisorClient, pid: int):
+        self.box = box
+        self.supervisor = supervisor
+        #: Its PID in the keel's namespace, and on the host (once known).
+        self.pid, self.host_pid = pid, None
+        self._network = UserNetwork()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the view is stopped (or being stopped)."""
+        return self.supervisor.closed or self.box.closed
+
+    @property
+    def control(self) -> SupervisorClient:
+        """The box's keel (the sandbox's health is the box's)."""
+        return self.box.control
+
+    def resource_exhaustion(self) -> str | None:
+        """Which of its limits the agent ran into (the box's)."""
+        return self.box.resource_exhaustion()
+
+    async def set_network(self, network: NetworkMode) -> None:
+        """Attach (``"user"``) or detach (``"none"``) the view's own user-mode network."""
+        if network == "user" and self._network.proc is None:
+            if self.host_pid is None:
+                raise SandboxError("the verifier's view has no process to attach a network to")
+            await self._network.attach(self.host_pid)
+        elif network == "none":
+            await self._network.detach()
+
+    async def kill(self) -> None:
+        """Kill every process of the view (the box's keel does, by the view's network namespace); idempotent."""
+        if self.supervisor.closed:
+            return
+        self.supervisor.closed = True
+        with contextlib.suppress(SandboxError):
+            if not self.box.closed:
+                await self.box.control._control("unview", str(self.pid))
+        await self._network.detach()
         with contextlib.suppress(FileNotFoundError):
             self.supervisor.socket_path.unlink()
         self.supervisor.forget_address()
-        self._network.close()
+
+
+def _host_pid(keel_host_pid: int, pid: int) -> int | None:
+    """The host PID of the process ``pid`` of a box's keel namespace (a descendant of its keel)."""
+    for candidate in _process_tree(keel_host_pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{candidate}/status").read_text().splitlines():
+                if line.startswith("NSpid:"):
+                    numbers = line.split()[1:]
+                    if len(numbers) >= 2 and numbers[1] == str(pid) and len(numbers) == 2:
+                        return candidate
+                    break
+    return None
 
 
 class UserNetwork:
@@ -772,32 +887,58 @@ class SupervisorClient:
         """
         return int((await self._control("kill", *keep))["rc"])
 
-    async def _control(self, *fields: str) -> dict:
-        """Send a control request (an empty working directory) to the supervisor."""
+    async def _control(self, *fields: str, fds: Sequence[int] = ()) -> dict:
+        """Send a control request (an empty working directory) to the supervisor, with ``fds``."""
         try:
-            answer = await self._exchange([b"", *(f.encode() for f in fields)], 0, 1 << 20, 60)
+            answer = await self._exchange([b"", *(f.encode() for f in fields)], 0, 1 << 20, 60, fds)
         except (TimeoutError, asyncio.IncompleteReadError, OSError) as error:
             raise SandboxCommandError(f"the sandbox's supervisor did not answer {fields[0]!r} ({error!r})") from error
         if answer["rc"] < 0:
-            raise SandboxCommandError(f"the sandbox's supervisor refused {fields[0]!r}")
+            why = answer["stdout"].strip()
+            raise SandboxCommandError(f"the sandbox's supervisor refused {fields[0]!r}" + (f": {why}" if why else ""))
         return answer
 
-    async def _exchange(self, fields: list[bytes], timeout_ms: int, output_cap: int, wait: float | None) -> dict:
-        """Send one request to the supervisor and read its answer."""
+    async def _exchange(
+        self, fields: list[bytes], timeout_ms: int, output_cap: int, wait: float | None, fds: Sequence[int] = ()
+    ) -> dict:
+        """Send one request (and its descriptors) to the supervisor and read its answer."""
         if self.closed:
             raise SandboxCommandError("the sandbox has been stopped")
         body = struct.pack("<III", timeout_ms, output_cap, len(fields))
         body += b"".join(struct.pack("<I", len(f)) + f for f in fields)
+        message = struct.pack("<I", len(body)) + body
         try:
-            reader, writer = await asyncio.open_unix_connection(self.address)
+            if fds:
+                reader, writer = await _connect_sending(self.address, message, fds)
+            else:
+                reader, writer = await asyncio.open_unix_connection(self.address)
         except OSError as error:
             raise SandboxCommandError(f"the sandbox is not running ({error})") from error
         try:
-            writer.write(struct.pack("<I", len(body)) + body)
-            await writer.drain()
+            if not fds:
+                writer.write(message)
+                await writer.drain()
             return await asyncio.wait_for(_read_answer(reader, output_cap), timeout=wait)
         finally:
             writer.close()
+
+
+async def _connect_sending(
+    address: str, message: bytes, fds: Sequence[int]
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to ``address`` and send ``message`` with ``fds`` attached (SCM_RIGHTS) on its first bytes."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, address)
+        sock.setblocking(True)
+        sent = sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))])
+        if sent < len(message):
+            sock.sendall(message[sent:])
+        return await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
 
 
 async def _read_answer(reader: asyncio.StreamReader, output_cap: int) -> dict:
@@ -827,4 +968,3 @@ def _process_tree(pid: int) -> list[int]:
                 with contextlib.suppress(OSError):
                     stack += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
     return found
-

@@ -52,6 +52,19 @@ def _proc_hardening() -> tuple[str, ...]:
     return tuple(args)
 
 
+@cache
+def proc_hardening_items() -> tuple[str, ...]:
+    """The same hardening for a ``/proc`` the supervisor mounts itself (the agent's, the verifier's):
+    ``ro:NAME`` (read-only), ``file:NAME`` and ``dir:NAME`` (masked), as ``_supervisor.c`` takes them."""
+    items = [f"ro:{name}" for name in _PROC_READ_ONLY if os.path.exists(f"/proc/{name}")]
+    for name in _PROC_MASKED:
+        if os.path.isdir(f"/proc/{name}"):
+            items.append(f"dir:{name}")
+        elif os.path.exists(f"/proc/{name}"):
+            items.append(f"file:{name}")
+    return tuple(items)
+
+
 def is_kernel_path(path: str) -> bool:
     """Whether a sandbox path is the kernel's (``/proc``, ``/dev``, ``/sys``), not a file of its root."""
     return any(path == mount or path.startswith(mount + "/") for mount in KERNEL_MOUNTS)

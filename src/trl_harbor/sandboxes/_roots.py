@@ -2,7 +2,8 @@
 
 * :class:`ImageRoot`: the agent's sandbox. The task's image (``oci.py``) under a private overlay
   the host mounts; its ``ENV``, ``WORKDIR``, ``USER``, ``ENTRYPOINT`` and users as with ``docker run``.
-* :class:`VerifierRoot`: the verifier's view of it (``_view.py``), a sibling box over a filtered snapshot.
+* :class:`VerifierRoot`: the verifier's view of it (``_view.py``): the agent's own folders live, its code
+  places a filtered snapshot over the image, started by the agent's box's keel (``_box.Box.open_view``).
 
 Each owns making its tree, where a sandbox path is on the host, a command's environment and user.
 """
@@ -10,25 +11,29 @@ Each owns making its tree, where a sandbox path is on the host, a command's envi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
+import re
+import secrets
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trl_harbor.sandboxes import _hostfs, _userns
+from trl_harbor.sandboxes import _hostfs, _userns, _viewfs
 from trl_harbor.sandboxes._binaries import static_binary
-from trl_harbor.sandboxes._box import Box, BoxConfig
+from trl_harbor.sandboxes._box import SLIRP_GATEWAY_DNS, Box, BoxConfig
 from trl_harbor.sandboxes._cache import CACHE
 from trl_harbor.sandboxes._fingerprints import fingerprints
+from trl_harbor.sandboxes._guard import guard_files
 from trl_harbor.sandboxes._lifetime import new_box_name, state_root
 from trl_harbor.sandboxes._mounts import inode_bound, is_kernel_path, mount_bounded_tmpfs, mount_overlay
-from trl_harbor.sandboxes._userns import can_mount
-from trl_harbor.sandboxes._view import SearchPaths, Snapshot, search_paths, snapshot
+from trl_harbor.sandboxes._userns import can_mount, in_user_namespace
+from trl_harbor.sandboxes._view import SearchPaths, Snapshot, guarded_names, live_paths, search_paths, snapshot
 from trl_harbor.sandboxes.errors import SandboxCommandError, SandboxStartError
 from trl_harbor.sandboxes.oci import (
     BuiltImage,
@@ -62,6 +67,8 @@ DOCKER_HOSTS = (
 DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Where the user-switching helper appears inside image-rooted sandboxes.
 RUNAS = "/run/trl-harbor/runas"
+#: Where it (and the image's account files it reads) appear in a verifier's view.
+VIEW_PLUMBING = "/.trl-harbor"
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,9 @@ class RootTask:
 
 class ImageRoot:
     """The task's image (built by buildah) under a private copy-on-write layer, with Docker's run semantics."""
+
+    #: Where the user-switching helper is inside the sandbox.
+    runas = RUNAS
 
     def __init__(self, task: RootTask):
         self.task = task
@@ -255,7 +265,7 @@ class ImageRoot:
         is_root = name in ("root", "0") or name.startswith(("root:", "0:"))
         if not is_root:
             # "$0" is the shell the supervisor chose (bash, else sh): the same one runs the command.
-            command = f'exec {RUNAS} {shlex.quote(name)} "$0" -c {shlex.quote(command)}'
+            command = f'exec {self.runas} {shlex.quote(name)} "$0" -c {shlex.quote(command)}'
         base = {"PATH": DOCKER_DEFAULT_PATH, "HOSTNAME": self.task.hostname, **({"HOME": "/root"} if is_root else {})}
         if self.task.host_trust:
             base.update(self._trust_env)
@@ -268,45 +278,52 @@ class ImageRoot:
 
 
 class VerifierRoot(ImageRoot):
-    """The verifier's view of an image-rooted sandbox (``_view.py``): a sibling box over a filtered snapshot.
+    """The verifier's view of an image-rooted sandbox (``_view.py``), started by the agent's box's keel.
 
-    Its box shares the agent's user and network namespaces (the agent's services are on its
-    ``localhost``; their unix sockets are bound in) and has PID, mount, IPC and UTS namespaces of its
-    own, so the agent's processes — still running — cannot see or touch it. Its root is an overlay over
-    the image whose middle layer is the snapshot of the agent's layer, and whose upper layer takes the
-    verifier's own writes.
+    Its supervisor runs in the keel's PID namespace — it sees and can signal the agent's processes,
+    still running as under Harbor, which cannot see it — with mount, network, IPC and UTS namespaces
+    of its own and the box's keel cgroup. Its root is a mount tree made on the host from descriptors
+    (:func:`make_view`): the agent's own folders where no code is looked up, live; elsewhere an overlay
+    over the image whose middle layer is the snapshot of the agent's changes and whose upper layer,
+    on a bounded tmpfs of the view's own, takes the verifier's writes; its ``/tmp`` the agent's under a
+    layer of the verifier's. The agent's TCP services answer on its loopback, at their ports.
     """
 
-    def __init__(self, agent: ImageRoot, allowed: Sequence[str]):
+    runas = f"{VIEW_PLUMBING}/runas"
+
+    def __init__(self, agent: ImageRoot, allowed: Sequence[str], network: str = "none"):
         super().__init__(agent.task)
         self.agent = agent
         self.image = agent.image
         self.host = agent.host
         self.allowed = list(allowed)
-        #: What the snapshot held back, and the agent's sockets it binds (set by :meth:`open`).
+        self.network = network
+        #: What the snapshot held back (set by :meth:`open`).
         self.view: Snapshot | None = None
 
     async def open(self) -> None:
-        """Take the snapshot, mount the view and start its box (``SandboxError``; nothing is left on failure)."""
+        """Make the view and start its supervisor (``SandboxError``; nothing is left on failure)."""
         agent_box = self.agent.running_box()
         if self.image is None or self.agent.dir is None or agent_box.init_pid is None:
             raise SandboxCommandError("the agent's sandbox is not running")
-        self.dir = self.agent.dir / "verifier"  # on the agent's file system (the snapshot links), out of its sight
+        self.dir = self.agent.dir / "verifier"  # on the agent's file system (the snapshot's hard links)
         try:
             assert self.image is not None
-            self.view, sockets, accounts = await asyncio.to_thread(
-                self.host.call, make_view, self.agent.dir, self.dir, self.image.rootfs, self.agent.search,
-                self.workdir, self.allowed,
+            spec = ViewSpec(
+                agent_dir=self.agent.dir, view_dir=self.dir, image_root=self.image.rootfs,
+                search=self.agent.search, workdir=self.workdir, allowed=self.allowed,
+                hostname=self.task.hostname, network=self.network,
+                    storage_mb=agent_box.config.storage_mb, runas=static_binary("runas"), tmpdir=self._tmpdir,
+                binds=list(agent_box.config.extra_ro_binds),
             )  # fmt: skip
-            config = dataclasses.replace(
-                agent_box.config, rootfs=self.rootfs, join=agent_box.init_pid, extra_binds=sockets,
-                extra_ro_binds=[*agent_box.config.extra_ro_binds, *accounts],
-                hostname=self.task.hostname,
-            )  # fmt: skip
-            # Named after the agent's box (its cgroups, the sweep of a dead owner's boxes).
-            self.box = Box(config, self.dir / "run", name=f"{self.agent.dir.name}-verifier", owned_dir=self.dir)
-            self.box.mounts.append(self.rootfs)
-            await self.box.start()
+            self.view = await asyncio.to_thread(self.host.call, make_view, spec)
+            tree = await asyncio.to_thread(self.host.call_fd, view_tree, self.dir)
+            try:
+                self.box = await agent_box.open_view(
+                    tree, self.task.hostname, "user" if self.network == "user" else "none"
+                )
+            finally:
+                os.close(tree)
             if self.view.libraries_added:
                 # The loader cache is the image's (the agent's is not seen): remade by the image's
                 # ldconfig from the image's configuration, it finds the libraries the agent added.
@@ -314,6 +331,51 @@ class VerifierRoot(ImageRoot):
         except BaseException:
             await self.stop()
             raise
+
+    @property
+    def rootfs(self) -> Path:
+        """The view's ``/`` on the host (uploads of ``/tests``, downloads of ``/logs/verifier`` go there)."""
+        if self.dir is None:
+            raise SandboxCommandError("the verifier's view is not open")
+        return self.dir / "root"
+
+    async def stop(self) -> None:
+        """Stop the view's processes, detach its mounts and remove its folder (idempotent)."""
+        if self.box is not None:
+            await self.box.kill()
+            self.box = None
+        if self.dir is not None:
+            view_dir, self.dir = self.dir, None
+            await _off_loop(self.host.call, close_view, view_dir)
+
+    def _for_user(self, user: str | int | None, command: str, env: dict[str, str] | None) -> tuple[str, dict[str, str]]:
+        command, merged = super()._for_user(user, command, env)
+        # The verifier's temporary files: in its own layer of /tmp, under a name the agent cannot guess.
+        return command, {"TMPDIR": f"/tmp/{self._tmpdir}", **merged}
+
+    @functools.cached_property
+    def _tmpdir(self) -> str:
+        return f"verifier-{secrets.token_hex(8)}"
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """What :func:`make_view` needs (picklable: without root it runs in the user's holder)."""
+
+    agent_dir: Path
+    view_dir: Path
+    image_root: Path
+    search: SearchPaths
+    workdir: str
+    allowed: list[str]
+    hostname: str
+    network: str
+    storage_mb: int | None
+    runas: str
+    tmpdir: str
+    #: The agent's box's read-only mounts of host files (the helper, the host's CA certificates): the
+    #: view gets them too, and the snapshot skips their mount points (not the agent's changes).
+    binds: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 def mount_tree(box_dir: Path, image_root: Path, hostname: str, workdir: str | None) -> None:
@@ -330,30 +392,182 @@ def mount_tree(box_dir: Path, image_root: Path, hostname: str, workdir: str | No
         os.close(_hostfs._open_dir(rootfs, _hostfs._parts(workdir), create=True))
 
 
-def make_view(
-    agent_dir: Path, view_dir: Path, image_root: Path, search: SearchPaths, workdir: str, allowed: list[str]
-) -> tuple[Snapshot, list[tuple[str, str]], list[tuple[str, str]]]:
-    """Make the verifier's view of an agent's tree at ``view_dir/rootfs``: the snapshot of the agent's
-    layer between the image and the verifier's own upper layer.
+def make_view(spec: ViewSpec) -> Snapshot:
+    """Make the verifier's view of an agent's tree, mounted at ``view_dir/root`` (see :class:`VerifierRoot`).
+
+    Nothing below the agent's root is resolved by path: its folders are opened one level at a time
+    from a descriptor of it, never through a link (``_viewfs``), and mounted from those descriptors.
 
     Returns:
-        The snapshot, the agent's unix sockets to bind in (``(host path, sandbox path)``), and the
-        image's account files to bind at ``/run/trl-harbor`` (the view's own may be the agent's).
+        The snapshot (what it held back, whether the agent added libraries).
     """
-    for name in ("snapshot", "upper", "work", "rootfs", "run"):
+    view_dir = spec.view_dir
+    for name in ("snapshot", "w", "root"):
         (view_dir / name).mkdir(parents=True)
-    view = snapshot(agent_dir / "upper", image_root, view_dir / "snapshot", search, workdir, allowed)
-    mount_overlay([view_dir / "snapshot", image_root], view_dir / "upper", view_dir / "work", view_dir / "rootfs")
-    # Bound from the agent's tree: never through a link the agent made since (a host file).
-    root = os.path.realpath(agent_dir / "rootfs")
-    sources = [(os.path.realpath(agent_dir / "rootfs" / path.lstrip("/")), path) for path in view.sockets]
-    sockets = [(source, path) for source, path in sources if source.startswith(root + "/")]
-    accounts = [
-        (str(image_root / "etc" / name), f"/run/trl-harbor/{name}")
-        for name in ("passwd", "group")
-        if (image_root / "etc" / name).is_file()
-    ]
-    return view, sockets, accounts
+    own = view_dir / "w"  # the verifier's own writes: a bounded tmpfs of its own, not the agent's tree
+    bound = (spec.storage_mb or 10240) * MiB
+    mount_bounded_tmpfs(own, bound, inode_bound(spec.storage_mb or 10240))
+    for name in ("upper", "work", "tmp-upper", "tmp-work", "tmp-empty"):
+        (own / name).mkdir()
+    (own / "tmp-upper").chmod(0o1777)
+    (own / "tmp-upper" / spec.tmpdir).mkdir(mode=0o1777)
+    (own / "tmp-upper" / spec.tmpdir).chmod(0o1777)
+    agent_root = os.open(spec.agent_dir / "rootfs", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        live = live_paths(agent_root, spec.image_root, spec.search, spec.workdir, spec.allowed)
+        view = snapshot(
+            spec.agent_dir / "upper", spec.image_root, view_dir / "snapshot", spec.search, spec.workdir,
+            spec.allowed, live, skip=[target for _, target in spec.binds],
+        )  # fmt: skip
+        mount_overlay([view_dir / "snapshot", spec.image_root], own / "upper", own / "work", view_dir / "root")
+        root = os.open(view_dir / "root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for path in live:
+                _bind_live(agent_root, root, path)
+            _mount_tmp(spec.agent_dir / "upper", spec.image_root, root, own)
+            _write_own_files(root, view_dir / "root", spec, view_dir / "snapshot")
+        finally:
+            os.close(root)
+    finally:
+        os.close(agent_root)
+    return view
+
+
+def _bind_live(agent_root: int, root: int, path: str) -> None:
+    """Mount the agent's folder ``path`` on the view's: both opened beneath their roots, never through a link."""
+    try:
+        source = _viewfs.open_beneath(agent_root, path)
+    except OSError:
+        return  # swapped for a link or removed since it was listed: the mount point stays empty
+    try:
+        tree = _viewfs.clone_tree(source)
+    finally:
+        os.close(source)
+    try:
+        target = _viewfs.open_beneath(root, path)
+        try:
+            _viewfs.attach(tree, target)
+        finally:
+            os.close(target)
+    finally:
+        os.close(tree)
+
+
+def _mount_tmp(upper: Path, image_root: Path, root: int, own: Path) -> None:
+    """The view's ``/tmp``: the agent's (its layer over the image's, read through) under a layer of the
+    verifier's own. (Made of the agent's layer rather than its merged tree: the image's root is an
+    overlay already, and the kernel stacks two at most.)"""
+    layers: list[str] = []
+    opened: list[int] = []
+    try:
+        for base in (upper, image_root):
+            start = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            opened.append(start)
+            try:
+                opened.append(_viewfs.open_beneath(start, "tmp"))
+                layers.append(f"/proc/self/fd/{opened[-1]}")
+            except OSError:
+                continue  # none there, or not a folder (a link): that layer holds nothing of /tmp
+        if not layers:
+            layers = [str(own / "tmp-empty")]
+        tree = _viewfs.overlay(layers, str(own / "tmp-upper"), str(own / "tmp-work"), userxattr=in_user_namespace())
+    finally:
+        for fd in opened:
+            os.close(fd)
+    try:
+        target = _viewfs.open_beneath(root, "tmp")
+        try:
+            _viewfs.attach(tree, target)
+        finally:
+            os.close(target)
+    finally:
+        os.close(tree)
+
+
+def _write_own_files(root: int, root_dir: Path, spec: ViewSpec, snapshot_dir: Path) -> None:
+    """The view's own files: its host names, resolver, ``/logs/verifier``, the user-switching helper, the
+    image's account files, Python's import guard (``_guard.py``)."""
+    image = spec.image_root
+    files = {
+        "/etc/hosts": DOCKER_HOSTS.format(hostname=spec.hostname) + _agents_local_hosts(snapshot_dir, spec.hostname),
+        "/etc/hostname": spec.hostname + "\n",
+        "/etc/resolv.conf": f"nameserver {SLIRP_GATEWAY_DNS}\n" if spec.network == "user" else "",
+        f"{VIEW_PLUMBING}/runas": "",
+    }
+    for name in ("passwd", "group"):
+        with contextlib.suppress(OSError):
+            files[f"{VIEW_PLUMBING}/{name}"] = (image / "etc" / name).read_text(errors="replace")
+    guarded = guarded_names(image, spec.search, spec.workdir, spec.allowed)
+    files.update(guard_files(spec.search.python, guarded))
+    binds = [(spec.runas, f"{VIEW_PLUMBING}/runas"), *((s, t) for s, t in spec.binds if t != RUNAS)]
+    for _, target in binds:
+        files.setdefault(target, "")  # a mount point
+    for path, text in files.items():  # the view's own overlay: written without following any link
+        _hostfs.write_text(root_dir, path, text)
+    os.close(_hostfs._open_dir(root_dir, _hostfs._parts("/logs/verifier"), create=True))
+    for source, target in binds:
+        _bind_host_file(root, source, target)
+
+
+def _bind_host_file(root: int, source: str, target: str) -> None:
+    """Mount a file of the host's (this package's helper, a CA certificate) read-only on the view's ``target``."""
+    opened = os.open(source, os.O_PATH | os.O_CLOEXEC)
+    try:
+        tree = _viewfs.clone_tree(opened)
+    finally:
+        os.close(opened)
+    try:
+        _viewfs.read_only(tree)
+        target_fd = _viewfs.open_beneath(root, target, os.O_PATH)
+        try:
+            _viewfs.attach(tree, target_fd)
+        finally:
+            os.close(target_fd)
+    finally:
+        os.close(tree)
+
+
+#: ``/etc/hosts`` names of the agent's the verifier keeps: local ones (a name the agent's service is
+#: reached by); never ``localhost``'s or a public name's (which would lead the verifier's own
+#: downloads to the agent's services).
+_LOCAL_NAME = re.compile(
+    r"^(?:[A-Za-z0-9_-]+|[A-Za-z0-9.-]+\.(?:local|localhost|internal|test|lan|home\.arpa|example|invalid))$"
+)
+
+
+def _agents_local_hosts(snapshot_dir: Path, hostname: str) -> str:
+    """The agent's ``/etc/hosts`` lines that name local hosts only (its file, as the snapshot laid it)."""
+    try:
+        fd = os.open(snapshot_dir / "etc" / "hosts", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as handle:
+        text = handle.read(65536).decode("utf-8", "replace")
+    kept = []
+    reserved = {"localhost", "ip6-localhost", "ip6-loopback", hostname}
+    for line in text.splitlines():
+        fields = line.split("#", 1)[0].split()
+        names = fields[1:]
+        if names and all(_LOCAL_NAME.match(n) and n not in reserved and not n.startswith("ip6-") for n in names):
+            kept.append(" ".join(fields))
+    return "".join(f"{line}\n" for line in kept)
+
+
+def view_tree(view_dir: Path) -> int:
+    """A detached copy of the view's mount tree (for its supervisor's root): its descriptor."""
+    fd = os.open(view_dir / "root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return _viewfs.clone_tree(fd, recursive=True)
+    finally:
+        os.close(fd)
+
+
+def close_view(view_dir: Path) -> None:
+    """Detach the view's host mounts and remove its folder."""
+    for name in ("root", "w"):
+        with contextlib.suppress(OSError):
+            _viewfs.detach(str(view_dir / name))
+    _hostfs.remove_tree(view_dir)
 
 
 async def _off_loop(func, *args) -> None:

@@ -1,54 +1,83 @@
 /*
- * The process that lives inside a local sandbox for its whole life.
+ * The processes that live inside a local sandbox for its whole life: its keel, its agent's
+ * supervisor, and, while it is graded, its verifier's.
  *
- * Compiled statically on first use by _binaries.py and cached by source hash; it is
- * passed to bubblewrap as an open file descriptor, so it appears nowhere in the
- * sandbox's file system, and it needs nothing of the image (which may have no C
- * library at all).
+ * Compiled statically on first use by _binaries.py and cached by source hash; it is passed to
+ * bubblewrap as an open file descriptor, so it appears nowhere in the sandbox's file system, and
+ * it needs nothing of the image (which may have no C library at all).
  *
- *   usage: supervisor LISTEN_FD AS_LIMIT_BYTES NPROC_LIMIT
+ *   usage: supervisor CONTROL_FD AGENT_FD AS_LIMIT_BYTES NPROC_LIMIT CAPS_HEX [ro:N|file:N|dir:N|links]...
  *
- * The host hands it an already listening Unix socket (LISTEN_FD); the limits are
- * set on every command (0: none). Each connection carries one command, little-endian:
+ * It starts as the init of the sandbox's outer PID namespace (bubblewrap --as-pid-1): the *keel*.
+ * The keel forks the *agent's supervisor* into a PID and mount namespace of its own, nested in the
+ * keel's: the agent's processes live there, with a /proc of their own (hardened: the ro:/file:/dir:
+ * entries make /proc/N read-only or mask it, as Docker does) and the capabilities CAPS_HEX, and see
+ * nothing of the keel's namespace. Later, the keel forks the *verifier's supervisor* beside the
+ * agent's, in the keel's PID namespace (so the verifier sees and can signal the agent's processes,
+ * which cannot see it) with mount, network, IPC and UTS namespaces of its own: its root is a mount
+ * tree the host made and sent as a descriptor.
+ *
+ * The host hands over two listening Unix sockets: CONTROL_FD (the keel's) and AGENT_FD (the agent's
+ * supervisor's); the verifier's comes with its request. Each connection carries one request,
+ * little-endian, with descriptors (SCM_RIGHTS) where a request needs them:
  *
  *   request:  u32 size | u32 timeout_ms (0: none) | u32 cap | u32 n | n x (u32 len | bytes)
- *             fields: cwd, command, then "KEY=VALUE" environment entries. An empty
- *             cwd marks a control request: command "ps" lists the sandbox's processes
- *             ("PID:START" lines on stdout; PID 1 and the handler excluded); "kill"
- *             kills all of them but the "PID:START" entries in the remaining fields,
- *             and answers how many it killed.
+ *             fields: cwd, command, then "KEY=VALUE" environment entries. An empty cwd marks a
+ *             control request:
+ *               "ps"               the agent's processes ("PID:START" lines; the agent's supervisor
+ *                                  and the keel's handler excluded; keel numbering);
+ *               "kill" [KEEP...]   kills all of them but the "PID:START" entries KEEP, and answers
+ *                                  how many it killed;
+ *               "view" HOST        (keel; descriptors: the view's root tree, its listening socket, the
+ *                                  forwarder program, optional) starts the verifier's supervisor and
+ *                                  the forwarder of the agent's TCP ports (_forwarder.c); answers the
+ *                                  supervisor's PID (keel numbering) once both serve;
+ *               "unview PID"       (keel) kills every process of that verifier's network namespace;
  *   response: i32 exit code | u32 flags (1: timed out)
  *             | stdout: u64 dropped | u32 len | bytes | stderr: the same
  *
- * Every connection is served by a forked handler that makes itself a child
- * subreaper, so every process the command starts (even one that calls setsid and
- * double-forks) stays its descendant. A timeout, or the host closing the connection
- * (a cancelled exec), kills that whole tree. Processes a finished command left in
- * the background keep running, as with `docker exec` into a running container.
- * Output is bounded: at most `cap` bytes per stream are kept (the head and the
- * tail, with a marker in between); the rest is read and dropped so the command
- * never blocks on a full pipe.
+ * Every command connection is served by a forked handler that makes itself a child subreaper, so
+ * every process the command starts (even one that calls setsid and double-forks) stays its
+ * descendant. A timeout, or the host closing the connection (a cancelled exec), kills that whole
+ * tree. Processes a finished command left in the background keep running, as with `docker exec`
+ * into a running container. Output is bounded: at most `cap` bytes per stream are kept (the head
+ * and the tail, with a marker in between); the rest is read and dropped so the command never
+ * blocks on a full pipe.
  *
- * It runs as PID 1 of the sandbox's PID namespace (bubblewrap --as-pid-1): the
- * kernel never delivers SIGKILL or SIGSTOP to a namespace's init from inside it,
- * so the agent cannot kill it; it is not dumpable and commands run without
- * CAP_SYS_PTRACE, so the agent cannot trace it either.
+ * The keel is the init of its PID namespace, the agent's supervisor of its own: the kernel never
+ * delivers SIGKILL or SIGSTOP to a namespace's init from inside it. None of the three is dumpable;
+ * commands run with CAPS_HEX only (no CAP_SYS_ADMIN, no CAP_SYS_PTRACE), so the agent can neither
+ * trace nor unmount anything. The keel keeps what it needs to make the verifier's namespaces.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <linux/audit.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <net/if.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/fsuid.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -59,8 +88,41 @@
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
+#ifndef SYS_open_tree
+#define SYS_open_tree 428
+#endif
+#ifndef SYS_move_mount
+#define SYS_move_mount 429
+#endif
+#ifndef SYS_fsopen
+#define SYS_fsopen 430
+#endif
+#ifndef SYS_fsconfig
+#define SYS_fsconfig 431
+#endif
+#ifndef SYS_fsmount
+#define SYS_fsmount 432
+#endif
+#define OPEN_TREE_CLONE_ 1
+#define AT_RECURSIVE_ 0x8000
+#define MOVE_MOUNT_F_EMPTY_PATH_ 0x4
+#define FSCONFIG_CMD_CREATE_ 6
+#define MOUNT_ATTR_NOSUID_ 0x2
+#define MOUNT_ATTR_NODEV_ 0x4
+#define MOUNT_ATTR_NOEXEC_ 0x8
 #define DRAIN_GRACE_MS 50
 #define MAX_REQUEST (64u << 20)
+#define MAX_FDS 4
+
+/* What this process is: the keel, the agent's supervisor, or a verifier's. */
+enum role { KEEL, AGENT, VIEW };
+static enum role role = KEEL;
+/* Set once for every role: the limits and capabilities of the commands, and the /proc hardening. */
+static unsigned long long as_limit, nproc_limit, command_caps;
+static char **hardening;
+static int n_hardening;
+/* Whether the agent's links go through the keel (the "links" item; see install_link_filter). */
+static int mediate_links;
 
 static int read_full(int fd, void *buf, size_t len) {
     char *p = buf;
@@ -237,8 +299,33 @@ static char proc_stat(const char *pid, unsigned long long *start) {
     return state;
 }
 
-/* The sandbox's live processes but the supervisor (PID 1) and this handler, one
- * "PID:START" line each. */
+/* Whether a process is one of the agent's, seen from the keel: its NSpid line has two numbers (the
+ * keel's, then the agent namespace's), and the second is not 1 (the agent's supervisor). In the
+ * agent's own namespace every process but its supervisor is. */
+static int is_agents(const char *pid) {
+    if (role != KEEL) return atoi(pid) != 1;
+    char path[300], buf[4096];
+    snprintf(path, sizeof path, "/proc/%s/status", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t len = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (len <= 0) return 0;
+    buf[len] = 0;
+    char *line = strstr(buf, "\nNSpid:");
+    if (!line) return 0;
+    line += 7;
+    long first, second;
+    char *end;
+    first = strtol(line, &end, 10);
+    if (end == line) return 0;
+    line = end;
+    second = strtol(line, &end, 10);
+    (void)first;
+    return end != line && second != 1;
+}
+
+/* The agent's live processes, one "PID:START" line each (this handler excluded). */
 static size_t list_processes(char **out) {
     size_t cap = 4096, len = 0;
     char *text = malloc(cap);
@@ -249,8 +336,9 @@ static size_t list_processes(char **out) {
         if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
         pid_t pid = (pid_t)atoi(entry->d_name);
         unsigned long long start;
+        if (pid == me || !is_agents(entry->d_name)) continue;
         char state = proc_stat(entry->d_name, &start);
-        if (pid == 1 || pid == me || state == 'Z' || state == 'X' || state == '?') continue;
+        if (state == 'Z' || state == 'X' || state == '?') continue;
         if (len + 64 > cap) text = realloc(text, cap *= 2);
         len += (size_t)snprintf(text + len, cap - len, "%d:%llu\n", (int)pid, start);
     }
@@ -259,11 +347,10 @@ static size_t list_processes(char **out) {
     return len;
 }
 
-/* Kills every process of the sandbox but the supervisor (PID 1), this handler and
- * the "PID:START" entries of keep, repeating until a scan finds none to kill;
- * returns how many were killed. Every process in the namespace is reachable this
- * way, whatever it did to detach (new session, double fork, ignoring SIGTERM). */
-static int kill_all(char **keep, uint32_t nkeep) {
+/* Kills every process the filter selects but this handler and the "PID:START" entries of keep,
+ * repeating until a scan finds none to kill; returns how many were killed. Every process is
+ * reachable this way, whatever it did to detach (new session, double fork, ignoring SIGTERM). */
+static int kill_selected(int (*selected)(const char *, const void *), const void *arg, char **keep, uint32_t nkeep) {
     pid_t me = getpid();
     int total = 0;
     for (int round = 0; round < 1000; round++) {
@@ -273,7 +360,7 @@ static int kill_all(char **keep, uint32_t nkeep) {
         while (proc && (entry = readdir(proc))) {
             if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
             pid_t pid = (pid_t)atoi(entry->d_name);
-            if (pid == 1 || pid == me) continue;
+            if (pid == 1 || pid == me || !selected(entry->d_name, arg)) continue;
             unsigned long long start;
             char state = proc_stat(entry->d_name, &start);
             if (state == 'Z' || state == 'X' || state == '?') continue;
@@ -286,10 +373,28 @@ static int kill_all(char **keep, uint32_t nkeep) {
         if (proc) closedir(proc);
         total += killed;
         if (!killed) break;
-        struct timespec pause = {0, 2000000};
+        struct timespec pause = {0, 500000}; /* what was forked meanwhile shows in the next scan */
         nanosleep(&pause, NULL);
     }
     return total;
+}
+
+static int agents_filter(const char *pid, const void *arg) {
+    (void)arg;
+    return is_agents(pid);
+}
+
+/* The inode of a process's network namespace (0 when it is gone). */
+static unsigned long long net_inode(const char *pid) {
+    char path[300];
+    struct stat info;
+    snprintf(path, sizeof path, "/proc/%s/ns/net", pid);
+    return stat(path, &info) == 0 ? (unsigned long long)info.st_ino : 0;
+}
+
+static int in_net_filter(const char *pid, const void *arg) {
+    unsigned long long want = *(const unsigned long long *)arg;
+    return want && net_inode(pid) == want;
 }
 
 /* Answers a control request: an exit code and stdout, no stderr. */
@@ -315,20 +420,509 @@ static void answer_failure(int conn, int32_t rc, const char *what, int error) {
     close(conn);
 }
 
-/* Reads one request: its timeout, output cap and fields (NULL-terminated). 0 on success. */
-static int read_request(int conn, uint32_t *timeout_ms, uint32_t *cap, char ***out, uint32_t *count) {
+/* Sends fd (or only a byte, when fd < 0) over the socket s. */
+static void send_fd(int s, int fd) {
+    char byte = 0;
+    struct iovec iov = {&byte, 1};
+    char control[CMSG_SPACE(sizeof(int))];
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (fd >= 0) {
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    }
+    while (sendmsg(s, &msg, 0) < 0 && errno == EINTR) {
+    }
+}
+
+/* The byte sent by send_fd (in *byte, -1 when none came), and the descriptor with it, or -1. */
+static int receive_byte_fd(int s, int *byte) {
+    char one, control[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {&one, 1};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    *byte = -1;
+    if (recvmsg(s, &msg, MSG_CMSG_CLOEXEC) <= 0) return -1;
+    *byte = (unsigned char)one;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    int fd = -1;
+    if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    return fd;
+}
+
+/* The descriptor sent by send_fd, or -1. */
+static int receive_fd(int s) {
+    int byte;
+    return receive_byte_fd(s, &byte);
+}
+
+/* ---- The agent's symbolic links ------------------------------------------------------------------
+ *
+ * The verifier reads the agent's files live, so a link the agent makes is followed in the verifier's
+ * world, where /tests, /solution, /logs/verifier and the verifier's own /proc exist: an answer file
+ * that is a link to /tests/expected.txt would read the expected answer. So every symlink(2) and
+ * symlinkat(2) of the agent's processes stops at a seccomp filter installed by the agent's
+ * supervisor (inherited by every process it starts) and goes to the keel, which judges the link by
+ * its target alone — wherever the link is made or later moved — and makes it itself, with the
+ * caller's root, working directory, credentials and capabilities (the target is read once, from the
+ * caller's memory: what was judged is what is made). A link that could lead into the verifier's own
+ * places is refused (EPERM). io_uring, which would make links past the filter, is refused too
+ * (ENOSYS), as under Docker's default profile.
+ */
+
+#ifndef SYS_seccomp
+#define SYS_seccomp 317
+#endif
+#ifndef SECCOMP_FILTER_FLAG_NEW_LISTENER
+#define SECCOMP_FILTER_FLAG_NEW_LISTENER (1UL << 3)
+#endif
+#ifndef SECCOMP_RET_USER_NOTIF
+#define SECCOMP_RET_USER_NOTIF 0x7fc00000U
+#endif
+
+/* The verifier's own places, as the words of a path from /. */
+static const char *const VERIFIER_PLACES[] = {"tests", "solution", "proc", ".trl-harbor", "logs/verifier",
+                                              "run/trl-harbor", "dev/fd", NULL};
+
+/* Whether the absolute, normalised path p (no "." or ".." left) is one of the verifier's places. */
+static int verifiers_place(const char *p) {
+    while (*p == '/') p++;
+    for (int i = 0; VERIFIER_PLACES[i]; i++) {
+        size_t n = strlen(VERIFIER_PLACES[i]);
+        if (strncmp(p, VERIFIER_PLACES[i], n) == 0 && (p[n] == 0 || p[n] == '/')) return 1;
+    }
+    return 0;
+}
+
+/* Normalises the words words[from..n) as a path from / into out ("." dropped, ".." climbs). */
+static void normalise(char **words, int from, int n, char *out, size_t size) {
+    int kept[PATH_MAX / 2], depth = 0;
+    for (int i = from; i < n; i++) {
+        if (strcmp(words[i], ".") == 0 || words[i][0] == 0) continue;
+        if (strcmp(words[i], "..") == 0) {
+            if (depth) depth--;
+        } else if (depth < (int)(sizeof kept / sizeof kept[0])) {
+            kept[depth++] = i;
+        }
+    }
+    size_t len = 0;
+    out[0] = 0;
+    for (int d = 0; d < depth && len + 2 < size; d++) len += (size_t)snprintf(out + len, size - len, "/%s", words[kept[d]]);
+    if (!depth) snprintf(out, size, "/");
+}
+
+/* Whether a link to target could lead into the verifier's places, wherever it is or goes: the
+ * target read from / (an absolute one; a relative one as if the link were in /), and, after each
+ * "..", what follows it read from / (a ".." can climb to / from anywhere, through a link too). */
+static int link_into_verifier(const char *target) {
+    char copy[PATH_MAX + 1], *words[PATH_MAX / 2 + 1], path[PATH_MAX + 1];
+    snprintf(copy, sizeof copy, "%s", target);
+    int n = 0;
+    for (char *word = strtok(copy, "/"); word && n < (int)(sizeof words / sizeof words[0]); word = strtok(NULL, "/"))
+        words[n++] = word;
+    normalise(words, 0, n, path, sizeof path);
+    if (verifiers_place(path)) return 1;
+    for (int i = 0; i < n; i++) {
+        if (strcmp(words[i], "..") != 0) continue;
+        normalise(words, i + 1, n, path, sizeof path);
+        if (verifiers_place(path)) return 1;
+    }
+    return 0;
+}
+
+/* Installs the link filter on this process (inherited by all it starts); its listener, or -1 where
+ * the kernel or the architecture cannot (then links are not mediated). */
+static int install_link_filter(void) {
+#if defined(__x86_64__)
+    struct sock_filter code[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 0, 8),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 88, 12, 0),          /* symlink */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 266, 11, 0),         /* symlinkat */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0x40000058, 10, 0),  /* x32 symlink */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0x4000010a, 9, 0),   /* x32 symlinkat */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 425, 9, 0),          /* io_uring_setup */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0x400001a9, 8, 0),   /* x32 io_uring_setup */
+        BPF_STMT(BPF_JMP | BPF_JA, 5),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_I386, 0, 4),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 83, 3, 0),           /* i386 symlink */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 304, 2, 0),          /* i386 symlinkat */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 425, 2, 0),          /* i386 io_uring_setup */
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_USER_NOTIF),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+    };
+#elif defined(__aarch64__)
+    struct sock_filter code[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_AARCH64, 0, 3),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 36, 2, 0),           /* symlinkat */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 425, 2, 0),          /* io_uring_setup */
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_USER_NOTIF),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+    };
+#else
+    return -1;
+#endif
+#if defined(__x86_64__) || defined(__aarch64__)
+    struct sock_fprog program = {(unsigned short)(sizeof code / sizeof code[0]), code};
+    long fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &program);
+    return fd < 0 ? -1 : (int)fd;
+#endif
+}
+
+/* The verifier's bind(2) calls go to the forwarder first, which yields the port to the verifier's
+ * own server (_forwarder.c): this filter's listener, or -1 (then the agent's mirrored listeners may
+ * keep a port the verifier wants). */
+static int install_bind_filter(void) {
+#if defined(__x86_64__) || defined(__aarch64__)
+#if defined(__x86_64__)
+    const unsigned arch = AUDIT_ARCH_X86_64, nr_bind = 49;
+#else
+    const unsigned arch = AUDIT_ARCH_AARCH64, nr_bind = 200;
+#endif
+    struct sock_filter code[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, arch, 0, 2),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, nr_bind, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_USER_NOTIF),
+    };
+    struct sock_fprog program = {(unsigned short)(sizeof code / sizeof code[0]), code};
+    long fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &program);
+    return fd < 0 ? -1 : (int)fd;
+#else
+    return -1;
+#endif
+}
+
+/* Reads a NUL-terminated string of at most PATH_MAX bytes at address in process pid (via its mem
+ * file, open in mem); 0, or an errno. */
+static int read_string(int mem, unsigned long long address, char *out) {
+    size_t got = 0;
+    while (got < PATH_MAX + 1) {
+        size_t want = PATH_MAX + 1 - got < 256 ? PATH_MAX + 1 - got : 256;
+        ssize_t n = pread(mem, out + got, want, (off_t)(address + got));
+        if (n <= 0) return EFAULT;
+        if (memchr(out + got, 0, (size_t)n)) return 0;
+        got += (size_t)n;
+    }
+    return ENAMETOOLONG;
+}
+
+/* Reads the numbers after "key" in /proc/PID/status into values (at most max); how many. */
+static int status_numbers(const char *status, const char *key, unsigned long long *values, int max, int base) {
+    const char *line = strstr(status, key);
+    if (!line) return 0;
+    line += strlen(key);
+    int n = 0;
+    while (n < max) {
+        char *end;
+        unsigned long long v = strtoull(line, &end, base);
+        if (end == line) break;
+        values[n++] = v;
+        line = end;
+        if (*line == '\n') break;
+    }
+    return n;
+}
+
+/* Makes the link as process pid would: its root, its directory (dirfd, or its working directory),
+ * its ids, groups and capabilities, in a child of the keel. 0, or an errno. */
+static int make_link_as(pid_t pid, int dirfd, const char *target, const char *linkpath) {
+    char path[64], status[8192];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t len = fd < 0 ? -1 : read(fd, status, sizeof status - 1);
+    if (fd >= 0) close(fd);
+    if (len <= 0) return ESRCH;
+    status[len] = 0;
+    unsigned long long uid[4], gid[4], groups[64], eff = 0, prm = 0;
+    if (status_numbers(status, "\nUid:", uid, 4, 10) != 4 || status_numbers(status, "\nGid:", gid, 4, 10) != 4)
+        return ESRCH;
+    int ngroups = status_numbers(status, "\nGroups:", groups, 64, 10);
+    status_numbers(status, "\nCapEff:", &eff, 1, 16);
+    status_numbers(status, "\nCapPrm:", &prm, 1, 16);
+    snprintf(path, sizeof path, "/proc/%d/root", (int)pid);
+    int root = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (dirfd == AT_FDCWD) snprintf(path, sizeof path, "/proc/%d/cwd", (int)pid);
+    else snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)pid, dirfd);
+    int at = open(path, O_PATH | O_CLOEXEC);
+    int result[2];
+    if (root < 0 || at < 0 || pipe2(result, O_CLOEXEC) != 0) {
+        int error = errno == ENOENT ? EBADF : errno;
+        if (root >= 0) close(root);
+        if (at >= 0) close(at);
+        return error;
+    }
+    pid_t child = fork();
+    if (child == 0) {
+        close(result[0]);
+        gid_t gs[64];
+        for (int i = 0; i < ngroups; i++) gs[i] = (gid_t)groups[i];
+        int error = 0;
+        if (fchdir(root) || chroot(".") || setgroups((size_t)ngroups, gs) ||
+            setresgid((gid_t)gid[0], (gid_t)gid[1], (gid_t)gid[2]) || prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0) ||
+            setresuid((uid_t)uid[0], (uid_t)uid[1], (uid_t)uid[2]))
+            error = errno;
+        if (!error) {
+            setfsgid((gid_t)gid[3]);
+            setfsuid((uid_t)uid[3]);
+            struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+            struct __user_cap_data_struct data[2];
+            memset(data, 0, sizeof data);
+            data[0].effective = (uint32_t)eff, data[1].effective = (uint32_t)(eff >> 32);
+            data[0].permitted = (uint32_t)prm, data[1].permitted = (uint32_t)(prm >> 32);
+            if (syscall(SYS_capset, &header, data) != 0) error = errno;
+        }
+        if (!error && symlinkat(target, at, linkpath) != 0) error = errno;
+        write_full(result[1], &error, sizeof error);
+        _exit(0);
+    }
+    close(result[1]);
+    close(root);
+    close(at);
+    int error = EAGAIN;
+    if (child > 0 && read_full(result[0], &error, sizeof error) != 0) error = EIO;
+    close(result[0]);
+    return error;
+}
+
+/* Answers one notification of the link filter: judges the link, makes it or refuses it. */
+static void answer_link_request(int notify) {
+    struct seccomp_notif_sizes sizes;
+    if (syscall(SYS_seccomp, SECCOMP_GET_NOTIF_SIZES, 0, &sizes) != 0) return;
+    struct seccomp_notif *req = calloc(1, sizes.seccomp_notif > sizeof *req ? sizes.seccomp_notif : sizeof *req);
+    struct seccomp_notif_resp *resp =
+        calloc(1, sizes.seccomp_notif_resp > sizeof *resp ? sizes.seccomp_notif_resp : sizeof *resp);
+    char *target = malloc(PATH_MAX + 1), *linkpath = malloc(PATH_MAX + 1);
+    if (!req || !resp || !target || !linkpath || ioctl(notify, SECCOMP_IOCTL_NOTIF_RECV, req) != 0) goto done;
+    resp->id = req->id;
+    int nr = req->data.nr, at_form = nr == 266 || nr == 0x4000010a || nr == 304 || nr == 36;
+    unsigned long long target_at = req->data.args[0], link_at = at_form ? req->data.args[2] : req->data.args[1];
+    int dirfd = at_form ? (int)req->data.args[1] : AT_FDCWD;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/mem", (int)req->pid);
+    int mem = open(path, O_RDONLY | O_CLOEXEC), error = mem < 0 ? ESRCH : 0;
+    if (!error) error = read_string(mem, target_at, target);
+    if (!error) error = read_string(mem, link_at, linkpath);
+    if (mem >= 0) close(mem);
+    if (ioctl(notify, SECCOMP_IOCTL_NOTIF_ID_VALID, &req->id) != 0) goto done; /* the caller is gone */
+    if (!error && link_into_verifier(target)) error = EPERM;
+    if (!error) error = make_link_as((pid_t)req->pid, dirfd, target, linkpath);
+    resp->error = -error;
+    ioctl(notify, SECCOMP_IOCTL_NOTIF_SEND, resp);
+done:
+    free(req);
+    free(resp);
+    free(target);
+    free(linkpath);
+}
+
+/* Keeps only the capabilities in keep: bounding set, ambient set, then the process's own sets (a
+ * command executed as root gets the bounding set, nothing more). 0 on success. */
+static int drop_capabilities(unsigned long long keep) {
+    for (int cap = 0; cap < 64; cap++)
+        if (!(keep >> cap & 1) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) return -1;
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    memset(data, 0, sizeof data);
+    data[0].effective = data[0].permitted = (uint32_t)(keep & 0xffffffffu);
+    data[1].effective = data[1].permitted = (uint32_t)(keep >> 32);
+    return (int)syscall(SYS_capset, &header, data);
+}
+
+/* A new procfs of this process's PID namespace, not attached yet (its descriptor, or -1). Made
+ * while a /proc is still visible: the kernel lets a user namespace mount one only then. */
+static int new_proc(void) {
+    int fs = (int)syscall(SYS_fsopen, "proc", 0);
+    if (fs < 0) return -1;
+    int mnt = -1;
+    if (syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE_, NULL, NULL, 0) == 0)
+        mnt = (int)syscall(SYS_fsmount, fs, 0, MOUNT_ATTR_NOSUID_ | MOUNT_ATTR_NODEV_ | MOUNT_ATTR_NOEXEC_);
+    close(fs);
+    return mnt;
+}
+
+/* Makes /proc/N read-only ("ro:N") or masks it ("file:N": /dev/null over it; "dir:N": an empty
+ * read-only tmpfs), for the entries that exist. 0 on success. */
+static int harden_proc(void) {
+    const unsigned long locked = MS_NOSUID | MS_NODEV | MS_NOEXEC;
+    for (int i = 0; i < n_hardening; i++) {
+        const char *item = hardening[i], *colon = strchr(item, ':');
+        if (!colon) continue; /* a flag ("links") */
+        char path[300];
+        snprintf(path, sizeof path, "/proc/%s", colon + 1);
+        if (access(path, F_OK) != 0) continue;
+        int rc = 0;
+        if (strncmp(item, "ro:", 3) == 0) {
+            rc = mount(path, path, NULL, MS_BIND | MS_REC, NULL) ||
+                 mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | locked, NULL);
+        } else if (strncmp(item, "file:", 5) == 0) {
+            rc = mount("/dev/null", path, NULL, MS_BIND, NULL);
+            if (rc == 0) mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, NULL);
+        } else if (strncmp(item, "dir:", 4) == 0) {
+            rc = mount("tmpfs", path, "tmpfs", MS_RDONLY | locked, "size=0,mode=0555");
+        }
+        if (rc) {
+            dprintf(2, "supervisor: cannot harden %s: %s\n", path, strerror(errno));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Attaches the detached mount proc_fd at /proc, then hardens it. 0 on success. */
+static int attach_proc(int proc_fd) {
+    if (syscall(SYS_move_mount, proc_fd, "", AT_FDCWD, "/proc", MOVE_MOUNT_F_EMPTY_PATH_) != 0) return -1;
+    close(proc_fd);
+    return harden_proc();
+}
+
+/* What every supervisor sets up before it serves commands: rlimits, capabilities, no dumping. */
+static int settle_for_commands(void) {
+    if (as_limit) {
+        struct rlimit rl = {as_limit, as_limit};
+        setrlimit(RLIMIT_AS, &rl);
+    }
+    if (nproc_limit) {
+        /* Without cgroups (not root), the sandbox's process limit: RLIMIT_NPROC counts the
+         * processes of a uid in its own user namespace (a fork bomb gets EAGAIN); commands
+         * cannot raise it. */
+        struct rlimit rl = {nproc_limit, nproc_limit};
+        setrlimit(RLIMIT_NPROC, &rl);
+    }
+    if (drop_capabilities(command_caps) != 0) {
+        dprintf(2, "supervisor: cannot drop capabilities: %s\n", strerror(errno));
+        return -1;
+    }
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* inherited by handlers, reset by a command's execve */
+    return 0;
+}
+
+/* The agent's supervisor, first process of a new PID and mount namespace: its own hardened /proc
+ * (the keel's, with everything under it, detached), the link filter ("links"), then the commands'
+ * limits and capabilities. */
+static int agent_setup(int *filter) {
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) return -1;
+    int proc_fd = new_proc();
+    if (proc_fd < 0) return -1;
+    if (umount2("/proc", MNT_DETACH) != 0) return -1;
+    if (attach_proc(proc_fd) != 0) return -1;
+    *filter = mediate_links ? install_link_filter() : -1; /* while this process may still (CAP_SYS_ADMIN) */
+    return settle_for_commands();
+}
+
+/* Brings the loopback interface of this network namespace up (as a new one starts it down). */
+static int loopback_up(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0) return -1;
+    struct ifreq req;
+    memset(&req, 0, sizeof req);
+    strncpy(req.ifr_name, "lo", IFNAMSIZ - 1);
+    int rc = ioctl(s, SIOCGIFFLAGS, &req);
+    if (rc == 0) {
+        req.ifr_flags |= IFF_UP | IFF_RUNNING;
+        rc = ioctl(s, SIOCSIFFLAGS, &req);
+    }
+    close(s);
+    return rc;
+}
+
+/* A verifier's supervisor, just forked with its own mount, network, IPC and UTS namespaces: the
+ * host's tree as its root (the keel's old root detached), its own /proc (the keel's PID
+ * namespace), the keel's /dev with a /dev/shm and /dev/pts of its own, loopback up. */
+static int view_setup(int tree, const char *hostname, int *binds) {
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) return -1;
+    int proc_fd = new_proc();
+    int dev_fd = (int)syscall(SYS_open_tree, AT_FDCWD, "/dev", OPEN_TREE_CLONE_ | AT_RECURSIVE_ | O_CLOEXEC);
+    if (proc_fd < 0 || dev_fd < 0) return -1;
+    if (syscall(SYS_move_mount, tree, "", AT_FDCWD, "/", MOVE_MOUNT_F_EMPTY_PATH_) != 0) return -1;
+    if (fchdir(tree) != 0 || syscall(SYS_pivot_root, ".", ".") != 0) return -1;
+    if (umount2(".", MNT_DETACH) != 0 || chdir("/") != 0) return -1;
+    close(tree);
+    if (syscall(SYS_move_mount, dev_fd, "", AT_FDCWD, "/dev", MOVE_MOUNT_F_EMPTY_PATH_) != 0) return -1;
+    close(dev_fd);
+    if (mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=67108864") != 0) return -1;
+    if (mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620") != 0 &&
+        errno != ENOENT)
+        return -1;
+    if (attach_proc(proc_fd) != 0) return -1;
+    if (loopback_up() != 0) return -1;
+    if (sethostname(hostname, strlen(hostname)) != 0) return -1;
+    if (binds) *binds = install_bind_filter(); /* while this process may still (CAP_SYS_ADMIN) */
+    return settle_for_commands();
+}
+
+/* A request: its timeout, output cap, fields (NULL-terminated) and descriptors. */
+struct request {
+    uint32_t timeout_ms, cap, nfields;
+    char **fields;
+    int fds[MAX_FDS], nfds;
+};
+
+static void request_free(struct request *r) {
+    for (uint32_t i = 0; i < r->nfields; i++) free(r->fields[i]);
+    free(r->fields);
+    for (int i = 0; i < r->nfds; i++) close(r->fds[i]);
+    r->nfds = 0;
+}
+
+/* Reads the request's size, with the descriptors that came with it (SCM_RIGHTS). 0 on success. */
+static int read_head(int conn, uint32_t *size, struct request *r) {
+    char control[CMSG_SPACE(MAX_FDS * sizeof(int))];
+    struct iovec iov = {size, 4};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ssize_t n;
+    do n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC); while (n < 0 && errno == EINTR);
+    if (n <= 0) return -1;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        for (int i = 0; i < count; i++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+            if (r->nfds < MAX_FDS) r->fds[r->nfds++] = fd;
+            else close(fd);
+        }
+    }
+    return n == 4 ? 0 : read_full(conn, (char *)size + n, 4 - (size_t)n);
+}
+
+/* Reads one request. 0 on success. */
+static int read_request(int conn, struct request *r) {
+    memset(r, 0, sizeof *r);
     uint32_t size;
-    if (read_full(conn, &size, 4) || size < 12 || size > MAX_REQUEST) return -1;
+    if (read_head(conn, &size, r) || size < 12 || size > MAX_REQUEST) return -1;
     char *req = malloc(size + 1);
     if (read_full(conn, req, size)) {
         free(req);
         return -1;
     }
     const char *p = req, *end = req + size;
-    *timeout_ms = get_u32(&p);
-    *cap = get_u32(&p);
+    r->timeout_ms = get_u32(&p);
+    r->cap = get_u32(&p);
     uint32_t nfields = get_u32(&p);
-    if (*cap < 64) *cap = 64;
+    if (r->cap < 64) r->cap = 64;
     char **fields = calloc(nfields + 1, sizeof *fields);
     int bad = nfields < 2;
     for (uint32_t i = 0; i < nfields && !bad; i++) {
@@ -347,25 +941,144 @@ static int read_request(int conn, uint32_t *timeout_ms, uint32_t *cap, char ***o
         p += len;
     }
     free(req);
+    r->fields = fields;
+    r->nfields = nfields;
     if (bad) {
-        for (uint32_t i = 0; i < nfields; i++) free(fields[i]);
-        free(fields);
+        request_free(r);
         return -1;
     }
-    *out = fields;
-    *count = nfields;
     return 0;
 }
 
+static void serve(int listener);
+
+/* Starts the forwarder (the program exe) between this namespace's network (the agent's) and that of
+ * the verifier's supervisor view_pid, with a pidfd of it (it exits with it) and the listener of the
+ * verifier's bind filter (binds, or -1): the read end of a pipe it writes one byte to once it serves
+ * the agent's ports, or -1. */
+static int spawn_forwarder(int exe, pid_t view_pid, int binds) {
+    char path[300];
+    snprintf(path, sizeof path, "/proc/%d/ns/net", (int)view_pid);
+    int agent_net = open("/proc/self/ns/net", O_RDONLY), view_net = open(path, O_RDONLY);
+    int watched = (int)syscall(SYS_pidfd_open, view_pid, 0), ready[2] = {-1, -1};
+    pid_t pid = -1;
+    if (agent_net >= 0 && view_net >= 0 && watched >= 0 && pipe2(ready, O_CLOEXEC) == 0) pid = fork();
+    if (pid == 0) {
+        setsid();
+        char a[16], v[16], w[16], b[16];
+        snprintf(a, sizeof a, "%d", agent_net);
+        snprintf(v, sizeof v, "%d", view_net);
+        snprintf(w, sizeof w, "%d", watched);
+        snprintf(b, sizeof b, "%d", binds);
+        char *argv[] = {"forwarder", a, v, w, binds >= 0 ? b : NULL, NULL}, *envp[] = {NULL};
+        if (binds >= 0) fcntl(binds, F_SETFD, 0);
+        int devnull = open("/dev/null", O_RDWR);
+        dup2(devnull, 0);
+        dup2(ready[1], 1);
+        dup2(devnull, 2);
+        fcntl(agent_net, F_SETFD, 0);
+        fcntl(view_net, F_SETFD, 0);
+        fcntl(watched, F_SETFD, 0);
+        fexecve(exe, argv, envp);
+        _exit(127);
+    }
+    int opened[] = {agent_net, view_net, watched, ready[1]};
+    for (int i = 0; i < 4; i++)
+        if (opened[i] >= 0) close(opened[i]);
+    if (pid < 0 && ready[0] >= 0) {
+        close(ready[0]);
+        return -1;
+    }
+    return ready[0];
+}
+
+/* Waits (5 s at most) for the byte a starting process writes on fd; 1 if it came. Closes fd. */
+static int came(int fd) {
+    if (fd < 0) return 0;
+    struct pollfd polled = {fd, POLLIN, 0};
+    char byte;
+    int ok = poll(&polled, 1, 5000) == 1 && read(fd, &byte, 1) == 1;
+    close(fd);
+    return ok;
+}
+
+/* "view HOST" (descriptors: the root tree, the listening socket, and the forwarder, optional): forks
+ * the verifier's supervisor and its forwarder, and answers its PID once both serve. */
+static void start_view(int conn, struct request *r) {
+    if (r->nfields < 3 || r->nfds < 2) {
+        answer_control(conn, -1, "", 0);
+        return;
+    }
+    int ready[2], forward = r->nfds > 2;
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ready) != 0) {
+        answer_control(conn, -1, "", 0);
+        return;
+    }
+    pid_t pid = (pid_t)syscall(SYS_clone, CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD, 0, 0, 0, 0);
+    if (pid == 0) {
+        close(ready[0]);
+        close(conn);
+        role = VIEW;
+        int binds = -1;
+        if (view_setup(r->fds[0], r->fields[2], forward ? &binds : NULL) != 0) {
+            dprintf(ready[1], "cannot make the verifier's namespaces: %s", strerror(errno));
+            _exit(1);
+        }
+        prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+        signal(SIGCHLD, SIG_IGN);
+        send_fd(ready[1], binds); /* a zero byte: ready */
+        if (binds >= 0) close(binds);
+        close(ready[1]);
+        serve(r->fds[1]);
+        _exit(0);
+    }
+    close(ready[1]);
+    char why[512] = "";
+    ssize_t n = -1;
+    int binds = -1, byte = -1;
+    if (pid > 0) /* a zero byte (with the bind filter's listener): ready; else an error message */
+        binds = receive_byte_fd(ready[0], &byte);
+    if (byte == 0) {
+        n = 1;
+    } else if (byte > 0) {
+        why[0] = (char)byte;
+        ssize_t more = read(ready[0], why + 1, sizeof why - 2);
+        n = 1 + (more > 0 ? more : 0);
+        why[n] = 0;
+    }
+    close(ready[0]);
+    if (forward && n == 1 && why[0] == 0) {
+        int started = came(spawn_forwarder(r->fds[2], pid, binds));
+        if (!started) snprintf(why, sizeof why, "the forwarder of the agent's ports did not start");
+        n = started ? 1 : (ssize_t)strlen(why);
+    }
+    if (binds >= 0) close(binds);
+    if (n == 1 && why[0] == 0) {
+        char text[32];
+        int len = snprintf(text, sizeof text, "%d", (int)pid);
+        answer_control(conn, 0, text, (size_t)len);
+    } else {
+        if (n > 0) why[n] = 0;
+        answer_control(conn, -2, why, strlen(why));
+    }
+}
+
 /* Answers a control request (an empty cwd marks one); returns 0 if the request is a command. */
-static int serve_control(int conn, char **fields, uint32_t nfields) {
+static int serve_control(int conn, struct request *r) {
+    char **fields = r->fields;
     if (fields[0][0] != 0) return 0;
     if (strcmp(fields[1], "ps") == 0) {
         char *text;
         size_t len = list_processes(&text);
         answer_control(conn, 0, text, len);
     } else if (strcmp(fields[1], "kill") == 0) {
-        answer_control(conn, kill_all(fields + 2, nfields - 2), "", 0);
+        answer_control(conn, kill_selected(agents_filter, NULL, fields + 2, r->nfields - 2), "", 0);
+    } else if (role == KEEL && strcmp(fields[1], "view") == 0) {
+        start_view(conn, r);
+    } else if (role == KEEL && strcmp(fields[1], "unview") == 0 && r->nfields > 2) {
+        unsigned long long net = net_inode(fields[2]);
+        int killed = net ? kill_selected(in_net_filter, &net, NULL, 0) : 0;
+        answer_control(conn, killed, "", 0);
     } else {
         answer_control(conn, -1, "", 0);
     }
@@ -375,27 +1088,27 @@ static int serve_control(int conn, char **fields, uint32_t nfields) {
 /* No handler could be forked (the sandbox is at its process limit): control requests are still
  * served, here (a "kill" is how the host frees the sandbox); commands get the reason. */
 static void serve_unforked(int conn, int error) {
-    uint32_t timeout_ms, cap, nfields;
-    char **fields;
-    if (read_request(conn, &timeout_ms, &cap, &fields, &nfields)) {
+    struct request r;
+    if (read_request(conn, &r)) {
         close(conn);
         return;
     }
-    if (!serve_control(conn, fields, nfields)) answer_failure(conn, 126, "fork", error);
-    for (uint32_t i = 0; i < nfields; i++) free(fields[i]);
-    free(fields);
+    if (!serve_control(conn, &r)) answer_failure(conn, 126, "fork", error);
+    request_free(&r);
 }
 
 static void handle(int conn) {
     signal(SIGCHLD, SIG_DFL);
     prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
 
-    uint32_t timeout_ms, cap, nfields;
-    char **fields;
-    if (read_request(conn, &timeout_ms, &cap, &fields, &nfields)) return;
-    if (serve_control(conn, fields, nfields)) return;
-    const char *cwd = fields[0], *cmd = fields[1];
-    char **envp = fields + 2; /* NULL-terminated by calloc */
+    struct request r;
+    if (read_request(conn, &r)) return;
+    if (serve_control(conn, &r)) return;
+    uint32_t timeout_ms = r.timeout_ms, cap = r.cap;
+    for (int i = 0; i < r.nfds; i++) close(r.fds[i]); /* a command takes no descriptor */
+    r.nfds = 0;
+    const char *cwd = r.fields[0], *cmd = r.fields[1];
+    char **envp = r.fields + 2; /* NULL-terminated by calloc */
 
     int out[2], err[2];
     if (pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC)) {
@@ -523,50 +1236,104 @@ static void handle(int conn) {
     }
 }
 
-int main(int argc, char **argv) {
-    if (argc < 2) return 2;
-    int listener = atoi(argv[1]);
-    if (argc > 2) {
-        unsigned long long limit = strtoull(argv[2], NULL, 10);
-        if (limit) {
-            struct rlimit rl = {limit, limit};
-            setrlimit(RLIMIT_AS, &rl);
-        }
+
+/* Accepts one connection, served by a forked handler. */
+static void accept_one(int listener) {
+    int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+    if (conn < 0) {
+        if (errno == EINTR || errno == ECONNABORTED || errno == EAGAIN) return;
+        _exit(1);
     }
-    if (argc > 3) {
-        /* Without cgroups (not root), the sandbox's process limit: RLIMIT_NPROC counts the
-         * processes of a uid in its own user namespace, i.e. this sandbox's (a fork bomb gets
-         * EAGAIN); commands cannot raise it. */
-        unsigned long long limit = strtoull(argv[3], NULL, 10);
-        if (limit) {
-            struct rlimit rl = {limit, limit};
-            setrlimit(RLIMIT_NPROC, &rl);
-        }
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(listener);
+        handle(conn);
+        _exit(0);
     }
+    if (pid < 0) { /* no handler: serve it from here (it is short) and go on */
+        serve_unforked(conn, errno);
+        return;
+    }
+    close(conn);
+}
+
+/* Accepts connections forever (the agent's and the verifier's supervisors). */
+static void serve(int listener) {
     fcntl(listener, F_SETFD, FD_CLOEXEC);
-    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* inherited by handlers, reset by a command's execve */
-    signal(SIGCHLD, SIG_IGN); /* handlers and orphans are reaped by the kernel */
+    for (;;) accept_one(listener);
+}
+
+/* The keel's loop: control connections, and the agent's links (notify: the link filter's listener). */
+static void serve_keel(int listener, int notify) {
+    fcntl(listener, F_SETFD, FD_CLOEXEC);
+    for (;;) {
+        struct pollfd polled[2] = {{listener, POLLIN, 0}, {notify, POLLIN, 0}};
+        if (poll(polled, notify >= 0 ? 2 : 1, -1) < 0) {
+            if (errno == EINTR) continue;
+            _exit(1);
+        }
+        if (notify >= 0 && (polled[1].revents & POLLIN)) answer_link_request(notify);
+        if (notify >= 0 && (polled[1].revents & (POLLHUP | POLLERR | POLLNVAL))) { /* no agent process is left */
+            close(notify);
+            notify = -1;
+        }
+        if (polled[0].revents & POLLIN) accept_one(listener);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc < 6) return 2;
+    int control = atoi(argv[1]), agent = atoi(argv[2]);
+    as_limit = strtoull(argv[3], NULL, 10);
+    nproc_limit = strtoull(argv[4], NULL, 10);
+    command_caps = strtoull(argv[5], NULL, 16);
+    hardening = argv + 6;
+    n_hardening = argc - 6;
+    for (int i = 0; i < n_hardening; i++) mediate_links |= strcmp(hardening[i], "links") == 0;
+    fcntl(control, F_SETFD, FD_CLOEXEC);
+    fcntl(agent, F_SETFD, FD_CLOEXEC);
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     signal(SIGPIPE, SIG_IGN);
+    int ready[2], links[2];
+    if (pipe2(ready, O_CLOEXEC) != 0 || socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, links) != 0) return 1;
+    /* The agent's supervisor: the first process of its PID namespace, nested in this one. */
+    pid_t pid = (pid_t)syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | SIGCHLD, 0, 0, 0, 0);
+    if (pid == 0) {
+        close(ready[0]);
+        close(control);
+        close(links[0]);
+        role = AGENT;
+        int filter = -1;
+        if (agent_setup(&filter) != 0) {
+            dprintf(2, "supervisor: cannot make the agent's namespaces: %s\n", strerror(errno));
+            _exit(1);
+        }
+        send_fd(links[1], filter);
+        if (filter >= 0) close(filter);
+        close(links[1]);
+        signal(SIGCHLD, SIG_IGN); /* handlers and orphans are reaped by the kernel */
+        if (write_full(ready[1], "", 1)) _exit(1);
+        close(ready[1]);
+        int devnull = open("/dev/null", O_WRONLY);
+        dup2(devnull, 1);
+        close(devnull);
+        serve(agent);
+    }
+    close(ready[1]);
+    close(agent);
+    close(links[1]);
+    int notify = pid < 0 ? -1 : receive_fd(links[0]);
+    close(links[0]);
+    char byte;
+    if (pid < 0 || read(ready[0], &byte, 1) != 1) {
+        dprintf(2, "supervisor: the agent's supervisor did not start (%s)\n", pid < 0 ? strerror(errno) : "it exited");
+        return 1;
+    }
+    close(ready[0]);
+    signal(SIGCHLD, SIG_IGN);
     if (write_full(1, "ready\n", 6)) return 1;
     int devnull = open("/dev/null", O_WRONLY);
     dup2(devnull, 1);
     close(devnull);
-    for (;;) {
-        int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
-        if (conn < 0) {
-            if (errno == EINTR || errno == ECONNABORTED) continue;
-            return 1;
-        }
-        pid_t pid = fork();
-        if (pid == 0) {
-            close(listener);
-            handle(conn);
-            _exit(0);
-        }
-        if (pid < 0) { /* no handler: serve it from here (it is short) and go on */
-            serve_unforked(conn, errno);
-            continue;
-        }
-        close(conn);
-    }
+    serve_keel(control, notify);
 }

@@ -166,6 +166,10 @@ class Host:
         """Run ``func(*args)`` (blocking) with root's rights over sandbox trees; its result or its exception."""
         return func(*args)
 
+    def call_fd(self, func: Callable[..., int], *args: Any) -> int:
+        """:meth:`call` for a function that returns a descriptor (a mount tree): one of this process's."""
+        return func(*args)
+
     def command(self) -> list[str]:
         """The prefix that runs a command line in this host's namespaces (empty: here)."""
         return []
@@ -253,14 +257,24 @@ class Holder(Host):
 
     def call(self, func: Callable[..., Any], *args: Any) -> Any:
         """Run ``func(*args)`` in the holder (a module-level function of this package; picklable arguments)."""
-        request = pickle.dumps((func.__module__, func.__qualname__, args))
+        return self._call(func, args, False)
+
+    def call_fd(self, func: Callable[..., int], *args: Any) -> int:
+        """:meth:`call` for a function that returns a descriptor: the holder sends it over (SCM_RIGHTS)."""
+        return self._call(func, args, True)
+
+    def _call(self, func: Callable[..., Any], args: tuple, returns_fd: bool) -> Any:
+        request = pickle.dumps((func.__module__, func.__qualname__, args, returns_fd))
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(str(self.socket_path))
             conn.sendall(struct.pack("<Q", len(request)) + request)
+            fd = _receive_fd(conn) if returns_fd else None
             ok, value = pickle.loads(_read_message(conn))
         if not ok:
+            if fd is not None:
+                os.close(fd)
             raise value
-        return value
+        return fd if returns_fd else value
 
     def command(self) -> list[str]:
         """``nsenter`` into the holder's user and mount namespaces, as their root (this user's uid is 0 there;
@@ -321,16 +335,35 @@ def _read_exactly(conn: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
+def _receive_fd(conn: socket.socket) -> int | None:
+    """The descriptor the holder sends ahead of its answer (one byte, with it or without)."""
+    _, ancillary, _, _ = conn.recvmsg(1, socket.CMSG_SPACE(struct.calcsize("i")))
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= 4:
+            fd = struct.unpack("i", data[:4])[0]
+            os.set_inheritable(fd, False)
+            return fd
+    return None
+
+
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
+        returns_fd = False
         try:
-            module, name, args = pickle.loads(_read_message(self.request))
+            module, name, args, returns_fd = pickle.loads(_read_message(self.request))
             func: Any = importlib.import_module(module)  # (waits for another thread's import of it)
             for part in name.split("."):
                 func = getattr(func, part)
             answer: tuple[bool, Any] = (True, func(*args))
         except BaseException as error:  # noqa: BLE001 - every failure goes back to the caller
             answer = (False, error)
+        if returns_fd:
+            fd = answer[1] if answer[0] else None
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))] if fd is not None else []
+            self.request.sendmsg([b"f"], rights)
+            if fd is not None:
+                os.close(fd)
+                answer = (True, None)
         try:
             data = pickle.dumps(answer)
         except Exception as error:  # noqa: BLE001 - an exception that does not pickle

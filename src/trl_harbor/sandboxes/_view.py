@@ -1,30 +1,35 @@
-"""What the verifier sees of a sandbox on a task image: the agent's files, the image's code.
+"""What the verifier sees of a sandbox on a task image: the agent's world, the image's code.
 
 The agent's sandbox is an overlay: the image's root read-only underneath, the agent's own upper
 layer on top, where every change it made is a plain entry, a whiteout (a deletion) or an opaque
-folder (a folder replaced whole). The verifier's root is another overlay over the same image, whose
-middle layer is a *snapshot* of the agent's upper layer taken when grading begins — filtered by one
-rule, :func:`snapshot`:
+folder (a folder replaced whole). The verifier's root is made of two kinds of places:
+
+* **Live places** — the task's working directory and every folder that holds no code (``/app``,
+  ``/var``, ``/srv``, an output folder the agent made, ...) — are the agent's own folders, mounted
+  as they are (:func:`live_paths`): the verifier reads and writes the agent's files themselves, with
+  their metadata, as they change, as under Harbor's shared trial.
+* **Code places** — where the verifier looks code up, and the folders above them — are an overlay
+  over the same image whose middle layer is a *snapshot* of the agent's changes there, taken when
+  grading begins and filtered by one rule, :func:`snapshot`:
 
 **The verifier runs the image's code.** Where the verifier looks code up — the directories on its
 ``PATH``, its Python's import path, the loader's library directories, and the start-up files of the
-shells, the loader, name resolution, Python, pip, uv, git (a repository's own configuration and
-hooks too: ``core.fsmonitor`` runs a command at ``git status``) and TLS (:data:`CODE_CONFIG`) — an entry
-the image shipped reads as shipped, even if the agent edited, replaced or deleted it; and an entry
-the agent *added* there is not seen when it would run instead of, or beside, shipped code: a name a
-shipped entry of the same search path has (before its first dot; commands by their whole name), a
-file inside a package the image shipped, a hook that interpreters load unasked (:data:`HOOKS`, a
-``pytest11`` entry point), the test runner's own packages (:data:`RUNNER_PACKAGES`), or a Python
-module or test-runner configuration in ``/`` or another ancestor of the verifier's working directory.
-``/tests``, ``/solution`` and ``/logs/verifier`` are the verifier's alone. Everything else the agent
-did — its work in the task's working directory, what it installed under new names, the
-configuration it was asked to change — the verifier sees. A path that matches the task's
-``allowed_changes`` is always the agent's.
+shells, the loader, name resolution, Python, pip, uv, git and OpenSSL (:data:`CODE_CONFIG`) — an entry
+the image shipped reads as shipped if the agent edited or replaced it (a deletion is seen: it only
+removes code); and an entry the agent *added* there is not seen when it would run instead of, or
+beside, shipped code: a name a shipped entry of the same search path has (before its first dot;
+commands by their whole name), a name the image's own code imports (:mod:`._imports`: the standard
+library's Windows modules, a package's optional dependencies), a file inside a package the image
+shipped, a hook that interpreters load unasked (:data:`HOOKS`, a ``pytest11`` entry point), the test
+runner's own packages (:data:`RUNNER_PACKAGES`), or a Python module or test-runner configuration in
+``/`` or another ancestor of the verifier's working directory; a link that leads into the verifier's
+own places. ``/tests``, ``/solution`` and ``/logs/verifier`` are the verifier's alone. Everything else
+the agent did there — what it installed under new names, the configuration it was asked to change —
+the verifier sees. A path that matches the task's ``allowed_changes`` is always the agent's.
 
-The snapshot holds the agent's names as they were when grading began: files its processes create
-afterwards are not seen. Regular files outside the code's places are copied (sparse-aware, up to a
-budget), so the verifier grades the outputs as they were; the rest are hard links, whose content the
-agent's processes could still change.
+The snapshot holds the agent's *names* as they were when grading began; its files are hard links
+to the agent's (their content and metadata are the agent's, live), except what the rule reads to
+judge (a ``.pth``, a distribution's metadata), which is copied: what was judged is what is used.
 """
 
 from __future__ import annotations
@@ -43,17 +48,23 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trl_harbor.sandboxes._imports import guard_names
 from trl_harbor.sandboxes._userns import overlay_xattr
 
-__all__ = ["CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot", "search_paths", "snapshot", "stem"]
+__all__ = [
+    "CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot", "guarded_names", "live_paths", "search_paths",
+    "snapshot", "stem",
+]  # fmt: skip
 
 #: Configuration that decides how code starts (globs; ``~`` is every home folder).
 CODE_CONFIG: tuple[str, ...] = (
     "/etc/ld.so.*", "/etc/ld.so.conf.d", "/etc/nsswitch.conf", "/etc/profile",
     "/etc/profile.d", "/etc/bash.bashrc", "/etc/environment", "/etc/python3*", "/etc/pip.conf", "/etc/uv",
-    "/etc/ssl", "/etc/ca-certificates*", "/etc/gitconfig", "/usr/lib/*/gconv/gconv-modules*",
-    "/etc/apt", "/etc/dpkg", "/etc/xdg", "*/pip.conf", "/etc/npmrc", "/usr/etc", "*/.git/config", "*/.git/hooks",
-    "~/.bashrc", "~/.bash_profile", "~/.bash_login", "~/.profile", "~/.pydistutils.cfg", "~/.pip",
+    # OpenSSL's configuration can load engines and providers (shared objects); its certificates are
+    # data (the verifier's network is its own: a certificate the agent added intercepts nothing).
+    "/etc/ssl/*.cnf", "/etc/ssl/*.cnf.d", "/usr/lib/ssl/*.cnf", "/etc/gitconfig", "/usr/lib/*/gconv/gconv-modules*",
+    "/etc/apt", "/etc/dpkg", "/etc/xdg", "*/pip.conf", "/etc/npmrc", "/usr/etc",
+    "~/.bash_profile", "~/.bash_login", "~/.profile", "~/.pydistutils.cfg", "~/.pip",
     "~/.config/pip", "~/.config/uv", "~/.local/share/uv", "~/.cache", "~/.npmrc", "~/.curlrc", "~/.wgetrc",
     "~/.gitconfig", "~/.netrc", "~/.pypirc", "/etc/java*",
     # Where verifiers get tools and test dependencies at verify time (uv's installer, maven, gradle,
@@ -71,13 +82,17 @@ RUNNER_CONFIG: tuple[str, ...] = (
     ".python-version", ".nvmrc", ".tool-versions", ".npmrc",
 )  # fmt: skip
 #: Paths that are the verifier's alone.
-VERIFIER_ONLY: tuple[str, ...] = ("/tests", "/solution", "/logs/verifier", "/run/trl-harbor")
+VERIFIER_ONLY: tuple[str, ...] = ("/tests", "/solution", "/logs/verifier", "/run/trl-harbor", "/.trl-harbor")
+#: The kernel's places in the verifier's root (its own, mounted by its supervisor).
+KERNEL_PLACES: tuple[str, ...] = ("/proc", "/dev", "/sys")
 #: Where the C library looks for daemons to answer its lookups (users, hosts) without being configured to.
 IMPLICIT_SOCKETS: tuple[str, ...] = ("/run/nscd/", "/var/run/nscd/", "/run/systemd/userdb/", "/var/run/systemd/userdb/")
 #: The sandbox's own plumbing (mount points of the helpers bound in): never the agent's, never reported.
 PLUMBING = "/run/trl-harbor"
-#: Bytes of the agent's outputs copied into a snapshot (beyond that, hard links).
-COPY_BUDGET = 1 << 30
+#: Bytes of the files the rule reads (judged by content) copied into a snapshot at most; beyond, they are not seen.
+COPY_BUDGET = 64 << 20
+#: Folders deeper than this below ``/``, in code places, are not judged (not seen).
+MAX_DEPTH = 96
 
 
 def stem(name: str) -> str:
@@ -169,6 +184,7 @@ class _Names:
     python: set[str] = field(default_factory=set)  # of Python's own import path
     libraries: set[str] = field(default_factory=set)
     startup: set[str] = field(default_factory=set)
+    guarded: frozenset[str] = frozenset()  # names the image's Python code imports (``_imports``)
 
 
 @dataclass
@@ -177,15 +193,15 @@ class Snapshot:
 
     Attributes:
         concealed: The agent's changes the verifier does not see, with why (``"path (reason)"``).
-        sockets: Unix sockets of the agent's (bound into the verifier's view from the agent's root).
-        copied: Bytes copied (the rest are links).
+        copied: Bytes copied (the files the rule read; the rest are hard links).
+        entries: Entries of the agent's layer laid or judged (its code places only).
         libraries_added: Whether the agent added a library to a folder of the loader's (the view's
             loader cache is then remade from the image's configuration: the agent's is not seen).
     """
 
     concealed: list[str] = field(default_factory=list)
-    sockets: list[str] = field(default_factory=list)
     copied: int = 0
+    entries: int = 0
     libraries_added: bool = False
 
 
@@ -246,6 +262,7 @@ class _Rule:
             names.python |= {stem(n) for n in _listdir(self.lower, directory)}
         for directory in self.loader_dirs:
             names.libraries |= {stem(n) for n in _listdir(self.lower, directory) if ".so" in n}
+        names.guarded = _guarded(self.lower, tuple(self.python_only))
         return names
 
     # -- where a path is -------------------------------------------------------------
@@ -321,13 +338,36 @@ class _Rule:
         return self._concealed_addition(path, folder, link)
 
     def _shadows_at_any_place(self, path: str) -> str | None:
-        """A module that would shadow the test runner's own anywhere, or an image module from a folder the
-        verifier may run Python in (``python -m`` puts its working directory first on the import path)."""
+        """A module that would shadow the test runner's own anywhere, or an image module (or one the image's
+        code imports) from a folder the verifier may run Python in (``python -m`` puts its working
+        directory first on the import path)."""
         name, parent = posixpath.basename(path), posixpath.dirname(path)
         if stem(name) in RUNNER_PACKAGES:
             return "the test runner's own package"
-        if parent in self.run_dirs and stem(name) in self.names.python:
-            return "a module the image's Python ships, from a folder the verifier may run in"
+        if parent in self.run_dirs and (stem(name) in self.names.python or stem(name) in self.names.guarded):
+            return "a module the image's Python ships or imports, from a folder the verifier may run in"
+        return None
+
+    def concealed_link(self, path: str, target: str) -> str | None:
+        """Why a link the agent made at ``path`` is not seen: it leads into the verifier's own places
+        (its tests, outputs, the solution, its ``/proc``), where the agent's world has nothing.
+
+        Judged on the words of the target: a ``..`` after a named step could climb anywhere once that
+        step is a link, so what follows it is judged from ``/`` too."""
+        base = "/" if target.startswith("/") else posixpath.dirname(path)
+        candidates = [posixpath.normpath(posixpath.join(base, target))]
+        parts = [part for part in target.split("/") if part not in ("", ".")]
+        named = False
+        for index, part in enumerate(parts):
+            if part == ".." and named:
+                candidates.append(posixpath.normpath("/" + "/".join(p for p in parts[index + 1 :] if p != "..")))
+            elif part != "..":
+                named = True
+        for candidate in candidates:
+            if self.verifier_only(candidate) or any(
+                candidate == k or candidate.startswith(k + "/") for k in ("/proc",)
+            ):
+                return "a link into the verifier's own places"
         return None
 
     def concealed_content(self, path: str, laid: str) -> str | None:
@@ -437,6 +477,8 @@ class _Rule:
             return "inside a package the image ships"
         if stem(top) in self.names.modules or stem(top) in self.names.startup:
             return "a module name the image ships, or its start-up code imports"
+        if stem(top) in self.names.guarded:
+            return "a module name the image's code imports (the standard library's included)"
         if stem(top) in RUNNER_PACKAGES:
             return "the test runner's own package"
         if metadata and (link or not folder):
@@ -532,6 +574,17 @@ def _module_file(path: str) -> bool:
     return path.endswith((".py", ".pyc", ".pyo", ".pyw")) or ".so" in posixpath.basename(path)
 
 
+@functools.lru_cache(maxsize=64)
+def _guarded(lower: str, folders: tuple[str, ...]) -> frozenset[str]:
+    """The names the image's Python code imports (scanned once per image and import path)."""
+    return guard_names(lower, folders)
+
+
+def guarded_names(lower: Path, search: SearchPaths, workdir: str, allowed: Sequence[str] = ()) -> frozenset[str]:
+    """The names the image's Python code imports (:mod:`._imports`), as the rule knows them."""
+    return _rule(lower, search, posixpath.normpath(workdir or "/"), tuple(allowed)).names.guarded
+
+
 @functools.lru_cache(maxsize=256)
 def _rule(lower: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...]) -> _Rule:
     """The rule for an image (which never changes), made once: listing what it ships is the costly part."""
@@ -585,11 +638,15 @@ def snapshot(
     search: SearchPaths,
     workdir: str,
     allowed: Sequence[str] = (),
+    live: Iterable[str] = (),
     copy_budget: int = COPY_BUDGET,
+    skip: Iterable[str] = (),
 ) -> Snapshot:
-    """Fill ``target`` (an empty folder on ``upper``'s file system) with the verifier's view of ``upper``.
+    """Fill ``target`` (an empty folder on ``upper``'s file system) with the verifier's view of ``upper``'s
+    code places.
 
-    ``target`` then serves as the middle layer of the verifier's overlay, over ``lower``. The
+    ``target`` then serves as the middle layer of the verifier's overlay, over ``lower``; the ``live``
+    folders are laid as empty folders there, for the agent's own folders to be mounted on. The
     agent's processes may still be running: ``upper`` is walked through folder descriptors opened
     without following links (a folder swapped for a link mid-walk leads nowhere), and what the rule
     judges by content is judged on the snapshot's own copy, after it is made.
@@ -601,41 +658,90 @@ def snapshot(
         search: Where the verifier looks code up.
         workdir: The verifier's working directory (the task's).
         allowed: Globs of paths that are the agent's whatever they are (``allowed_changes``).
-        copy_budget: Bytes of regular files copied at most; the rest are hard links.
+        live: Folders the verifier sees live (:func:`live_paths`): not walked.
+        copy_budget: Bytes of judged files copied at most (beyond, they are not seen).
+        skip: The agent's box's own mount points (not the agent's changes): not laid.
 
     Returns:
-        What was concealed, the agent's unix sockets, how much was copied.
+        What was concealed, how much was copied.
     """
     rule = _rule(lower, search, posixpath.normpath(workdir or "/"), tuple(allowed))
-    walker = _Walker(rule, os.fspath(target), copy_budget)
+    walker = _Walker(rule, os.fspath(target), copy_budget, frozenset(live), frozenset(skip))
     fd = os.open(upper, _DIR_FLAGS)
     try:
-        walker.walk(fd, "")
+        walker.walk(fd, "", 0)
     finally:
         os.close(fd)
     walker.judge_pth_files()
     return walker.result
 
 
+def live_paths(root_fd: int, lower: Path, search: SearchPaths, workdir: str, allowed: Sequence[str] = ()) -> list[str]:
+    """The folders of the agent's tree the verifier sees live, shallowest first.
+
+    Every folder that holds no code place (:meth:`_Rule.code_below`) — the task's working
+    directory among them — is live; code places and the folders above them are the snapshot's.
+    Folders above the working directory are split further, and so is the working directory when
+    code is looked up inside it (a virtual environment first on ``PATH``): its other folders are
+    live, its files the snapshot's.
+
+    Args:
+        root_fd: The agent's root (its merged tree), as a folder descriptor: it is listed one level
+            at a time, never through a link.
+        lower: The image's root.
+        search: Where the verifier looks code up.
+        workdir: The verifier's working directory.
+        allowed: The task's allowed changes.
+    """
+    rule = _rule(lower, search, posixpath.normpath(workdir or "/"), tuple(allowed))
+    found: list[str] = []
+    pending = [("/", os.dup(root_fd))]
+    while pending:
+        folder, fd = pending.pop()
+        try:
+            names = sorted(os.listdir(fd))
+            for name in names:
+                path = posixpath.join(folder, name)
+                if rule.verifier_only(path) or path in KERNEL_PLACES or path == "/tmp" or path == PLUMBING:
+                    continue
+                try:
+                    if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                        continue
+                except OSError:
+                    continue
+                split = rule.workdir == path or rule.workdir.startswith(path + "/")
+                holds_code = rule.code_place(path) or rule.code_below(path) or rule.leads_to_verifier_only(path)
+                holds_code = holds_code or any(s.startswith(path + "/") for s in IMPLICIT_SOCKETS)
+                if not holds_code:
+                    found.append(path)
+                elif split or rule.leads_to_verifier_only(path) or path == "/run":
+                    with contextlib.suppress(OSError):
+                        pending.append((path, os.open(name, _DIR_FLAGS, dir_fd=fd)))
+        finally:
+            os.close(fd)
+    return sorted(found, key=lambda p: (p.count("/"), p))
+
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-#: A file the rule reads is copied whatever the budget, up to this size (beyond, it is not seen).
+#: A file the rule reads is copied, up to this size (beyond, it is not seen).
 JUDGED_FILE_CAP = 1 << 20
+#: Entries of the agent's code places judged at most (beyond, the rest is not seen).
+MAX_ENTRIES = 1_000_000
 
 
 class _Walker:
     """One walk of an agent layer into a snapshot (:func:`snapshot`)."""
 
-    def __init__(self, rule: _Rule, target: str, budget: int) -> None:
-        self.rule, self.target, self.budget = rule, target, budget
+    def __init__(self, rule: _Rule, target: str, budget: int, live: frozenset[str], skip: frozenset[str]) -> None:
+        self.rule, self.target, self.budget, self.live, self.skip = rule, target, budget, live, skip
         self.result = Snapshot()
         self.pth_files: list[str] = []  # judged once the whole snapshot is laid (they name other folders)
 
     def conceal(self, path: str, why: str) -> None:
         self.result.concealed.append(f"{path} ({why})")
 
-    def walk(self, dir_fd: int, relative: str) -> None:
+    def walk(self, dir_fd: int, relative: str, depth: int) -> None:
         """Lay the agent's entries of the folder ``dir_fd`` (sandbox path ``/relative``) into the snapshot."""
-        rule = self.rule
         try:
             names = sorted(os.listdir(dir_fd))
         except OSError:
@@ -643,37 +749,57 @@ class _Walker:
         for name in names:
             entry = f"{relative}/{name}" if relative else name
             path, dest = "/" + entry, f"{self.target}/{entry}"
-            if path == PLUMBING:
+            if path == PLUMBING or path in KERNEL_PLACES or path in self.skip:
                 continue
+            self.result.entries += 1
+            if self.result.entries > MAX_ENTRIES:
+                self.conceal(path, "the agent's changes to code places are too many to judge")
+                return
             try:
                 info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except OSError:
                 continue
+            if path in self.live or path == "/tmp":
+                if stat.S_ISDIR(info.st_mode):  # a mount point for the agent's own folder
+                    _mkdir_like(dest, info, opaque=False)
+                continue
             if stat.S_ISDIR(info.st_mode):
-                self._folder(dir_fd, name, path, dest)
-                continue
-            whiteout = stat.S_ISCHR(info.st_mode) and info.st_rdev == 0
-            shipped = _exists(rule.lower, path)
-            why = rule.concealed_change(path, shipped, folder=False, link=stat.S_ISLNK(info.st_mode))
-            if why is not None:
-                if not whiteout or shipped:
-                    self.conceal(path, ("deleted; " if whiteout else "") + why)
-                continue
-            judged = rule.reads(path)
-            if not self._place(dir_fd, name, dest, info, frozen=judged or not rule.code_place(path), must=judged):
-                self.conceal(path, "a file the rule reads, too large or changing")
-            elif rule.pth_to_judge(path):
-                self.pth_files.append(path)
-            elif stat.S_ISSOCK(info.st_mode):
-                if path.startswith(IMPLICIT_SOCKETS):
-                    os.unlink(dest)
-                    self.conceal(path, "a daemon the C library asks unasked")
+                if depth >= MAX_DEPTH:
+                    self.conceal(path, "too deep to judge")
                 else:
-                    self.result.sockets.append(path)
-            elif ".so" in name and _innermost(path, rule.loader_dirs) is not None:
-                self.result.libraries_added = True
+                    self._folder(dir_fd, name, path, dest, depth)
+                continue
+            self._entry(dir_fd, name, path, dest, info)
 
-    def _folder(self, dir_fd: int, name: str, path: str, dest: str) -> None:
+    def _entry(self, dir_fd: int, name: str, path: str, dest: str, info: os.stat_result) -> None:
+        """Lay, or conceal, one entry that is not a folder (a file, a link, a whiteout, a socket)."""
+        rule = self.rule
+        whiteout = stat.S_ISCHR(info.st_mode) and info.st_rdev == 0
+        shipped = _exists(rule.lower, path)
+        link = stat.S_ISLNK(info.st_mode)
+        if whiteout:  # a deletion is seen (it only removes code), but of the verifier's own places
+            why = "the verifier's own" if rule.verifier_only(path) else None
+        else:
+            why = rule.concealed_change(path, shipped, folder=False, link=link)
+        if why is None and link:
+            with contextlib.suppress(OSError):
+                why = rule.concealed_link(path, os.readlink(name, dir_fd=dir_fd))
+        if why is not None:
+            if not whiteout or shipped:
+                self.conceal(path, ("deleted; " if whiteout else "") + why)
+            return
+        judged = rule.reads(path)
+        if not self._place(dir_fd, name, dest, info, must=judged):
+            self.conceal(path, "a file the rule reads, too large or changing")
+        elif rule.pth_to_judge(path):
+            self.pth_files.append(path)
+        elif stat.S_ISSOCK(info.st_mode) and path.startswith(IMPLICIT_SOCKETS):
+            os.unlink(dest)
+            self.conceal(path, "a daemon the C library asks unasked")
+        elif ".so" in name and _innermost(path, rule.loader_dirs) is not None:
+            self.result.libraries_added = True
+
+    def _folder(self, dir_fd: int, name: str, path: str, dest: str, depth: int) -> None:
         rule = self.rule
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
@@ -694,18 +820,19 @@ class _Walker:
                     self.conceal(path, "the verifier's own")
                     return
                 # An image folder the agent changed inside; replaced whole, it hides the image's entries
-                # below for the verifier too, unless code is looked up there (then the image's code stays).
+                # below for the verifier too, unless code is looked up there (then the image's code stays,
+                # and what the agent deleted of it stays deleted).
                 keep_opaque = opaque and (rule.agents(path) or not rule.code_below(path))
                 _mkdir_like(dest, info, opaque=keep_opaque)
                 if opaque and not keep_opaque:
                     self.conceal(path, "replaced whole; the image's code below it is kept")
                     _whiteout_deleted(rule, dest, path, fd)
-                self.walk(fd, path[1:])
+                self.walk(fd, path[1:], depth + 1)
                 return
             why = rule.concealed_change(path, shipped_folder is not None, folder=True, link=False)
             if why is None:  # a folder of the agent's own: laid, then judged on what was laid
                 _mkdir_like(dest, info, opaque=opaque)
-                self.walk(fd, path[1:])
+                self.walk(fd, path[1:], depth + 1)
                 why = rule.concealed_content(path, dest)
                 if why is not None:
                     shutil.rmtree(dest)
@@ -715,28 +842,21 @@ class _Walker:
         finally:
             os.close(fd)
 
-    def _place(self, dir_fd: int, name: str, dest: str, info: os.stat_result, frozen: bool, must: bool) -> bool:
-        """Copy a regular file frozen at grading (within the budget, or whatever it is when ``must``),
-        else link it; ``False`` if a file that ``must`` be copied could not be."""
-        if stat.S_ISREG(info.st_mode) and frozen and (info.st_blocks * 512 <= self.budget or must):
-            if must and info.st_size > JUDGED_FILE_CAP:
+    def _place(self, dir_fd: int, name: str, dest: str, info: os.stat_result, must: bool) -> bool:
+        """Copy a file the rule reads (within the budget), else hard-link the agent's entry: its data and
+        metadata stay the agent's; ``False`` if a file that ``must`` be copied could not be."""
+        if must:
+            if not stat.S_ISREG(info.st_mode) or info.st_size > JUDGED_FILE_CAP or info.st_blocks * 512 > self.budget:
                 return False
             try:
                 copied = _sparse_copy(dir_fd, name, dest)
-            except OSError as error:
+            except OSError:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(dest)
-                if must or error.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    if must or error.errno in (errno.ENOENT, errno.ELOOP, errno.EINVAL):
-                        return False  # gone or swapped since it was listed
-                    raise
-                # the sandbox's bound is reached: link it, as code is
-            else:
-                self.budget -= copied
-                self.result.copied += copied
-                return True
-        elif must:
-            return False
+                return False  # gone or swapped since it was listed, or no room
+            self.budget -= copied
+            self.result.copied += copied
+            return True
         try:
             os.link(name, dest, src_dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -764,7 +884,7 @@ class _Walker:
 
 
 def _whiteout_deleted(rule: _Rule, dest: str, path: str, fd: int) -> None:
-    """In a folder the agent replaced whole where code lives: keep its deletion of the image's other files."""
+    """In a folder the agent replaced whole where code lives: keep its deletion of the image's entries."""
     for name in _listdir(rule.lower, path):
         child = f"{path}/{name}"
         try:
@@ -772,7 +892,7 @@ def _whiteout_deleted(rule: _Rule, dest: str, path: str, fd: int) -> None:
             continue  # the agent has an entry of its own there
         except OSError:
             pass
-        if rule.code_place(child) or rule.code_below(child):
+        if rule.verifier_only(child):
             continue
         with contextlib.suppress(OSError):
             os.mknod(f"{dest}/{name}", stat.S_IFCHR | 0o000, 0)

@@ -130,36 +130,45 @@ class _GradingSupport:
         if box is None or box.closed:
             return False
         try:
-            await box.supervisor.list_processes()
+            await box.control.list_processes()  # the keel: out of the agent's reach and cgroup
         except SandboxError:
             return False
         return True
 
     @contextlib.asynccontextmanager
-    async def verifier_view(self, allowed_changes: Sequence[str] = ()) -> AsyncIterator[Any]:
+    async def verifier_view(
+        self, allowed_changes: Sequence[str] = (), network_policy: Any = None
+    ) -> AsyncIterator[Any]:
         """The verifier's view of the sandbox, as a Harbor environment of its own, while the context lasts.
 
-        A sibling of the agent's sandbox (its own PID, mount, IPC and UTS namespaces; the agent's
-        user and network namespaces) whose root is the image under a snapshot of the agent's
-        changes, filtered by the rule of ``_view.py``: the agent's work is there, the image's code is
-        the image's, and what the agent's processes do from now on does not reach it. The agent's
-        processes keep running. Its ``concealed`` lists what the view held back, and why.
+        The verifier's processes run in the sandbox's outer PID namespace (they see and can signal the
+        agent's processes, which keep running, as under Harbor, and cannot see them), with a mount,
+        network, IPC and UTS namespace of their own. Their root holds the agent's own folders, live
+        (its working directory, its data), and elsewhere the image under a snapshot of the agent's
+        changes filtered by the rule of ``_view.py`` (the image's code stays the image's). The agent's
+        TCP services answer on the view's loopback at their ports; the view's own network is
+        ``network_policy``'s (the agent's stays its own). Its ``concealed`` lists what the view held
+        back of the agent's code places, and why.
 
         Args:
             allowed_changes: Globs of paths whose agent-made version the view shows whatever they are.
+            network_policy: The verifier's network policy (Harbor's); default: none.
 
         Yields:
-            The view, a ``LocalEnvironment`` of its own (exec, uploads and downloads go to the verifier's box).
+            The view, a ``LocalEnvironment`` of its own (exec, uploads and downloads go to the verifier's).
 
         Raises:
             SandboxError: If the sandbox is not running, or the view cannot be made.
         """
         if type(self._sandbox) is not ImageRoot:
             raise SandboxError("a verifier view is made of the agent's sandbox, not of another view")
-        root = VerifierRoot(self._sandbox, allowed_changes)
+        network = "none" if network_policy is None else self._network(network_policy)
+        root = VerifierRoot(self._sandbox, allowed_changes, network)
         await root.open()
         view = copy.copy(self)
         view._sandbox = root
+        if network_policy is not None:
+            view._network_policy = network_policy
         assert root.view is not None
         view.concealed = tuple(root.view.concealed)
         try:
@@ -193,7 +202,7 @@ class _GradingSupport:
         Raises:
             SandboxCommandError: If the sandbox is not running.
         """
-        return await self._sandbox.running_box().supervisor.list_processes()
+        return await self._sandbox.running_box().control.list_processes()
 
     async def kill_processes(self, keep: Sequence[str] = ()) -> int:
         """Kill every process in the sandbox but its supervisor and ``keep`` (before verification).
@@ -210,7 +219,7 @@ class _GradingSupport:
         Raises:
             SandboxCommandError: If the sandbox is not running.
         """
-        return await self._sandbox.running_box().supervisor.kill_processes(keep)
+        return await self._sandbox.running_box().control.kill_processes(keep)
 
     async def file_fingerprints(self, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:
         """Fingerprint sandbox paths from the host, without running anything in the sandbox.
@@ -329,6 +338,7 @@ class LocalEnvironment(_GradingSupport, BaseEnvironment):
             cpus=float(cpus) if cpus else None,
             pids_max=options.pids_max,
             storage_mb=self._effective_storage_mb or options.default_storage_mb,
+            mediate_links=options.verifier_isolation,  # the view follows the agent's links live
         )
         await self._upload_environment_dir_after_start()
 

@@ -1,0 +1,118 @@
+"""The verifier's Python imports what the image ships from where the image ships it.
+
+The verifier's view shows the agent's working directory (and ``/tmp``) live, so no snapshot can hold
+back a module the agent writes there after grading begins — and ``python -m pytest`` puts its working
+directory first on the import path, where a ``json.py`` (or a ``nt.py``, which CPython's ``ntpath``
+imports if it exists) would run inside the verifier. This module writes a start-up hook into the
+view's copy of the image's site folder (a ``.pth`` line running a file of ours by its path; the
+agent's sandbox never has it): in every Python process of the verifier's that runs the image's interpreter,
+an import finder placed before the path finder looks each top-level module up in the image's own
+import folders first (the frozen part of the view, the agent's judged additions included), and
+refuses a *guarded* name — the standard library's, the names the image's code imports, the test
+runner's — that is not there, wherever else it might be. Distribution metadata (``pytest11`` plug-ins,
+entry points) is read from those folders only. Other names — the agent's own modules, which tests
+may import — are found as before.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable
+
+__all__ = ["GUARD_MODULE", "guard_files", "site_folder"]
+
+#: The hook's module name (also its file's stem); a ``.pth`` of that stem imports it.
+GUARD_MODULE = "_trl_harbor_verifier_guard"
+
+_TEMPLATE = '''"""trl-harbor's import guard in the verifier's view of a sandbox (not a file of the task's image).
+
+Modules the image ships, imports, or the test runner needs are imported from the image's own
+folders only; distribution metadata is read from those folders only.
+"""
+import sys
+
+TRUSTED = {trusted!r}
+GUARDED = frozenset({guarded!r})
+
+
+def _install():
+    try:
+        from importlib.machinery import PathFinder
+    except ImportError:  # a Python without importlib's machinery: nothing to guard with
+        return
+
+    class VerifierImportGuard(object):
+        """Top-level imports: the image's folders first; a guarded name nowhere else."""
+
+        @classmethod
+        def find_spec(cls, name, path=None, target=None):
+            if path is not None or "." in name:
+                return None
+            spec = PathFinder.find_spec(name, TRUSTED)
+            if spec is not None or name not in GUARDED:
+                return spec
+            raise ModuleNotFoundError("No module named %r" % name, name=name)
+
+        @classmethod
+        def invalidate_caches(cls):
+            pass
+
+    position = 0
+    for index, finder in enumerate(sys.meta_path):
+        if finder is PathFinder or getattr(finder, "__name__", "") == "PathFinder":
+            position = index
+            break
+    else:
+        position = len(sys.meta_path)
+    sys.meta_path.insert(position, VerifierImportGuard)
+
+    original = getattr(PathFinder, "find_distributions", None)
+    if original is None:
+        return
+
+    def find_distributions(context=None, **kwargs):
+        from importlib.metadata import DistributionFinder
+
+        if context is None:
+            context = DistributionFinder.Context(**kwargs)
+        trusted = [entry for entry in context.path if entry in TRUSTED]
+        return original(DistributionFinder.Context(name=context.name, path=trusted))
+
+    PathFinder.find_distributions = staticmethod(find_distributions)
+
+
+try:
+    _install()
+except Exception:  # never the cause of a verifier's failure
+    pass
+'''
+
+
+def site_folder(python_path: Iterable[str]) -> str | None:
+    """The image's first site folder (where ``site`` reads ``.pth`` files) on its import path, if any."""
+    for folder in python_path:
+        name = posixpath.basename(folder.rstrip("/"))
+        if name in ("site-packages", "dist-packages"):
+            return folder
+    return None
+
+
+def guard_files(python_path: Iterable[str], guarded: Iterable[str]) -> dict[str, str]:
+    """The files of the hook, by sandbox path (empty when the image has no Python site folder).
+
+    Args:
+        python_path: The image's Python import path (probed), in order.
+        guarded: The names to take only from there.
+    """
+    trusted = [folder for folder in python_path if folder.startswith("/")]
+    site = site_folder(trusted)
+    if site is None:
+        return {}
+    source = _TEMPLATE.format(trusted=trusted, guarded=sorted(set(guarded)))
+    module = posixpath.join(site, f"{GUARD_MODULE}.py")
+    # Run by its path, not imported by name: a folder on PYTHONPATH (the agent's, perhaps) comes
+    # before the site folder while ``.pth`` files are read.
+    loader = (
+        f"import sys; exec(compile(open({module!r}).read(), {module!r}, 'exec'), {{'__name__': {GUARD_MODULE!r}}})\n"
+    )
+    return {module: source, posixpath.join(site, f"00-{GUARD_MODULE}.pth"): loader}
