@@ -332,11 +332,19 @@ def _read(path: str, limit: int) -> bytes | None:
         os.close(fd)
 
 
+#: The placeholder names of documentation examples (``import foo``, ``your_module``), which the text
+#: scan finds in docstrings: no image's code imports them, and an agent's module may bear them.
+_PLACEHOLDER = re.compile(
+    r"^(?:foo|bar|baz|qux|spam|eggs|ham|module|package|mymodule|mypackage|mod|pkg|your_\w+|my_\w+)$"
+)
+
+
 def guard_names(root: str | os.PathLike[str], folders: Iterable[str]) -> frozenset[str]:
     """The names the verifier's Python must only ever import from the image's own folders.
 
-    :func:`attempted_imports` of the image, the test runner's packages (``pytest``, ``_pytest``,
-    ``pluggy``, ``iniconfig``, ``py``) and the start-up hooks ``sitecustomize`` and ``usercustomize``.
+    :func:`attempted_imports` of the image (less documentation's placeholder names), the test
+    runner's packages (``pytest``, ``_pytest``, ``pluggy``, ``iniconfig``, ``py``) and the start-up
+    hooks ``sitecustomize`` and ``usercustomize``.
 
     Args:
         root: The image's root folder on the host.
@@ -345,4 +353,5 @@ def guard_names(root: str | os.PathLike[str], folders: Iterable[str]) -> frozens
     Returns:
         The guarded top-level module names.
     """
-    return attempted_imports(root, folders) | _RUNNER_PACKAGES | _STARTUP_HOOKS
+    found = {name for name in attempted_imports(root, folders) if not _PLACEHOLDER.match(name)}
+    return frozenset(found) | _RUNNER_PACKAGES | _STARTUP_HOOKS

@@ -22,7 +22,7 @@ __all__ = ["attach", "clone_tree", "detach", "open_beneath", "overlay", "read_on
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT, _SYS_OPENAT2 = 428, 429, 430, 431, 432, 437
 _OPEN_TREE_CLONE, _AT_RECURSIVE, _AT_EMPTY_PATH = 1, 0x8000, 0x1000
 _MOVE_MOUNT_F_EMPTY_PATH, _MOVE_MOUNT_T_EMPTY_PATH = 0x4, 0x40
-_FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 1, 6
+_FSCONFIG_SET_FLAG, _FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 0, 1, 6
 _RESOLVE_NO_XDEV, _RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x01, 0x02, 0x04, 0x08
 _MNT_DETACH = 2
 _SYS_MOUNT_SETATTR, _MOUNT_ATTR_RDONLY = 442, 0x1
@@ -92,7 +92,7 @@ def overlay(lowers: list[str], upper: str, work: str, *, userxattr: bool) -> int
         if userxattr:
             options.append(("userxattr", None))
         for key, value in options:
-            code = 5 if value is None else _FSCONFIG_SET_STRING  # FSCONFIG_SET_FLAG
+            code = _FSCONFIG_SET_FLAG if value is None else _FSCONFIG_SET_STRING
             raw = None if value is None else os.fsencode(value)
             _check(libc.syscall(_SYS_FSCONFIG, fs, code, key.encode(), raw, 0), f"the overlay's {key}")
         _check(libc.syscall(_SYS_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0), "making an overlay")
