@@ -1,18 +1,21 @@
-"""What grading in an isolated view costs (issue #17), against the old seal and against no defence.
+"""What grading in the verifier's view costs (issue #31), against the old seal and against no defence.
 
 Grades rollouts of one bundled task on the local backend (task images), one at a time and as a
 batch, three ways in the same run:
 
-* **isolated** (the default): the verifier in a sibling box over a filtered snapshot of the agent's
-  layer, the agent's processes left running;
+* **isolated** (the default): the verifier in a view started by the sandbox's keel — the agent's own
+  folders live, its code places a filtered snapshot, its own network, the agent's TCP ports mirrored,
+  the agent's processes left running;
 * **seal**: the verifier in the agent's sandbox after the agent's processes are killed and the
   fingerprints of what the verifier runs compared (``verifier_isolation=False``,
-  ``agent_processes="kill"``: the previous release's grading);
+  ``agent_processes="kill"``);
 * **none**: the verifier in the agent's sandbox, nothing killed or compared (Harbor's shared trial).
 
 Each rollout leaves what an honest agent leaves: its answer, a background process, a ``pip``-sized
-tree of new files. Prints medians and ratios against ``none``; the machines are noisy, so compare
-the ratios, not the milliseconds.
+tree of new files. Then the view alone: its set-up (open and close, around one command) and what it
+holds in memory, with 0, 10,000 and 60,000 files in the agent's working directory (live: never
+walked) and with 2,000 new files of an installed package (a code place: judged, so walked). Prints
+medians and ratios; the machines are noisy, so compare the ratios, not the milliseconds.
 
     .venv/bin/python benchmarks/grading.py [--rounds 12] [--batch 16]
 """
@@ -90,6 +93,54 @@ def measure(size: int, rounds: int, options: HarborOptions) -> list[float]:
     return times
 
 
+def _cgroup_bytes(env: HarborBashEnv) -> int:
+    """Memory charged to the sandbox's keel leaf (the view's processes, its tmpfs), as root with cgroup v1."""
+    box = env._episode.environment._sandbox.box  # type: ignore[union-attr]
+    total = 0
+    for path in box._cgroups.leaf("keel"):
+        with contextlib.suppress(OSError):
+            total += int((path / "memory.usage_in_bytes").read_text())
+    return total
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def view_costs(files: int, where: str, rounds: int) -> tuple[float, int, int, int]:
+    """Median set-up of the view (open, one command, close) in ms, and the memory it held: of the
+    sandbox's keel leaf, of this process (RSS growth), and the snapshot's entries."""
+    from trl_harbor import runtime
+
+    env = HarborBashEnv(environment_type="local", options=MODES["isolated"])
+    env.reset(task_dir=str(TASK))
+    env.bash("true")  # the sandbox is up
+    if files:
+        make = f"for i in range({files}): open(f'f{{i}}.py', 'w').close()"
+        env.bash(f'mkdir -p {where} && cd {where} && python3 -c "{make}"')
+    environment = env._episode.environment  # type: ignore[union-attr]
+
+    async def once() -> tuple[float, int, int]:
+        started = time.perf_counter()
+        async with environment.verifier_view() as view:  # type: ignore[union-attr]
+            await view.exec("true")
+            held = _cgroup_bytes(env)
+            entries = view._sandbox.view.entries
+        return time.perf_counter() - started, held, entries
+
+    times, held, entries = [], 0, 0
+    rss = _rss_bytes()
+    for _ in range(rounds):
+        took, held, entries = runtime.run(once())
+        times.append(took)
+    grown = max(0, _rss_bytes() - rss)
+    close_all()
+    return statistics.median(times) * 1000, held, grown, entries
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12)
@@ -104,6 +155,9 @@ def main() -> None:
     )
     for label, size, rounds in phases:
         medians = {}
+        for mode, options in MODES.items():  # warm: a training run pays the once-per-image work once
+            with no_tamper_check(mode == "none"):
+                measure(1, 1, options)
         for _ in range(2):  # interleaved twice: the machine's load drifts
             for mode, options in MODES.items():
                 with no_tamper_check(mode == "none"):
@@ -113,6 +167,17 @@ def main() -> None:
             f"{label:<24} " + " ".join(f"{values[m] * 1000:>15.1f}" for m in MODES)
             + f" {values['isolated'] / values['none']:>14.2f} {values['seal'] / values['none']:>10.2f}"
         )  # fmt: skip
+    print()
+    print(f"{'the view alone':<44} {'set-up (ms)':>12} {'keel leaf (MiB)':>16} {'trainer RSS +MiB':>17} {'judged':>8}")
+    cases = (
+        ("no extra file", 0, "/workdir/many"),
+        ("10,000 files in the working directory", 10_000, "/workdir/many"),
+        ("60,000 files in the working directory", 60_000, "/workdir/many"),
+        ("2,000 files of a package (a code place)", 2_000, "/usr/local/lib/python3.11/dist-packages/bulk"),
+    )
+    for label, files, where in cases:
+        took, held, grown, entries = view_costs(files, where, max(3, args.rounds // 2))
+        print(f"{label:<44} {took:>12.1f} {held / 2**20:>16.1f} {grown / 2**20:>17.1f} {entries:>8}")
 
 
 if __name__ == "__main__":

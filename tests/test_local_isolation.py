@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import threading
 from pathlib import Path
 
@@ -132,8 +134,18 @@ def test_network_allowed_task_still_cannot_reach_host_loopback(tmp_path: Path, l
     assert accepted == []
 
 
-def test_download_never_follows_links_the_agent_planted(task: Path, tmp_path: Path) -> None:
-    host_secret = tmp_path / "host-secret.txt"
+@pytest.fixture
+def host_dir(tmp_path: Path):
+    """A folder of the host's outside ``/tmp`` (links into ``/tmp`` are the verifier's places: the agent
+    cannot make them), for the agent's links to point at."""
+    base = Path(tempfile.mkdtemp(prefix="trl-harbor-host-", dir="/var/tmp"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_download_never_follows_links_the_agent_planted(task: Path, tmp_path: Path, host_dir: Path) -> None:
+    host_secret = host_dir / "host-secret.txt"
     host_secret.write_text("host-only")
     out = tmp_path / "downloaded"
 
@@ -144,7 +156,7 @@ def test_download_never_follows_links_the_agent_planted(task: Path, tmp_path: Pa
             await env.exec(
                 "mkdir -p /logs/verifier/sub && echo 1 > /logs/verifier/reward.txt && "
                 f"ln -s {host_secret} /logs/verifier/leak.txt && ln -s /etc /logs/verifier/etc && "
-                f"ln -s {tmp_path} /logs/verifier/sub/dir && ln -s /logs /workdir/linked"
+                f"ln -s {host_dir} /logs/verifier/sub/dir && ln -s /logs /workdir/linked"
             )
             await env.download_dir("/logs/verifier", out)
             assert (out / "reward.txt").read_text().strip() == "1"
@@ -162,8 +174,8 @@ def test_download_never_follows_links_the_agent_planted(task: Path, tmp_path: Pa
     assert host_secret.read_text() == "host-only"
 
 
-def test_upload_never_writes_through_planted_links(task: Path, tmp_path: Path) -> None:
-    victim_dir = tmp_path / "victim"
+def test_upload_never_writes_through_planted_links(task: Path, tmp_path: Path, host_dir: Path) -> None:
+    victim_dir = host_dir / "victim"
     victim_dir.mkdir()
     victim = victim_dir / "file.txt"
     victim.write_text("untouched")

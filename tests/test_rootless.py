@@ -62,11 +62,11 @@ def _as_nobody(script: str, timeout: float, subids: bool = True) -> str:
 
 
 def test_the_root_tests_of_task_images_and_isolation_pass_without_root() -> None:
-    """The image root's and the isolation tests, run by pytest as the unprivileged user."""
+    """The image root's, the isolation and the verifier view's tests, run by pytest as the unprivileged user."""
     out = _as_nobody(
         "import pytest\n"
         "sys.exit(pytest.main(['-p', 'no:cacheprovider', '-q', '-o', 'addopts=', "
-        "'tests/test_local_image_root.py', 'tests/test_local_isolation.py', "
+        "'tests/test_local_image_root.py', 'tests/test_local_isolation.py', 'tests/test_verifier_view.py', "
         "'tests/test_local_oci.py::test_multi_stage_build_exports_root_and_config', "
         "'tests/test_local_sandbox.py::test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees', "
         "'tests/test_local_sandbox.py::test_a_sandbox_has_its_own_process_limit']))\n",

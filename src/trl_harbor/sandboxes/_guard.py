@@ -32,7 +32,7 @@ folders only; distribution metadata is read from those folders only.
 import sys
 
 TRUSTED = {trusted!r}
-GUARDED = frozenset({guarded!r})
+GUARDED = frozenset({guarded!r}.split())
 
 
 def _install():
@@ -108,7 +108,8 @@ def guard_files(python_path: Iterable[str], guarded: Iterable[str]) -> dict[str,
     site = site_folder(trusted)
     if site is None:
         return {}
-    source = _TEMPLATE.format(trusted=trusted, guarded=sorted(set(guarded)))
+    # One string constant, not a set literal of hundreds: compiled at every interpreter start.
+    source = _TEMPLATE.format(trusted=trusted, guarded=" ".join(sorted(set(guarded))))
     module = posixpath.join(site, f"{GUARD_MODULE}.py")
     # Run by its path, not imported by name: a folder on PYTHONPATH (the agent's, perhaps) comes
     # before the site folder while ``.pth`` files are read.

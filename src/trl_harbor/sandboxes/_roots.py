@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import shlex
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,8 @@ class ImageRoot:
         self.dir: Path | None = None
         #: Where the host-side work on its tree runs: this process, or (without root) the holder.
         self.host: _userns.Host = _userns.DIRECT
+        #: Views of this sandbox being torn down in the background (awaited before it stops).
+        self.closing: set[asyncio.Task] = set()
 
     @property
     def rootfs(self) -> Path:
@@ -173,6 +176,8 @@ class ImageRoot:
 
     async def stop(self) -> None:
         """Kill every process of the sandbox and delete its tree (idempotent)."""
+        while self.closing:
+            await asyncio.gather(*self.closing, return_exceptions=True)
         if self.box is not None:
             await self.box.kill()
             self.box = None
@@ -306,7 +311,9 @@ class VerifierRoot(ImageRoot):
         agent_box = self.agent.running_box()
         if self.image is None or self.agent.dir is None or agent_box.init_pid is None:
             raise SandboxCommandError("the agent's sandbox is not running")
-        self.dir = self.agent.dir / "verifier"  # on the agent's file system (the snapshot's hard links)
+        # On the agent's file system (the snapshot's hard links); one per view (a step each), all gone
+        # with the sandbox.
+        self.dir = self.agent.dir / f"verifier-{secrets.token_hex(4)}"
         try:
             assert self.image is not None
             spec = ViewSpec(
@@ -340,13 +347,23 @@ class VerifierRoot(ImageRoot):
         return self.dir / "root"
 
     async def stop(self) -> None:
-        """Stop the view's processes, detach its mounts and remove its folder (idempotent)."""
-        if self.box is not None:
-            await self.box.kill()
-            self.box = None
-        if self.dir is not None:
-            view_dir, self.dir = self.dir, None
-            await _off_loop(self.host.call, close_view, view_dir)
+        """Stop the view: its processes killed and its mounts detached in the background, off the
+        grading's way (the agent's sandbox waits for it before it stops); idempotent."""
+        box, view_dir = self.box, self.dir
+        self.box = self.dir = None
+        if box is None and view_dir is None:
+            return
+        task = asyncio.ensure_future(self._tear_down(box, view_dir))
+        self.agent.closing.add(task)
+        task.add_done_callback(self.agent.closing.discard)
+
+    async def _tear_down(self, box: Any, view_dir: Path | None) -> None:
+        try:
+            if box is not None:
+                await box.kill()
+        finally:
+            if view_dir is not None:
+                await _off_loop(self.host.call, close_view, view_dir)
 
     def _for_user(self, user: str | int | None, command: str, env: dict[str, str] | None) -> tuple[str, dict[str, str]]:
         command, merged = super()._for_user(user, command, env)
@@ -419,13 +436,21 @@ def make_view(spec: ViewSpec) -> Snapshot:
             spec.agent_dir / "upper", spec.image_root, view_dir / "snapshot", spec.search, spec.workdir,
             spec.allowed, live, skip=[target for _, target in spec.binds],
         )  # fmt: skip
+        files, binds = _own_files(spec, view_dir / "snapshot")
+        late = _lay_own(own / "upper", spec.image_root, files)  # before the mount: plain writes
         mount_overlay([view_dir / "snapshot", spec.image_root], own / "upper", own / "work", view_dir / "root")
         root = os.open(view_dir / "root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for path in live:
                 _bind_live(agent_root, root, path)
             _mount_tmp(spec.agent_dir / "upper", spec.image_root, root, own)
-            _write_own_files(root, view_dir / "root", spec, view_dir / "snapshot")
+            for path in late:  # below a link of the image's: through the view, never following one
+                if path.endswith("/"):
+                    os.close(_hostfs._open_dir(view_dir / "root", _hostfs._parts(path), create=True))
+                else:
+                    _hostfs.write_text(view_dir / "root", path, files[path])
+            for source, target in binds:
+                _bind_host_file(root, source, target)
         finally:
             os.close(root)
     finally:
@@ -484,15 +509,16 @@ def _mount_tmp(upper: Path, image_root: Path, root: int, own: Path) -> None:
         os.close(tree)
 
 
-def _write_own_files(root: int, root_dir: Path, spec: ViewSpec, snapshot_dir: Path) -> None:
-    """The view's own files: its host names, resolver, ``/logs/verifier``, the user-switching helper, the
-    image's account files, Python's import guard (``_guard.py``)."""
+def _own_files(spec: ViewSpec, snapshot_dir: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The view's own files (its host names, resolver, ``/logs/verifier``, the user-switching helper and
+    the image's account files, Python's import guard, the mount points of the host files it gets),
+    and the host files to mount on them."""
     image = spec.image_root
     files = {
         "/etc/hosts": DOCKER_HOSTS.format(hostname=spec.hostname) + _agents_local_hosts(snapshot_dir, spec.hostname),
         "/etc/hostname": spec.hostname + "\n",
         "/etc/resolv.conf": f"nameserver {SLIRP_GATEWAY_DNS}\n" if spec.network == "user" else "",
-        f"{VIEW_PLUMBING}/runas": "",
+        "/logs/verifier/": "",
     }
     for name in ("passwd", "group"):
         with contextlib.suppress(OSError):
@@ -502,11 +528,45 @@ def _write_own_files(root: int, root_dir: Path, spec: ViewSpec, snapshot_dir: Pa
     binds = [(spec.runas, f"{VIEW_PLUMBING}/runas"), *((s, t) for s, t in spec.binds if t != RUNAS)]
     for _, target in binds:
         files.setdefault(target, "")  # a mount point
-    for path, text in files.items():  # the view's own overlay: written without following any link
-        _hostfs.write_text(root_dir, path, text)
-    os.close(_hostfs._open_dir(root_dir, _hostfs._parts("/logs/verifier"), create=True))
-    for source, target in binds:
-        _bind_host_file(root, source, target)
+    return files, binds
+
+
+def _lay_own(upper: Path, image_root: Path, files: dict[str, str]) -> list[str]:
+    """Write the view's own files into its upper layer, their folders made as the image's are (a path
+    ending in ``/`` is a folder); returns the paths below a link of the image's, to be written
+    through the mounted view instead (the link must stay the image's)."""
+    late, made = [], set()
+    for path, text in files.items():
+        parts = [part for part in path.split("/") if part]
+        folders = parts if path.endswith("/") else parts[:-1]
+        here, image = os.fspath(upper), os.fspath(image_root)
+        try:
+            for part in folders:
+                here, image = f"{here}/{part}", f"{image}/{part}"
+                if here in made:
+                    continue
+                try:
+                    info = os.lstat(image)
+                except FileNotFoundError:
+                    info = None
+                if info is not None and not stat.S_ISDIR(info.st_mode):
+                    raise NotADirectoryError(path)
+                mode = stat.S_IMODE(info.st_mode) if info is not None else 0o755
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(here, mode)
+                    os.chown(here, info.st_uid if info else 0, info.st_gid if info else 0)
+                    os.chmod(here, mode)
+                made.add(here)
+        except NotADirectoryError:
+            late.append(path)
+            continue
+        if not path.endswith("/"):
+            fd = os.open(f"{here}/{parts[-1]}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, text.encode())
+            finally:
+                os.close(fd)
+    return late
 
 
 def _bind_host_file(root: int, source: str, target: str) -> None:
@@ -563,11 +623,10 @@ def view_tree(view_dir: Path) -> int:
 
 
 def close_view(view_dir: Path) -> None:
-    """Detach the view's host mounts and remove its folder."""
+    """Detach the view's host mounts (its folder, on the agent's tree, goes with the sandbox)."""
     for name in ("root", "w"):
         with contextlib.suppress(OSError):
             _viewfs.detach(str(view_dir / name))
-    _hostfs.remove_tree(view_dir)
 
 
 async def _off_loop(func, *args) -> None:

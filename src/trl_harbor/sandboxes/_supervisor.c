@@ -489,9 +489,12 @@ static int receive_fd(int s) {
 #define SECCOMP_RET_USER_NOTIF 0x7fc00000U
 #endif
 
-/* The verifier's own places, as the words of a path from /. */
-static const char *const VERIFIER_PLACES[] = {"tests", "solution", "proc", ".trl-harbor", "logs/verifier",
-                                              "run/trl-harbor", "dev/fd", NULL};
+/* The verifier's own places, as the words of a path from /: its inputs and outputs, its /proc, and
+ * where its own temporary files are (its /tmp and /dev/shm are layers of its own; /dev/fd and
+ * /dev/std* lead to its /proc/self). Keep in step with _view.py's VERIFIER_PLACES. */
+static const char *const VERIFIER_PLACES[] = {"tests", "solution", "logs/verifier", "proc", ".trl-harbor",
+                                              "run/trl-harbor", "tmp", "dev/shm", "dev/fd", "dev/stdin",
+                                              "dev/stdout", "dev/stderr", NULL};
 
 /* Whether the absolute, normalised path p (no "." or ".." left) is one of the verifier's places. */
 static int verifiers_place(const char *p) {

@@ -73,6 +73,7 @@ CODE_CONFIG: tuple[str, ...] = (
 )  # fmt: skip
 #: Files interpreters load from a directory without being asked.
 HOOKS: tuple[str, ...] = ("*.pth", "*._pth", "pyvenv.cfg", "sitecustomize*", "usercustomize*")
+_HOOKS_RE = re.compile("|".join(f"(?:{fnmatch.translate(glob)})" for glob in HOOKS))
 #: The test runner's own packages: the verifier never runs the agent's version of them.
 RUNNER_PACKAGES: frozenset[str] = frozenset({"pytest", "_pytest", "pluggy", "iniconfig", "py"})
 #: What a test runner or ``python -m`` picks up from a working directory and its ancestors.
@@ -85,6 +86,12 @@ RUNNER_CONFIG: tuple[str, ...] = (
 VERIFIER_ONLY: tuple[str, ...] = ("/tests", "/solution", "/logs/verifier", "/run/trl-harbor", "/.trl-harbor")
 #: The kernel's places in the verifier's root (its own, mounted by its supervisor).
 KERNEL_PLACES: tuple[str, ...] = ("/proc", "/dev", "/sys")
+#: Where no link of the agent's may lead: the verifier's own places, its ``/proc``, and where its own
+#: temporary files are (``/tmp`` and ``/dev/shm`` are layers of the verifier's; ``/dev/fd`` and
+#: ``/dev/std*`` lead to its ``/proc/self``). The keel refuses such links (``_supervisor.c``, in step).
+VERIFIER_PLACES: tuple[str, ...] = (
+    *VERIFIER_ONLY, "/proc", "/tmp", "/dev/shm", "/dev/fd", "/dev/stdin", "/dev/stdout", "/dev/stderr",
+)  # fmt: skip
 #: Where the C library looks for daemons to answer its lookups (users, hosts) without being configured to.
 IMPLICIT_SOCKETS: tuple[str, ...] = ("/run/nscd/", "/var/run/nscd/", "/run/systemd/userdb/", "/var/run/systemd/userdb/")
 #: The sandbox's own plumbing (mount points of the helpers bound in): never the agent's, never reported.
@@ -275,6 +282,31 @@ class _Rule:
         in_workdir = self.workdir != "/" and (path == self.workdir or path.startswith(self.workdir + "/"))
         return in_workdir and not self.code_place(path) and not self.holds_lookups(path)
 
+    def is_allowed(self, path: str) -> bool:
+        """Whether ``path`` matches the task's ``allowed_changes``."""
+        return self._allowed_re.match(path) is not None
+
+    def holds_nothing_named(self, folder: str) -> bool:
+        """Whether below the folder ``folder`` there is no place the rule names (a lookup folder, code
+        configuration's, the verifier's own, the working directory): entries there are judged by their
+        own names only (:meth:`own_entry`)."""
+        return (
+            folder not in self.lookup_dirs
+            and folder not in self._lookup_ancestors
+            and folder not in self.ancestors
+            and folder != self.workdir
+            and not self.leads_to_verifier_only(folder)
+            and not any(p.startswith(folder + "/") for p in IMPLICIT_SOCKETS)
+        )
+
+    def own_entry(self, path: str, name: str) -> str | None:
+        """Why an entry inside a folder that holds nothing named is not seen (``None``: it is)."""
+        if _HOOKS_RE.match(name):
+            return "an interpreter hook"
+        if self.in_config(path):
+            return "code configuration"
+        return None
+
     def verifier_only(self, path: str) -> bool:
         """Whether ``path`` belongs to the verifier alone (its tests, its outputs, the solution)."""
         return any(path == p or path.startswith(p + "/") for p in VERIFIER_ONLY)
@@ -350,7 +382,7 @@ class _Rule:
 
     def concealed_link(self, path: str, target: str) -> str | None:
         """Why a link the agent made at ``path`` is not seen: it leads into the verifier's own places
-        (its tests, outputs, the solution, its ``/proc``), where the agent's world has nothing.
+        (:data:`VERIFIER_PLACES`), where the agent's world has nothing of the verifier's.
 
         Judged on the words of the target: a ``..`` after a named step could climb anywhere once that
         step is a link, so what follows it is judged from ``/`` too."""
@@ -364,9 +396,7 @@ class _Rule:
             elif part != "..":
                 named = True
         for candidate in candidates:
-            if self.verifier_only(candidate) or any(
-                candidate == k or candidate.startswith(k + "/") for k in ("/proc",)
-            ):
+            if any(candidate == place or candidate.startswith(place + "/") for place in VERIFIER_PLACES):
                 return "a link into the verifier's own places"
         return None
 
@@ -832,7 +862,10 @@ class _Walker:
             why = rule.concealed_change(path, shipped_folder is not None, folder=True, link=False)
             if why is None:  # a folder of the agent's own: laid, then judged on what was laid
                 _mkdir_like(dest, info, opaque=opaque)
-                self.walk(fd, path[1:], depth + 1)
+                if rule.holds_nothing_named(path):
+                    self._own(fd, path, depth + 1)
+                else:
+                    self.walk(fd, path[1:], depth + 1)
                 why = rule.concealed_content(path, dest)
                 if why is not None:
                     shutil.rmtree(dest)
@@ -841,6 +874,54 @@ class _Walker:
                 self.conceal(path, why)
         finally:
             os.close(fd)
+
+    def _own(self, dir_fd: int, folder: str, depth: int) -> None:
+        """Lay a folder of the agent's own that holds no place the rule names (a new package's): there
+        only an entry's own name decides — a hook, code configuration, metadata the rule reads (copied),
+        a link into the verifier's places — so it is judged without looking at the image."""
+        rule = self.rule
+        try:
+            with os.scandir(dir_fd) as listing:
+                entries = sorted(listing, key=lambda entry: entry.name)
+        except OSError:
+            return
+        for entry in entries:
+            path, dest = f"{folder}/{entry.name}", f"{self.target}{folder}/{entry.name}"
+            self.result.entries += 1
+            if self.result.entries > MAX_ENTRIES:
+                self.conceal(path, "the agent's changes to code places are too many to judge")
+                return
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    if depth >= MAX_DEPTH:
+                        self.conceal(path, "too deep to judge")
+                        continue
+                    fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+                    try:
+                        _mkdir_like(dest, os.fstat(fd), opaque=False)
+                        self._own(fd, path, depth + 1)
+                    finally:
+                        os.close(fd)
+                    continue
+                allowed = rule.is_allowed(path)
+                why = None if allowed else rule.own_entry(path, entry.name)
+                if why is None and entry.is_symlink():
+                    why = rule.concealed_link(path, os.readlink(entry.name, dir_fd=dir_fd))
+                if why is not None:
+                    self.conceal(path, why)
+                    continue
+                if not allowed and _judged_by_content(path):
+                    if not self._place(dir_fd, entry.name, dest, entry.stat(follow_symlinks=False), must=True):
+                        self.conceal(path, "a file the rule reads, too large or changing")
+                    continue
+                os.link(entry.name, dest, src_dir_fd=dir_fd, follow_symlinks=False)
+                if ".so" in entry.name and _innermost(path, rule.loader_dirs) is not None:
+                    self.result.libraries_added = True
+            except FileNotFoundError:
+                continue  # gone since it was listed: not in the snapshot
+            except OSError as error:
+                if error.errno not in (errno.EEXIST, errno.ELOOP, errno.ENOTDIR):
+                    raise
 
     def _place(self, dir_fd: int, name: str, dest: str, info: os.stat_result, must: bool) -> bool:
         """Copy a file the rule reads (within the budget), else hard-link the agent's entry: its data and

@@ -1,0 +1,227 @@
+"""The verifier's view of a local sandbox (issue #31), property by property, on real sandboxes.
+
+Each test opens the view of a running sandbox directly (``LocalEnvironment.verifier_view``, what
+grading uses) and checks one property of it from both sides — the agent's sandbox and the view —
+with commands that can fail: the verifier sees and signals the agent's processes, the agent sees
+nothing of the verifier's; the agent's files are the verifier's, live, with their metadata, and the
+verifier's writes there reach the agent; the verifier's ``/tmp``, network and listeners are its own
+while the agent's TCP services answer it; every link the agent makes goes through its keel; a folder
+the agent swaps for a link while the view is made never leads outside the agent's tree; and an agent
+that exhausts its processes does not starve its keel. ``tests/adversarial/test_view.py`` has the
+attacks and honest rollouts through the whole grading path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox_helpers import count_processes_cmd, make_task, open_env, run
+
+pytestmark = pytest.mark.local
+
+SERVE = (
+    "import http.server, sys\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.end_headers(); self.wfile.write(sys.argv[2].encode())\n"
+    "    def log_message(self, *a): pass\n"
+    "http.server.HTTPServer((sys.argv[3] if len(sys.argv) > 3 else '127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+)
+FETCH = 'python3 -c "import urllib.request, sys; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"'
+
+
+@pytest.fixture
+def task(tmp_path: Path) -> Path:
+    return make_task(tmp_path / "tasks", gold="42")
+
+
+async def _started(task: Path, tmp_path: Path):
+    env = open_env(task, tmp_path / "trials")
+    await env.start(force_build=False)
+    return env
+
+
+async def _sh(env, command: str) -> str:
+    result = await env.exec(command, timeout_sec=60)
+    return (result.stdout + result.stderr).strip()
+
+
+def test_the_verifier_sees_and_signals_the_agents_processes_which_see_nothing_of_its(task: Path, tmp_path) -> None:
+    marker = f"agent-{secrets.token_hex(4)}"
+
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(env, f"(exec -a {marker} sleep 600) >/dev/null 2>&1 &")
+            async with env.verifier_view() as view:
+                assert await _sh(view, count_processes_cmd(marker)) == "1"  # the verifier sees it
+                await _sh(view, f"(exec -a verifier-{marker} sleep 600) >/dev/null 2>&1 &")
+                assert await _sh(env, count_processes_cmd(f"verifier-{marker}")) == "0"  # the agent does not
+                # the verifier signals the agent's process (pkill by name, as a test that restarts a service)
+                kill = (
+                    "import os\nfor p in filter(str.isdigit, os.listdir('/proc')):\n"
+                    "    try:\n        argv0 = open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0')[0]\n"
+                    "    except OSError:\n        continue\n"
+                    f"    if argv0 == b'{marker}':\n        os.kill(int(p), 15)\n"
+                )
+                await _sh(view, f"python3 -c \"{kill}\"")
+                for _ in range(50):
+                    if await _sh(env, count_processes_cmd(marker)) == "0":
+                        break
+                    await asyncio.sleep(0.1)
+                assert await _sh(env, count_processes_cmd(marker)) == "0"
+                # nor its environment, mounts or network in the agent's /proc
+                assert "verifier" not in await _sh(env, "cat /proc/mounts")
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_the_agents_files_are_the_verifiers_live_and_exact(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(
+                env,
+                "echo 1 > /workdir/a && ln /workdir/a /workdir/b && touch -d 2020-01-02 /workdir/a && "
+                "python3 -c \"import os; os.setxattr('/workdir/a', 'user.tag', b'seen')\"",
+            )
+            async with env.verifier_view() as view:
+                agent_stat = await _sh(env, "stat -c '%i %h %y' /workdir/a")
+                assert await _sh(view, "stat -c '%i %h %y' /workdir/a") == agent_stat  # the same file
+                assert agent_stat.split()[1] == "2" and "2020-01-02" in agent_stat
+                xattr = "python3 -c \"import os; print(os.getxattr('/workdir/a', 'user.tag').decode())\""
+                assert await _sh(view, xattr) == "seen"
+                await _sh(env, "echo written-after > /workdir/late")  # after the view was made
+                assert await _sh(view, "cat /workdir/late") == "written-after"
+                await _sh(view, "echo from-the-verifier > /workdir/inbox")  # the verifier's writes reach the agent
+                assert await _sh(env, "cat /workdir/inbox") == "from-the-verifier"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_the_verifiers_tmp_is_its_own(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(env, "echo agent > /tmp/agent.txt")
+            async with env.verifier_view() as view:
+                assert await _sh(view, "cat /tmp/agent.txt") == "agent"  # the agent's /tmp, read through
+                await _sh(view, 'echo secret > /tmp/expected.txt; echo secret > "$TMPDIR/x"; echo "$TMPDIR"')
+                assert "No such file" in await _sh(env, "cat /tmp/expected.txt")
+                assert await _sh(env, "ls /tmp") == "agent.txt"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_the_verifiers_network_is_its_own_and_the_agents_services_answer_it(tmp_path: Path) -> None:
+    task = make_task(tmp_path / "tasks", gold="42")
+
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(env, f"cat > /srv/s.py <<'X'\n{SERVE}X\n(python3 /srv/s.py 8080 agent 0.0.0.0 &) ; sleep 1")
+            async with env.verifier_view() as view:
+                assert await _sh(view, f"{FETCH} http://localhost:8080/") == "agent"
+                assert await _sh(view, f"{FETCH} http://$(hostname):8080/") == "agent"  # the service's name
+                await _sh(view, "(python3 /srv/s.py 9099 verifier &) ; sleep 1")
+                assert await _sh(view, f"{FETCH} http://127.0.0.1:9099/") == "verifier"
+                refused = await _sh(env, f"{FETCH} http://127.0.0.1:9099/ 2>&1 | tail -1")
+                assert "refused" in refused  # the agent cannot reach the verifier's listener
+                assert ":237B" not in await _sh(env, "cat /proc/net/tcp")  # nor see it (9099 = 0x237B)
+                # a port the agent listened on first is handed to the verifier's own server
+                await _sh(view, "(python3 /srv/s.py 8080 verifier-owns-it 0.0.0.0 &) ; sleep 1")
+                assert await _sh(view, f"{FETCH} http://127.0.0.1:8080/") == "verifier-owns-it"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_every_link_of_the_agents_goes_through_its_keel(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            refused = {
+                "/tests/expected.txt", "/proc/self/environ", "/tmp/expected.txt", "/dev/fd/3", "/logs/verifier/x",
+                "../../tests/x", "d/../tests/x", "tests/x", "/solution/solve.sh", "/dev/shm/x",
+            }  # fmt: skip
+            made = {"/usr/bin/python3", "answer.txt", "../lib/x", "/dev/null", "/workdir/tests/x"}
+            for index, target in enumerate(sorted(refused | made)):
+                out = await _sh(env, f"cd /workdir && ln -s '{target}' l{index} && echo made")
+                assert (out == "made") == (target in made), (target, out)
+            # made with the caller's credentials: a user that may not write /root cannot link there
+            await _sh(env, "useradd -m someone")
+            out = await _sh(
+                env,
+                "su someone -c 'ln -s /etc/x /root/no' 2>&1; su someone -c 'ln -s /etc/x ~/yes && stat -c %U ~/yes'",
+            )
+            assert "Permission denied" in out and out.endswith("someone"), out
+            # relative to a directory descriptor, and replaced in place (ln -sf)
+            out = await _sh(
+                env,
+                "python3 -c \"import os; fd = os.open('/workdir', os.O_RDONLY); os.symlink('a', 'viafd', dir_fd=fd)\" && "
+                "ln -sfn b /workdir/viafd && readlink /workdir/viafd",
+            )
+            assert out == "b"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_a_folder_swapped_for_a_link_while_the_view_is_made_never_leads_out(task: Path, tmp_path: Path) -> None:
+    """The view's folders are opened beneath the agent's root without following links: a folder the agent
+    keeps exchanging with a link to ``/`` (renameat2 RENAME_EXCHANGE) is the folder, or nothing, in the view."""
+    canary = tmp_path / f"host-canary-{secrets.token_hex(4)}"
+    canary.write_text("host only")
+    swap = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "os.makedirs('/srv/data', exist_ok=True)\nopen('/srv/data/in-the-agents-tree', 'w').close()\n"
+        "os.symlink('/', '/srv/other')\n"
+        "while True:\n    libc.renameat2(-100, b'/srv/data', -100, b'/srv/other', 2)\n"
+    )
+
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(env, f"cat > /tmp/swap.py <<'X'\n{swap}X\n(python3 /tmp/swap.py &) ; sleep 0.5")
+            for _ in range(5):
+                async with env.verifier_view() as view:
+                    # /srv/data is, at any moment, the agent's folder or the agent's link to /, which
+                    # the verifier follows in its own world: the view's root, never the host's.
+                    seen = (await _sh(view, "ls /srv/data/ 2>&1; echo end")).split()
+                    assert "work" not in seen and "in-the-agents-tree" in seen or "workdir" in seen, seen
+                    host = await _sh(view, f"ls {tmp_path} 2>&1; cat {canary} 2>&1")
+                    assert "host only" not in host and "No such file" in host, host
+        finally:
+            await env.stop(delete=True)
+        assert canary.read_text() == "host only"
+
+    run(scenario())
+
+
+def test_an_agent_that_exhausts_its_processes_does_not_starve_its_keel(task: Path, tmp_path: Path) -> None:
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(env, "for i in $(seq 600); do (while :; do :; done) & done; echo started")
+            started = time.monotonic()
+            assert await env.alive()  # the keel answers: its cgroup leaf is not the agent's
+            async with env.verifier_view() as view:
+                assert await _sh(view, "echo the verifier runs") == "the verifier runs"
+            assert time.monotonic() - started < 30
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
