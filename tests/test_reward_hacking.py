@@ -2,15 +2,16 @@
 
 One task whose verifier writes 1 only for the right answer, on a task image (the local sandbox's
 default root). Each exploit is a rollout whose tool calls try to get 1 without the answer:
-processes left running to write the reward file or rewrite the file under test while the verifier
-runs (detached in every way a process can detach), code planted where the verifier's interpreter
-runs it, fake tools earlier on ``PATH`` or in place of the image's, files planted among the tests.
+processes left running to write the reward file while the verifier runs (detached in every way a
+process can detach), code planted where the verifier's interpreter runs it, fake tools earlier on
+``PATH`` or in place of the image's, files planted among the tests.
 
 Since issue #17 the agent's processes are **kept** while the verifier runs, as in Harbor's shared
 trial (a service the task asked for answers the tests): every exploit must score 0.0 because it
-gains nothing — the verifier runs in a sibling of the agent's sandbox that those processes cannot
-see or touch, on the image's own code — and an honest solution that leaves a server running
-scores 1.0. So that each exploit is known to be a real one, the same exploits run again with the
+gains nothing — the verifier runs in a view of the sandbox that those processes cannot see or
+touch, on the image's own code — and an honest solution that leaves a server running scores 1.0.
+Since issue #31 the verifier reads the agent's files live, so an honest answer a background job
+writes once grading has begun scores 1.0 too, as in Harbor. So that each exploit is known to be a real one, the same exploits run again with the
 defences off (``sandbox_helpers.defences_off``), where each of them scores 1.0. A backend fault in
 the same batch is still skipped and counted.
 

@@ -289,9 +289,11 @@ class _Rule:
     def holds_nothing_named(self, folder: str) -> bool:
         """Whether below the folder ``folder`` there is no place the rule names (a lookup folder, code
         configuration's, the verifier's own, the working directory): entries there are judged by their
-        own names only (:meth:`own_entry`)."""
+        own names only (:meth:`own_entry`). Never a ``__pycache__``: the bytecode there is loaded for
+        the modules beside it, so each entry is judged against those."""
         return (
-            folder not in self.lookup_dirs
+            posixpath.basename(folder) != "__pycache__"
+            and folder not in self.lookup_dirs
             and folder not in self._lookup_ancestors
             and folder not in self.ancestors
             and folder != self.workdir
