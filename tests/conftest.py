@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -161,6 +162,37 @@ def tiny_grpo_trainer(tmp_path: Path, spec, tool_calls: list[str], prompt_suffix
         environment_factory=spec.environment_factory,
         reward_funcs=reward_funcs,
     )
+
+
+#: CI stops a run at 90 minutes and then shows only the end of its output: past this budget no
+#: further test starts, so the run ends with its summary of what failed (a run cut off would not).
+SESSION_BUDGET_SEC = float(os.environ.get("TRL_HARBOR_TEST_BUDGET_SEC", 75 * 60))
+_SESSION_START = time.monotonic()
+_CONFIG: pytest.Config | None = None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Stop the session, summary printed, once it has run past :data:`SESSION_BUDGET_SEC`."""
+    spent = time.monotonic() - _SESSION_START
+    if spent > SESSION_BUDGET_SEC:
+        pytest.exit(f"the session ran {spent / 60:.0f} min, past its budget; {item.nodeid} and the rest not run", 3)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Name a failure the moment it happens, with its last line (what a cut-off log still shows)."""
+    if not report.failed:
+        return
+    lines = str(report.longrepr).strip().splitlines() or [""]
+    errors = [line for line in lines if line.startswith("E ")]  # pytest's lines of the error itself
+    lines = errors[:1] or lines[-1:]
+    reporter = None if _CONFIG is None else _CONFIG.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"\n[failed] {report.nodeid} ({report.when}): {lines[0][:300]}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _CONFIG
+    _CONFIG = config
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
