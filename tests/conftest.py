@@ -213,6 +213,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if table is not None and getattr(table, "GRADING", None):
         terminalreporter.section("attacks on grading")
         terminalreporter.write_line(table.render_grading(table.GRADING, details=True))
+    view = sys.modules.get("test_view")
+    if view is not None and getattr(view, "VIEW", None):
+        terminalreporter.section("the verifier's view")
+        terminalreporter.write_line(view.render(view.VIEW, details=True))
     module = sys.modules.get("test_bad_suites")
     rows = getattr(module, "ROWS", None)
     if rows:

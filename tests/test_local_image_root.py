@@ -18,8 +18,8 @@ from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import count_processes_cmd, make_task, open_env, run
 from trl_harbor.sandboxes._cache import CACHE
-from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
 from trl_harbor.sandboxes._fingerprints import list_image
+from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
 from trl_harbor.sandboxes.oci import ImageStore
 
 pytestmark = pytest.mark.local
