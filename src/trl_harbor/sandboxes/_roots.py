@@ -468,8 +468,13 @@ def _bind_live(agent_root: int, root: int, path: str) -> None:
         tree = _viewfs.clone_tree(source)
     finally:
         os.close(source)
+    _attach_beneath(tree, root, path)
+
+
+def _attach_beneath(tree: int, root: int, path: str, folder: bool = True) -> None:
+    """Mount the detached ``tree`` (closed after) on the folder (or file) ``path`` beneath the view's ``root``."""
     try:
-        target = _viewfs.open_beneath(root, path)
+        target = _viewfs.open_beneath(root, path, os.O_PATH | (os.O_DIRECTORY if folder else 0))
         try:
             _viewfs.attach(tree, target)
         finally:
@@ -499,14 +504,7 @@ def _mount_tmp(upper: Path, image_root: Path, root: int, own: Path) -> None:
     finally:
         for fd in opened:
             os.close(fd)
-    try:
-        target = _viewfs.open_beneath(root, "tmp")
-        try:
-            _viewfs.attach(tree, target)
-        finally:
-            os.close(target)
-    finally:
-        os.close(tree)
+    _attach_beneath(tree, root, "tmp")
 
 
 def _own_files(spec: ViewSpec, snapshot_dir: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
@@ -578,13 +576,10 @@ def _bind_host_file(root: int, source: str, target: str) -> None:
         os.close(opened)
     try:
         _viewfs.read_only(tree)
-        target_fd = _viewfs.open_beneath(root, target, os.O_PATH)
-        try:
-            _viewfs.attach(tree, target_fd)
-        finally:
-            os.close(target_fd)
-    finally:
+    except BaseException:
         os.close(tree)
+        raise
+    _attach_beneath(tree, root, target, folder=False)
 
 
 #: ``/etc/hosts`` names of the agent's the verifier keeps: local ones (a name the agent's service is
