@@ -112,19 +112,27 @@ def _shown(value: object) -> str:
     return "-" if value.__class__ is object else str(value)
 
 
-def render_grading(results: list[GradingOutcome], details: bool = False) -> str:
-    """The grading table: class, case, then per run expected -> observed (``!`` where they differ)."""
-    from grading_corpus import CLASSES
+def render_grading(
+    results: list[GradingOutcome],
+    details: bool = False,
+    title: str = "attacks on grading (local backend, task image)",
+    classes: dict[str, str] | None = None,
+) -> str:
+    """A grading table: class, case, then per run expected -> observed (``!`` where they differ).
+
+    ``classes`` (class -> name, in the table's order) defaults to ``grading_corpus.CLASSES``."""
+    if classes is None:
+        from grading_corpus import CLASSES as classes
 
     runs: dict[tuple[str, str], dict[str, GradingOutcome]] = {}
     for outcome in results:
         runs.setdefault((outcome.klass, outcome.case), {})[outcome.run] = outcome
     width = max([len("case"), *(len(case) for _, case in runs)])
     lines = [
-        "attacks on grading (local backend, task image)",
+        title,
         f"{'class':<20} {'case':<{width}}  {'defended: want -> got':<24} {'undefended: want -> got':<24}",
     ]
-    for (klass, case), by_run in sorted(runs.items(), key=lambda item: list(CLASSES).index(item[0][0])):
+    for (klass, case), by_run in sorted(runs.items(), key=lambda item: list(classes).index(item[0][0])):
         cells = []
         for run in ("defended", "undefended"):
             outcome = by_run.get(run)
@@ -134,7 +142,7 @@ def render_grading(results: list[GradingOutcome], details: bool = False) -> str:
             mark = " !" if outcome.problems else ""
             cells.append(f"{_shown(outcome.expected)} -> {_shown(outcome.reward)}{mark}")
         hole = "  [hole]" if any(o.hole for o in by_run.values()) else ""
-        lines.append(f"{klass + ' ' + CLASSES[klass]:<20} {case:<{width}}  {cells[0]:<24} {cells[1]:<24}{hole}")
+        lines.append(f"{klass + ' ' + classes[klass]:<20} {case:<{width}}  {cells[0]:<24} {cells[1]:<24}{hole}")
     failed = [o for o in results if o.problems]
     lines.append(f"{len(runs)} cases, {len(results)} runs, {len(failed)} did not hold")
     if details:

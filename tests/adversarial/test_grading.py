@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grading_batch
 import pytest
 from adv_table import GRADING, GradingOutcome, render_grading
 from grading_corpus import CASES, NOT_RUN, Case, Ctx, Suite, write_suite
@@ -50,50 +51,11 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Suite:
 
 
 def run_batch(suite: Suite, cases: list[Case], label: str, env_kwargs: dict | None = None) -> list[GradingOutcome]:
-    """One batch: each case a rollout; the batch verified with ``spec.reward_funcs``."""
-    spec = HarborSpec(
-        suite.root,
-        agent="bash_steps",
-        environment_type="local",
-        env_kwargs={"command_timeout_sec": COMMAND_TIMEOUT_SEC, **(env_kwargs or {})},
-    )
+    """One batch of ``cases`` (:func:`grading_batch.run_batch`), recorded for the session's table."""
     ctx = Ctx(shell=lambda env, command: env.bash(command), gold=suite.gold, steps=suite.steps)
-    started = time.monotonic()
-    envs = [spec.environment_factory() for _ in cases]
-    for env, case in zip(envs, cases, strict=True):
-        env.reset(task_dir=suite.task(case.kind))
-    outputs_of = []
-    for env, case in zip(envs, cases, strict=True):
-        try:
-            outputs = case.calls(ctx, env)
-        except Exception as exc:  # TRL's tool loop hands the model the error
-            outputs = [exc]
-        outputs_of.append(outputs)
-    extra: dict[str, list] = {}
-    rewards = spec.reward_funcs(completions=[None] * len(envs), environments=envs, log_extra=extra.__setitem__)
-    outcomes = []
-    for env, case, outputs, reward, reason in zip(envs, cases, outputs_of, rewards, extra["harbor_error"], strict=True):
-        outcome = GradingOutcome(case.name, case.klass, label, reward=reward, reason=reason or "", hole=case.hole)
-        verification = env.verification
-        if verification is not None:
-            outcome.concealed = list(verification.concealed)
-        if label == "defended":
-            outcome.expected = case.deserves
-            if reward != case.deserves:
-                outcome.problems.append(f"scored {reward}, deserved {case.deserves} ({reason})")
-            if case.check is not None:
-                problem = case.check(ctx, env, outputs)
-                if problem:
-                    outcome.problems.append(problem)
-        else:
-            outcome.expected = case.undefended
-            if reward != case.undefended:
-                what = "the attack did not win without the defences" if case.klass != "H" else "the honest rollout"
-                outcome.problems.append(f"{what}: scored {reward}, expected {case.undefended} ({reason})")
-        outcome.output = "\n".join(map(str, outputs))[-400:]
-        outcomes.append(outcome)
-    close_all()
-    print(f"[grading {label}] {len(cases)} rollouts in {time.monotonic() - started:.0f} s")
+    outcomes = grading_batch.run_batch(
+        suite.root, suite.task, cases, label, ctx, command_timeout_sec=COMMAND_TIMEOUT_SEC, env_kwargs=env_kwargs
+    )
     GRADING.extend(outcomes)
     return outcomes
 

@@ -22,12 +22,12 @@ import logging
 import secrets
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grading_batch
 import pytest
-from adv_table import GradingOutcome
+from adv_table import GradingOutcome, render_grading
 from view_corpus import CASES, CLASSES, NOT_RUN, ViewCase, ViewCtx, ViewSuite, write_suite
 
 from sandbox_helpers import defences_off
@@ -83,101 +83,23 @@ def _verifier_output(env) -> str:
 def run_batch(
     suite: ViewSuite, cases: list[ViewCase], label: str, canary: tuple[Path, str], env_kwargs: dict | None = None
 ) -> list[GradingOutcome]:
-    """One batch: each case a rollout; the batch verified with ``spec.reward_funcs``."""
-    spec = HarborSpec(
-        suite.root,
-        agent="bash_steps",
-        environment_type="local",
-        env_kwargs={"command_timeout_sec": COMMAND_TIMEOUT_SEC, **(env_kwargs or {})},
-    )
+    """One batch of ``cases`` (:func:`grading_batch.run_batch`), recorded for the session's table."""
     ctx = ViewCtx(
         shell=lambda env, command: env.bash(command), gold=suite.gold, steps={}, canary=canary[0], token=canary[1],
         run=_run_as_root, verifier_output=_verifier_output,
     )  # fmt: skip
-    started = time.monotonic()
-    envs = [spec.environment_factory() for _ in cases]
-    for env, case in zip(envs, cases, strict=True):
-        env.reset(task_dir=suite.task(case.kind))
-    outputs_of = []
-    for env, case in zip(envs, cases, strict=True):
-        try:
-            outputs = case.calls(ctx, env)
-        except Exception as exc:  # TRL's tool loop hands the model the error
-            outputs = [exc]
-        outputs_of.append(outputs)
-    turns = time.monotonic() - started
-    extra: dict[str, list] = {}
-    rewards = spec.reward_funcs(completions=[None] * len(envs), environments=envs, log_extra=extra.__setitem__)
-    graded = time.monotonic() - started - turns
-    outcomes = []
-    for env, case, outputs, reward, reason in zip(envs, cases, outputs_of, rewards, extra["harbor_error"], strict=True):
-        outcome = GradingOutcome(case.name, case.klass, label, reward=reward, reason=reason or "", hole=case.hole)
-        verification = env.verification
-        if verification is not None:
-            outcome.concealed = list(verification.concealed)
-        if label == "defended":
-            outcome.expected, check = case.deserves, case.check
-            if reward != case.deserves:
-                outcome.problems.append(f"scored {reward}, deserved {case.deserves} ({reason})")
-        else:
-            outcome.expected, check = case.undefended, case.undefended_check
-            if reward != case.undefended:
-                what = "the attack did not win without the defences" if case.klass != "H" else "the honest rollout"
-                outcome.problems.append(f"{what}: scored {reward}, expected {case.undefended} ({reason})")
-        if check is not None:
-            problem = check(ctx, env, outputs)
-            if problem:
-                outcome.problems.append(problem)
-        outcome.output = "\n".join(map(str, outputs))[-400:]
-        outcomes.append(outcome)
-    close_all()
-    print(
-        f"[view {label}] {len(cases)} rollouts in {time.monotonic() - started:.0f} s "
-        f"(tool calls {turns:.0f} s, grading {graded:.0f} s)"
+    outcomes = grading_batch.run_batch(
+        suite.root, suite.task, cases, label, ctx, command_timeout_sec=COMMAND_TIMEOUT_SEC, env_kwargs=env_kwargs
     )
     VIEW.extend(outcomes)
     return outcomes
 
 
-def _shown(value: object) -> str:
-    if value is None:
-        return "skipped"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return "-" if value is NOT_RUN else str(value)
-
-
 def render(results: list[GradingOutcome], details: bool = False) -> str:
-    """The table: class, case, then per run expected -> observed (``!`` where they differ)."""
-    runs: dict[tuple[str, str], dict[str, GradingOutcome]] = {}
-    for outcome in results:
-        runs.setdefault((outcome.klass, outcome.case), {})[outcome.run] = outcome
-    width = max([len("case"), *(len(case) for _, case in runs)])
-    lines = [
-        "the verifier's view (issue #31; local backend, task image)",
-        f"{'class':<20} {'case':<{width}}  {'defended: want -> got':<24} {'undefended: want -> got':<24}",
-    ]
-    for (klass, case), by_run in sorted(runs.items(), key=lambda item: list(CLASSES).index(item[0][0])):
-        cells = []
-        for run in ("defended", "undefended"):
-            outcome = by_run.get(run)
-            if outcome is None:
-                cells.append("not run")
-                continue
-            mark = " !" if outcome.problems else ""
-            cells.append(f"{_shown(outcome.expected)} -> {_shown(outcome.reward)}{mark}")
-        lines.append(f"{klass + ' ' + CLASSES[klass]:<20} {case:<{width}}  {cells[0]:<24} {cells[1]:<24}")
-    failed = [o for o in results if o.problems]
-    lines.append(f"{len(runs)} cases, {len(results)} runs, {len(failed)} did not hold")
-    if details:
-        for outcome in failed:
-            for problem in outcome.problems:
-                lines.append(f"  [{outcome.run}] {outcome.case}: {problem}")
-            if outcome.concealed:
-                lines.append(f"      concealed: {outcome.concealed[:6]}")
-            if outcome.output:
-                lines.append(f"      output: {outcome.output[-200:]!r}")
-    return "\n".join(lines)
+    """The table of this module's outcomes (:func:`adv_table.render_grading`)."""
+    return render_grading(
+        results, details, title="the verifier's view (issue #31; local backend, task image)", classes=CLASSES
+    )
 
 
 def _assert_all_held(outcomes: list[GradingOutcome]) -> None:
