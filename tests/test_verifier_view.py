@@ -69,7 +69,7 @@ def test_the_verifier_sees_and_signals_the_agents_processes_which_see_nothing_of
                     "    except OSError:\n        continue\n"
                     f"    if argv0 == b'{marker}':\n        os.kill(int(p), 15)\n"
                 )
-                await _sh(view, f"python3 -c \"{kill}\"")
+                await _sh(view, f'python3 -c "{kill}"')
                 for _ in range(50):
                     if await _sh(env, count_processes_cmd(marker)) == "0":
                         break
@@ -225,3 +225,32 @@ def test_an_agent_that_exhausts_its_processes_does_not_starve_its_keel(task: Pat
             await env.stop(delete=True)
 
     run(scenario())
+
+
+def test_a_sandbox_stops_when_a_view_torn_down_in_the_background_has_just_finished() -> None:
+    """A view's teardown runs in the background; the sandbox's stop waits for it. When the teardown has
+    finished but its done-callback has not yet run (the same turn of the loop), stop must still return:
+    it once looped on a gather of finished tasks that never yielded to the loop (a hung CI run)."""
+    import threading
+
+    from trl_harbor.sandboxes._roots import ImageRoot
+
+    root = ImageRoot(task=None)  # nothing started: its stop only waits for the teardowns
+    stopped = threading.Event()
+
+    async def teardown() -> None:
+        return None
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(teardown())  # first in the loop's queue, then the stop
+        root.closing.add(task)
+        task.add_done_callback(root.closing.discard)
+        stopping = asyncio.ensure_future(root.stop())  # runs right after the teardown, before its callback
+        await stopping
+        stopped.set()
+
+    thread = threading.Thread(target=asyncio.run, args=(scenario(),), daemon=True)  # a spin would never end
+    thread.start()
+    thread.join(10)
+    assert stopped.is_set(), "the sandbox's stop spun on a finished teardown"
+    assert not root.closing

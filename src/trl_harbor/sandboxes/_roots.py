@@ -176,8 +176,12 @@ class ImageRoot:
 
     async def stop(self) -> None:
         """Kill every process of the sandbox and delete its tree (idempotent)."""
+        # Taken out of the set here, not by their done-callbacks: a finished teardown's callback runs
+        # on a later turn of the loop, and awaiting a gather of finished tasks never yields to it.
         while self.closing:
-            await asyncio.gather(*self.closing, return_exceptions=True)
+            pending = list(self.closing)
+            self.closing.difference_update(pending)
+            await asyncio.gather(*pending, return_exceptions=True)
         if self.box is not None:
             await self.box.kill()
             self.box = None
