@@ -458,15 +458,14 @@ def test_a_folder_swapped_for_a_link_during_the_walk_is_not_followed(layers, mon
 
     lower, upper, target = layers
     _files(upper, {"/opt/data/out.txt": "x"})
-    real_stat = os.stat
+    real_open = os.open
 
-    def stat_then_swap(name, *args, **kwargs):
-        info = real_stat(name, *args, **kwargs)
+    def swap_then_open(name, *args, **kwargs):  # listed as a folder, a link by the time it is entered
         if name == "data" and not (upper / "opt/old").exists():
             os.rename(upper / "opt/data", upper / "opt/old")
             (upper / "opt/data").symlink_to("/etc")
-        return info
+        return real_open(name, *args, **kwargs)
 
-    monkeypatch.setattr(view.os, "stat", stat_then_swap)
+    monkeypatch.setattr(view.os, "open", swap_then_open)
     result = _snap(layers)
     assert not _seen(target, "/opt/data"), result.concealed

@@ -305,6 +305,8 @@ class _Rule:
         """Why an entry inside a folder that holds nothing named is not seen (``None``: it is)."""
         if _HOOKS_RE.match(name):
             return "an interpreter hook"
+        if stem(name) in RUNNER_PACKAGES:
+            return "the test runner's own package"
         if self.in_config(path):
             return "code configuration"
         return None
@@ -894,9 +896,11 @@ class _Walker:
                 self.conceal(path, "the agent's changes to code places are too many to judge")
                 return
             try:
+                allowed = rule.is_allowed(path)
+                why = None if allowed else rule.own_entry(path, entry.name)
                 if entry.is_dir(follow_symlinks=False):
-                    if depth >= MAX_DEPTH:
-                        self.conceal(path, "too deep to judge")
+                    if why is not None or depth >= MAX_DEPTH:
+                        self.conceal(path, why or "too deep to judge")
                         continue
                     fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
                     try:
@@ -905,8 +909,6 @@ class _Walker:
                     finally:
                         os.close(fd)
                     continue
-                allowed = rule.is_allowed(path)
-                why = None if allowed else rule.own_entry(path, entry.name)
                 if why is None and entry.is_symlink():
                     why = rule.concealed_link(path, os.readlink(entry.name, dir_fd=dir_fd))
                 if why is not None:
