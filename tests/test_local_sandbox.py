@@ -169,7 +169,7 @@ def test_fork_bomb_is_contained(task: Path, tmp_path: Path) -> None:
 
 
 _SPAWN = (
-    "python3 -c \"import subprocess\nps = []\nfor i in range(200):\n"
+    'python3 -c "import subprocess\nps = []\nfor i in range(200):\n'
     "    try: ps.append(subprocess.Popen(['sleep', '30']))\n    except OSError: break\nprint(len(ps))\""
 )
 
@@ -285,9 +285,7 @@ def test_many_sandboxes_start_concurrently(task: Path, tmp_path: Path) -> None:
 # ── what the verifier can trust (issue #12) ────────────────────────────────────────────
 
 
-def test_kill_processes_stops_every_detached_process_and_keeps_the_sandbox(
-    task: Path, tmp_path: Path
-) -> None:
+def test_kill_processes_stops_every_detached_process_and_keeps_the_sandbox(task: Path, tmp_path: Path) -> None:
     """Daemons in their own session, double forks and SIGTERM-ignoring loops all die; the sandbox lives."""
     tag = f"{os.getpid() % 1000}"
     detached = {

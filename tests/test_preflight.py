@@ -66,7 +66,9 @@ def test_the_removed_host_root_is_refused_at_spec_build_with_the_fix() -> None:
     """``root="host"`` (removed: task images run wherever it ran) names the option and the fix; the old
     default, ``root="image"``, is what every sandbox is, and still accepted."""
     with pytest.raises(BackendUnavailableError, match=r"root='host': the host root was removed.*Remove the 'root'"):
-        HarborSpec(BUNDLED_SUITE, environment_type="local", env_kwargs={"backend_options": {"root": "host"}}, preflight=True)
+        HarborSpec(
+            BUNDLED_SUITE, environment_type="local", env_kwargs={"backend_options": {"root": "host"}}, preflight=True
+        )
     from trl_harbor.sandboxes.local import LocalEnvironment
 
     assert LocalEnvironment.parse_options({"root": "image", "pids_max": 64}).pids_max == 64
