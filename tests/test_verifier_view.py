@@ -254,3 +254,26 @@ def test_a_sandbox_stops_when_a_view_torn_down_in_the_background_has_just_finish
     thread.join(10)
     assert stopped.is_set(), "the sandbox's stop spun on a finished teardown"
     assert not root.closing
+
+
+def test_a_view_teardown_that_fails_is_logged_and_the_sandbox_still_stops(caplog: pytest.LogCaptureFixture) -> None:
+    """A teardown runs off the grading's way; its failure must not vanish (nor stop the sandbox's stop)."""
+    import logging
+
+    from trl_harbor.sandboxes._roots import ImageRoot
+
+    root = ImageRoot(task=None)
+
+    async def failing_teardown() -> None:
+        raise OSError("the view's mounts could not be detached")
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(failing_teardown())
+        root.closing.add(task)
+        task.add_done_callback(root.closing.discard)
+        await root.stop()
+
+    with caplog.at_level(logging.WARNING, logger="trl_harbor"):
+        asyncio.run(scenario())
+    assert any("could not be detached" in record.getMessage() for record in caplog.records), caplog.records
+    assert not root.closing

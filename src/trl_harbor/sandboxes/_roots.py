@@ -181,7 +181,9 @@ class ImageRoot:
         while self.closing:
             pending = list(self.closing)
             self.closing.difference_update(pending)
-            await asyncio.gather(*pending, return_exceptions=True)
+            for outcome in await asyncio.gather(*pending, return_exceptions=True):
+                if isinstance(outcome, Exception):  # the sandbox still stops; the view's failure is said
+                    logger.warning("trl-harbor: tearing down a verifier's view of %s failed: %r", self.task, outcome)
         if self.box is not None:
             await self.box.kill()
             self.box = None
