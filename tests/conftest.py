@@ -18,8 +18,9 @@ from docker_daemon import docker_daemon, loopback_registry  # noqa: E402, F401
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
 # litellm (Harbor's model client, Terminus-2's) fetches its model price list from GitHub on import unless told not to.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-# Most tests build docker-typed specs only for their datasets, on machines without a Docker daemon;
-# the backend preflight (trl_harbor.preflight) is tested explicitly with preflight=True.
+# Many tests build environments of docker-typed specs (never started) on machines without a Docker
+# daemon, and building one runs the backend preflight; it is tested explicitly (preflight=True, or
+# the variable removed). Building a spec never checks the backend.
 os.environ.setdefault("TRL_HARBOR_PREFLIGHT", "0")
 
 REPO = Path(__file__).resolve().parents[1]

@@ -339,7 +339,7 @@ def test_a_compose_task_runs_its_sidecar_on_docker_and_is_refused_on_local(
     assert "the local sandbox runs one container, not compose services" in (local.problem or ""), local.problem
     with pytest.raises(TaskSuiteError, match=r"docker-compose\.yaml: the local sandbox runs one container"):
         HarborSpec(task.parent, environment_type="local")
-    HarborSpec(task.parent, environment_type="docker", preflight=True)
+    HarborSpec(task.parent, environment_type="docker", preflight=True).environment_factory()
 
 
 # ── nothing left ────────────────────────────────────────────────────────────────────────

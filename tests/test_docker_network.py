@@ -5,7 +5,7 @@ egress-control sidecar; it turns it on only when its kernel probe (``alpine``, p
 digest) runs and its sidecar image (built with ``docker buildx`` from ``gogost/gost``, pinned
 by digest) exists or can be built. The tests' daemon reaches no registry and has no buildx, like
 an offline Debian host, so without the preflight every such task is refused by Harbor when its
-sandbox is created; ``trl_harbor.preflight.docker_network_problem`` says so at spec build.
+sandbox is created; ``trl_harbor.preflight.docker_network_problem`` says so when the first environment is built.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def fresh_egress_probe():
     DockerEnvironment._egress_control_kernel_support.__func__.cache_clear()
 
 
-def test_no_network_tasks_are_refused_at_spec_build_naming_the_images(
+def test_no_network_tasks_are_refused_before_the_first_sandbox_naming_the_images(
     docker_daemon,
     fresh_egress_probe,
     tmp_path: Path,
@@ -44,7 +44,7 @@ def test_no_network_tasks_are_refused_at_spec_build_naming_the_images(
     docker_env = fresh_egress_probe
     probe = docker_env._EGRESS_CONTROL_KERNEL_PROBE_IMAGE
     with pytest.raises(BackendUnavailableError) as caught:
-        HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=True)
+        HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=True).environment_factory()
     message = str(caught.value)
     assert "cannot run 13 of these 15 tasks" in message and "network_mode='no-network'" in message, message
     assert "building_b_humidity" in message and "orders_count" not in message, message
@@ -52,7 +52,7 @@ def test_no_network_tasks_are_refused_at_spec_build_naming_the_images(
     assert "harbor-prebuilt:harbor-docker-egress-control-sidecar--" in message and "gogost/gost:" in message, message
     assert "registry-mirrors" in message and "environment_type='local'" in message, message
     # The public tasks alone build; a task whose verifier phase alone is closed is refused too.
-    HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=True, indices=[8])  # orders_count
+    HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=True, indices=[8]).environment_factory()
     suite = tmp_path / "suite"
     public_copy(BUNDLED_SUITE / GOLD_TASK, suite / GOLD_TASK)
     toml = suite / GOLD_TASK / "task.toml"
@@ -60,7 +60,7 @@ def test_no_network_tasks_are_refused_at_spec_build_naming_the_images(
     with pytest.raises(
         BackendUnavailableError, match=r"cannot run 1 of these 1 tasks on this machine \(building_b_humidity\)"
     ):
-        HarborSpec(suite, environment_type="docker", preflight=True)
+        HarborSpec(suite, environment_type="docker", preflight=True).environment_factory()
     # What Harbor itself does without the preflight: it refuses the task when its sandbox is created.
     spec = HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=False, indices=[0])
     env = spec.environment_factory()

@@ -1,4 +1,5 @@
-"""A backend that cannot work at all fails fast: at spec build, or at the first batch lost whole.
+"""A backend that cannot work at all fails fast: when the environment factory is first used (the
+trainer's construction), or at the first batch lost whole. Building a spec never needs a backend.
 
 On this project's machines the ``docker`` command exists and no daemon answers at Docker's default
 socket (the Docker tests start a private one, ``docker_daemon.py``), which is exactly the case that
@@ -32,31 +33,56 @@ def no_docker_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(preflight, "_PASSED", set())
 
 
-def test_docker_without_a_daemon_fails_at_spec_build_with_the_cause_and_the_fixes(no_docker_daemon: None) -> None:
+def _first_environment(spec: HarborSpec):
+    """What a trainer's construction does first with a spec: build one environment (TRL probes its tools)."""
+    return spec.environment_factory()
+
+
+def test_docker_without_a_daemon_fails_at_the_first_environment_with_the_cause_and_the_fixes(
+    no_docker_daemon: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRL_HARBOR_PREFLIGHT", raising=False)  # the default, as users have it
+    spec = HarborSpec(BUNDLED_SUITE, environment_type="docker")  # as the reference: no backend needed
+    assert len(spec.train_dataset) == len(spec.tasks)
     with pytest.raises(BackendUnavailableError) as caught:
-        HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=True)
+        _first_environment(spec)
     message = str(caught.value)
     assert "environment_type='docker' cannot start sandboxes on this machine" in message
     assert "docker" in message.lower() and ("daemon" in message.lower() or "not installed" in message.lower())
-    assert "environment_type='local'" in message and "preflight=False" in message
+    assert "environment_type='local'" in message
+    # The advice works as written: the spec it names builds environments.
+    assert "HarborSpec(..., preflight=False)" in message and "TRL_HARBOR_PREFLIGHT=0" in message
+    assert isinstance(
+        _first_environment(HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=False)), HarborBashEnv
+    )
+    with pytest.raises(BackendUnavailableError):  # a failed check is not remembered as passed
+        _first_environment(spec)
 
 
 def test_the_preflight_can_be_turned_off(no_docker_daemon: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=False)
+    _first_environment(HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=False))
     monkeypatch.setenv("TRL_HARBOR_PREFLIGHT", "0")
-    HarborSpec(BUNDLED_SUITE, environment_type="docker")  # the default defers to the variable
+    _first_environment(HarborSpec(BUNDLED_SUITE, environment_type="docker"))  # the default defers to the variable
     monkeypatch.setenv("TRL_HARBOR_PREFLIGHT", "1")
     with pytest.raises(BackendUnavailableError):
-        HarborSpec(BUNDLED_SUITE, environment_type="docker")
+        _first_environment(HarborSpec(BUNDLED_SUITE, environment_type="docker"))
+
+
+def test_a_loop_agent_checks_the_backend_before_its_first_batch(no_docker_daemon: None) -> None:
+    spec = HarborSpec(BUNDLED_SUITE, agent="terminus-2", environment_type="docker", preflight=True)
+    with pytest.raises(BackendUnavailableError, match="environment_type='docker' cannot start sandboxes"):
+        spec.rollout_func(prompts=[], trainer=None)
 
 
 def test_local_backend_passes_and_bad_backends_are_named() -> None:
-    HarborSpec(BUNDLED_SUITE, environment_type="local", preflight=True)
+    _first_environment(HarborSpec(BUNDLED_SUITE, environment_type="local", preflight=True))
     with pytest.raises(BackendUnavailableError, match=r"'no_such_module_xyz:Env'.*No module named"):
-        HarborSpec(BUNDLED_SUITE, environment_type="no_such_module_xyz:Env", preflight=True)
+        _first_environment(HarborSpec(BUNDLED_SUITE, environment_type="no_such_module_xyz:Env", preflight=True))
     with pytest.raises(BackendUnavailableError, match="root"):
-        HarborSpec(
-            BUNDLED_SUITE, environment_type="local", env_kwargs={"backend_options": {"root": "vm"}}, preflight=True
+        _first_environment(
+            HarborSpec(
+                BUNDLED_SUITE, environment_type="local", env_kwargs={"backend_options": {"root": "vm"}}, preflight=True
+            )
         )
     with pytest.raises(ValueError, match="unknown environment_type 'dockr'"):
         HarborSpec(BUNDLED_SUITE, environment_type="dockr", preflight=True)
@@ -66,8 +92,13 @@ def test_the_removed_host_root_is_refused_at_spec_build_with_the_fix() -> None:
     """``root="host"`` (removed: task images run wherever it ran) names the option and the fix; the old
     default, ``root="image"``, is what every sandbox is, and still accepted."""
     with pytest.raises(BackendUnavailableError, match=r"root='host': the host root was removed.*Remove the 'root'"):
-        HarborSpec(
-            BUNDLED_SUITE, environment_type="local", env_kwargs={"backend_options": {"root": "host"}}, preflight=True
+        _first_environment(
+            HarborSpec(
+                BUNDLED_SUITE,
+                environment_type="local",
+                env_kwargs={"backend_options": {"root": "host"}},
+                preflight=True,
+            )
         )
     from trl_harbor.sandboxes.local import LocalEnvironment
 
@@ -80,7 +111,7 @@ from trl_harbor import HarborSpec
 
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 suite = sys.argv[2].rsplit("/", 1)[0] + "/examples/tasks"
-HarborSpec(suite, environment_type="local", preflight=True)
+HarborSpec(suite, environment_type="local", preflight=True).environment_factory()
 print(json.dumps({"built": True}))
 """
 
@@ -147,11 +178,14 @@ def test_a_batch_lost_to_the_backend_stops_the_reward_function(tmp_path: Path, c
 
     spec = HarborSpec(suite, environment_type="local")
     assert batch(spec, ["a_good", "b_unstartable"]) == [0.0, None]  # one lost rollout: training goes on
-    with pytest.raises(InfrastructureFailureError, match=r"(?s)2 of 2 rollouts.*RUN exit 7"):
+    with pytest.raises(InfrastructureFailureError, match=r"(?s)2 of 2 rollouts.*RUN exit 7") as caught:
         batch(spec, ["b_unstartable", "b_unstartable"])
-    lenient = HarborSpec(suite, environment_type="local", env_kwargs={"infra_stop_fraction": None})
-    assert lenient.reward_funcs.__name__ == "harbor_reward"
+    # The error's advice, as written, goes on.
+    assert "HarborSpec(..., options=HarborOptions(infra_stop_fraction=None))" in str(caught.value)
+    lenient = HarborSpec(suite, environment_type="local", options=HarborOptions(infra_stop_fraction=None))
     assert batch(lenient, ["b_unstartable", "b_unstartable"]) == [None, None]
+    by_kwargs = HarborSpec(suite, environment_type="local", env_kwargs={"infra_stop_fraction": None})
+    assert batch(by_kwargs, ["b_unstartable", "b_unstartable"]) == [None, None]
     strict = HarborSpec(suite, environment_type="local", options=HarborOptions(infra_stop_fraction=0.5))
     with pytest.raises(InfrastructureFailureError, match=r"1 of 2 rollouts"):
         batch(strict, ["a_good", "b_unstartable"])

@@ -18,7 +18,25 @@ Deliberate differences, each for a reason:
   reference's four);
 - a command's output past ``max_output_chars`` keeps its start *and its end* (where an error is),
   with one marker between; the reference keeps the start only;
-- ``HarborSpec`` accepts its selection arguments positionally too (the reference: keyword-only).
+- ``HarborSpec`` accepts its selection arguments positionally too (the reference: keyword-only);
+- the environment factory's first call checks that the backend can start sandboxes (for Docker, that
+  its daemon answers) and raises ``BackendUnavailableError`` with the cause and the fix; the
+  reference fails at the first rollout's ``reset`` (``test_preflight.py``). Building the spec and
+  its dataset needs no backend, as there;
+- a failing command's output ends with an ``[exit code N]`` line (the reference shows the code only
+  for an empty output) (``test_env.py::test_timeout_and_output_cap_are_configurable``);
+- ``reset`` returns at once and the sandbox starts in the background (a batch's sandboxes start
+  together), unless the harness overrides ``_start``, which ``reset`` then awaits as the reference
+  does; a sandbox that fails to start does not raise from ``reset``: the rollout's tools say so and
+  it is not scored (``test_reference_hooks.py``);
+- the default ``_upload_build_files`` does nothing (the reference replays the Dockerfile's ``COPY``
+  lines for a cloud backend that drops them); an override is called at the same moment
+  (``test_reference_hooks.py``).
+
+``scripts/reference_tests.py`` runs TRL's own ``tests/experimental/test_harbor.py`` against this
+library by import substitution (the file is not in TRL's sdist, so not here): on TRL's main branch
+of 2026-12 it passes 10 of 14, and the 4 failures are the first and the sixth differences above
+(its tasks have no ``tests/test.sh``; its factory test builds a Docker environment without a daemon).
 """
 
 from __future__ import annotations
@@ -129,6 +147,8 @@ def test_factory_and_reward_behave_alike(bundled_suite: Path) -> None:
     ref_reward, our_reward = ref_spec.reward_funcs, our_spec.reward_funcs
     assert callable(our_reward) and not isinstance(our_reward, list)  # one function, as the reference's
     assert our_reward is harbor_reward
+    # TRL names the reward's metrics after the function (``rewards/<name>/mean``): the same dashboards.
+    assert our_reward.__name__ == ref_reward.__name__ == "_outcome_reward_func"
     assert ref_reward(environment_reward=[1, 0.25]) == our_reward(environment_reward=[1, 0.25]) == [1.0, 0.25]
     assert ref_reward(environments=[ref_env]) == our_reward(environments=[our_env]) == [0.0]
 

@@ -44,7 +44,7 @@ __all__ = [
 _LAZY = {
     "AGENTS": "trl_harbor.agents",
     "HarborOptions": "trl_harbor.options",
-    "HarborSpec": "trl_harbor.mix",  # trl_harbor.mix adds HarborSpec.mix
+    "HarborSpec": "trl_harbor.spec",
     "HarborMix": "trl_harbor.mix",
     "HarborMixError": "trl_harbor.mix",
     "HarborEnv": "trl_harbor.env",

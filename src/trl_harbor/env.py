@@ -13,7 +13,10 @@ it (``get_reward``, which TRL reads from the environment) only with :class:`Envi
 A harness runs commands with ``self._exec(command)`` (text for the model) or ``await
 self._aexec(...)`` (Harbor's ``ExecResult``) and prepares its sandbox in ``async _setup()``;
 ``self._environment``, ``self._task`` and the reference integration's ``self._env``,
-``self._paths`` and ``self._run`` are there too. Stopping environments is :func:`release` and
+``self._paths``, ``self._run`` and ``self._loop`` are there too. The reference's lifecycle hooks
+(:data:`REFERENCE_HOOKS`: ``_start``, ``_upload_build_files``, ``_setup``, ``_verify``, ``_stop``)
+are this class's too: a harness that overrides one gets it called at the reference's moment, with
+its arguments and effect (``_start``'s instruction, ``_verify``'s reward). Stopping environments is :func:`release` and
 :func:`close_all` (also run at interpreter exit).
 
 Harbor is asynchronous: every coroutine runs on the one process-wide loop of
@@ -22,9 +25,11 @@ Harbor is asynchronous: every coroutine runs on the one process-wide loop of
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import contextvars
 import functools
+import inspect
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,20 +49,73 @@ if TYPE_CHECKING:
     from trl_harbor.backends import Backend
 
 __all__ = [
+    "REFERENCE_HOOKS",
     "EnvironmentReward",
     "HarborBashEnv",
     "HarborBashStepsEnv",
     "HarborEnv",
     "StepsMixin",
+    "check_hooks",
     "close_all",
+    "overrides",
     "release",
     "verify_all",
     "with_environment_reward",
 ]
 
-#: The episode whose ``_setup`` is running: setup runs in the background after ``reset`` returned,
-#: so ``self._episode`` may already belong to a newer episode.
-_PROVISIONING: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("provisioning", default=None)
+#: The episode whose hook is running (``_setup``, ``_upload_build_files``, ``_verify``, ``_stop``):
+#: hooks run on the shared loop, some in the background (setup after ``reset`` returned, ``_stop``
+#: after the next one began), so ``self._episode`` may already belong to a newer episode.
+_HOOKED: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("hooked_episode", default=None)
+
+#: The reference integration's lifecycle hooks (``trl.experimental.harbor.HarborEnv``): coroutines a
+#: harness may override, each called at the reference's moment with the reference's arguments.
+REFERENCE_HOOKS: tuple[str, ...] = ("_start", "_upload_build_files", "_setup", "_verify", "_stop")
+
+logger = logging.getLogger(__name__)
+
+
+def overrides(env: HarborEnv | type[HarborEnv], hook: str) -> bool:
+    """Whether a harness (class or instance) overrides one of :class:`HarborEnv`'s hooks.
+
+    Args:
+        env: The harness.
+        hook: The hook's name (one of :data:`REFERENCE_HOOKS`).
+
+    Returns:
+        ``True`` when the harness's own code runs for it.
+    """
+    cls = env if isinstance(env, type) else type(env)
+    return getattr(cls, hook, None) is not getattr(HarborEnv, hook)
+
+
+def check_hooks(cls: type[HarborEnv]) -> None:
+    """Refuse, when the spec is built, a harness whose hooks cannot be called as the reference calls them.
+
+    Args:
+        cls: The harness.
+
+    Raises:
+        TypeError: When an overridden hook is not a coroutine function (``async def``), or
+            ``_start`` does not take ``task_dir``; the message names the hook and the fix.
+    """
+    for hook in REFERENCE_HOOKS:
+        if not overrides(cls, hook):
+            continue
+        function = getattr(cls, hook)
+        if not inspect.iscoroutinefunction(function):
+            raise TypeError(
+                f"{cls.__qualname__}.{hook} is not a coroutine function: the lifecycle awaits it on the shared "
+                f"event loop, as trl.experimental.harbor does. Fix: define it as `async def {hook}(self...)`."
+            )
+        arguments = ("task_dir",) if hook == "_start" else ()
+        try:
+            inspect.signature(function).bind(None, *arguments)
+        except TypeError as exc:
+            wanted = f"(self, {', '.join(arguments)})" if arguments else "(self)"
+            raise TypeError(
+                f"{cls.__qualname__}.{hook} cannot be called as {hook}{wanted}: {exc}. Fix: give it that signature."
+            ) from None
 
 
 def close_all() -> None:
@@ -80,7 +138,7 @@ def release(env: HarborEnv) -> None:
     """
     episode, env._episode = env._episode, None
     if episode is not None:
-        runtime.submit(episode.stop())
+        runtime.submit(env._ended(episode))
 
 
 class HarborEnv:
@@ -108,11 +166,13 @@ class HarborEnv:
     PROMPT_SUFFIX: str = ""
 
     def __init__(self, environment_type: str = "docker", *, options: HarborOptions | None = None, **overrides: Any):
+        runtime.arm()  # sandboxes stop at exit and on SIGTERM (installed here, on the trainer's thread)
         self._environment_type = environment_type
         self._options = HarborOptions.merged(options, **overrides)
         self._backend: Backend | None = None
         self._episode: Episode | None = None
         self._reward_reported = False
+        self._verifying: tuple[Episode, asyncio.Future[float | None]] | None = None
 
     @property
     def options(self) -> HarborOptions:
@@ -137,21 +197,17 @@ class HarborEnv:
             ValueError: When ``task_dir`` is missing, the backend is unknown, or the task has
                 several steps and the harness has no ``submit_step`` tool.
         """
-        from trl_harbor.suite import load_task
-
         if task_dir is None:
             raise ValueError("HarborEnv.reset needs `task_dir` (the dataset row's task_dir column).")
-        release(self)
-        task = load_task(Path(task_dir))
-        if task.has_steps and not callable(getattr(self, "submit_step", None)):
-            raise ValueError(
-                f"{task_dir}: a multi-step task needs a harness with a `submit_step` tool; use "
-                "agent='bash_steps', or add trl_harbor.StepsMixin to your harness."
-            )
-        episode = Episode(task, self._resolved_backend(), self._options)
-        self._episode, self._reward_reported = episode, False
+        if overrides(self, "_start"):
+            # The reference's order: the harness's `_start` starts the sandbox (ours, through super())
+            # and returns the instruction; reset waits for it.
+            instruction = self._run(self._start(str(task_dir)))
+            episode = self._episode
+            return instruction + self.PROMPT_SUFFIX + ("" if episode is None else _steps_note(episode.task))
+        episode = self._begin(task_dir)
         episode.ready = runtime.submit(self._provision(episode))
-        return episode.instruction + self.PROMPT_SUFFIX + _steps_note(task)
+        return episode.instruction + self.PROMPT_SUFFIX + _steps_note(episode.task)
 
     @property
     def reward(self) -> float | None:
@@ -163,13 +219,31 @@ class HarborEnv:
         return 0.0 if self._episode is None else runtime.run(self._verified_reward())
 
     async def _verified_reward(self) -> float | None:
-        """The current episode's reward, graded once (``0.0`` without an episode), marked as reported."""
+        """The current episode's reward, graded once (``0.0`` without an episode), marked as reported.
+
+        From the harness's ``_verify`` when it overrides it (called once per episode), else from
+        Harbor's verifier.
+        """
         episode = self._episode
         if episode is None:
             return 0.0
-        value = (await episode.grade()).reward
+        if overrides(self, "_verify"):
+            if self._verifying is None or self._verifying[0] is not episode:
+                self._verifying = (episode, asyncio.ensure_future(self._hooked_verify(episode)))
+            value = await asyncio.shield(self._verifying[1])
+        else:
+            value = (await episode.grade()).reward
         self._reward_reported = True
         return value
+
+    async def _hooked_verify(self, episode: Episode) -> float | None:
+        await episode.wait_ready()
+        token = _HOOKED.set(episode)
+        try:
+            value = await self._verify()
+        finally:
+            _HOOKED.reset(token)
+        return None if value is None else float(value)
 
     @property
     def verification(self) -> Verification | None:
@@ -227,12 +301,42 @@ class HarborEnv:
         Raises:
             RuntimeError: When no sandbox is running, or it could not be started.
         """
-        provisioning = _PROVISIONING.get()
+        provisioning = _HOOKED.get()
         episode = provisioning or self._episode
         if episode is None:
             raise RuntimeError("no sandbox is running")
         timeout = self._options.command_timeout_sec if timeout is None else int(timeout)
         return await episode.exec(command, timeout, user, wait=provisioning is None)
+
+    # ── the reference's lifecycle hooks (coroutines on the shared loop; override any) ──────
+
+    async def _start(self, task_dir: str) -> str:
+        """Hook: stop the previous episode's sandbox, start ``task_dir``'s, return its instruction.
+
+        ``reset`` calls it, and waits for it, only when a harness overrides it (an override calls
+        ``await super()._start(task_dir)`` to start the sandbox); otherwise ``reset`` starts the
+        sandbox in the background and returns at once. Starting runs :meth:`_upload_build_files`,
+        the task's healthcheck and :meth:`_setup`, as in the reference. A sandbox that fails to
+        start does not raise here: the rollout's tools say so, and it is not scored.
+
+        Args:
+            task_dir: The task directory.
+
+        Returns:
+            The task's instruction (``reset`` appends :attr:`PROMPT_SUFFIX`).
+        """
+        episode = self._begin(task_dir)
+        episode.ready = runtime.submit(self._provision(episode))
+        await episode.wait_ready()
+        return episode.instruction
+
+    async def _upload_build_files(self) -> None:
+        """Hook: put files into a freshly started sandbox, before its healthcheck (default: nothing).
+
+        The reference replays the Dockerfile's ``COPY`` lines here for a cloud backend that drops
+        them; the backends this library runs build the image with its files, so the default does
+        nothing. Runs once per episode; ``self._env`` and ``self._task`` are the episode's.
+        """
 
     async def _setup(self) -> None:
         """Hook for harnesses: prepare the sandbox after it started (default: nothing).
@@ -242,9 +346,37 @@ class HarborEnv:
         up. An exception fails the episode's start.
         """
 
+    async def _verify(self) -> float | None:
+        """Hook: the episode's reward (default: Harbor's verifier, graded as :mod:`trl_harbor.rollout.grading` says).
+
+        Called once per episode, when its reward is first read (``reward``, ``reward_funcs``). An
+        override's value is the reward (``await super()._verify()`` grades with the verifier).
+
+        Returns:
+            The reward (``None``: an infrastructure failure, left out of the batch).
+        """
+        episode = self._current
+        return 0.0 if episode is None else (await episode.grade()).reward
+
+    async def _stop(self) -> None:
+        """Hook: stop the episode's sandbox (when the episode ends: the next ``reset``, :func:`release`,
+        the environment's deletion).
+
+        An override runs in the background with ``self._env`` still the ending episode's; the
+        sandbox is stopped after it whether or not it calls ``await super()._stop()``.
+        """
+        episode = self._current
+        if episode is not None:
+            await episode.stop()
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the hooks run on (the process's shared loop; the reference's ``self._loop``)."""
+        return runtime.get_loop()
+
     @property
     def _current(self) -> Episode | None:
-        return _PROVISIONING.get() or self._episode
+        return _HOOKED.get() or self._episode
 
     @property
     def _environment(self) -> BaseEnvironment | None:
@@ -260,7 +392,7 @@ class HarborEnv:
     def _env(self) -> BaseEnvironment | None:
         """The reference's name for :attr:`_environment`; from a tool, it waits for the sandbox to start."""
         episode = self._episode
-        if _PROVISIONING.get() is None and episode is not None and not runtime.on_loop_thread():
+        if _HOOKED.get() is None and episode is not None and not runtime.on_loop_thread():
             runtime.run(episode.wait_ready())
         return self._environment
 
@@ -282,22 +414,55 @@ class HarborEnv:
             self._backend = resolve_backend(self._environment_type, dict(self._options.backend_options))
         return self._backend
 
+    def _begin(self, task_dir: str | Path) -> Episode:
+        """End the current episode (in the background) and make the next one, for ``task_dir``."""
+        from trl_harbor.suite import load_task
+
+        release(self)
+        task = load_task(Path(task_dir))
+        if task.has_steps and not callable(getattr(self, "submit_step", None)):
+            raise ValueError(
+                f"{task_dir}: a multi-step task needs a harness with a `submit_step` tool; use "
+                "agent='bash_steps', or add trl_harbor.StepsMixin to your harness."
+            )
+        episode = Episode(task, self._resolved_backend(), self._options)
+        self._episode, self._reward_reported = episode, False
+        return episode
+
     async def _provision(self, episode: Episode) -> None:
         async def prepare() -> None:
             # The folders the reference integration makes before its harness's setup (harnesses rely on them).
             await self._aexec("mkdir -p /workdir /home/user/input", timeout=60)
             await self._setup()
 
-        token = _PROVISIONING.set(episode)
+        token = _HOOKED.set(episode)
         try:
-            await episode.provision(prepare)
+            await episode.provision(
+                prepare, self._upload_build_files if overrides(self, "_upload_build_files") else None
+            )
         finally:
-            _PROVISIONING.reset(token)
+            _HOOKED.reset(token)
+
+    async def _ended(self, episode: Episode) -> None:
+        """Stop an episode that ended, through the harness's ``_stop`` when it overrides it."""
+        if overrides(self, "_stop"):
+            token = _HOOKED.set(episode)
+            try:
+                await self._stop()
+            except Exception:
+                logger.warning("trl-harbor: %s._stop failed", type(self).__qualname__, exc_info=True)
+            finally:
+                _HOOKED.reset(token)
+        await episode.stop()
 
     def __del__(self) -> None:
-        if getattr(self, "_episode", None) is not None and not sys.is_finalizing():
-            with contextlib.suppress(Exception):  # best effort; close_all() at exit is the safety net
+        # Best effort, and silent: close_all() at exit is the safety net. At interpreter exit this
+        # module's globals may already be gone (None), so even the guard must not raise.
+        try:
+            if self.__dict__.get("_episode") is not None and not sys.is_finalizing():
                 release(self)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _error_text(episode: Episode, exc: BaseException, timeout: int) -> str:

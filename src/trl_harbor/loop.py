@@ -189,6 +189,10 @@ class LoopRollout:
         }
 
 
+def _no_check() -> None:
+    """No backend check (a rollout function built without a spec)."""
+
+
 class LoopRolloutFunc:
     """TRL's ``rollout_func`` running a loop-owning agent per prompt (``spec.rollout_func``).
 
@@ -196,6 +200,8 @@ class LoopRolloutFunc:
         backend: Where the sandboxes run.
         options: How rollouts run and are graded.
         agent_options: How Terminus-2 runs.
+        backend_check: Run before the first batch: raises when the backend cannot start
+            sandboxes here (the spec's :class:`~trl_harbor.spec.BackendCheck`).
         sampler: ``trainer -> Sampler`` (default: the trainer's vLLM when ``use_vllm``, else its model).
         fork_policy: ``"truncate"`` (a forked rollout trains on its first segment) or ``"skip"``
             (default: the agent options').
@@ -208,6 +214,7 @@ class LoopRolloutFunc:
         backend: Backend,
         options: HarborOptions,
         agent_options: TerminusOptions,
+        backend_check: Callable[[], None] | None = None,
         *,
         sampler: Callable[[Any, SamplingParams], Sampler] | None = None,
         fork_policy: str | None = None,
@@ -219,6 +226,7 @@ class LoopRolloutFunc:
         self.backend = backend
         self.options = options
         self.agent_options = agent_options
+        self.backend_check = backend_check or _no_check
         self.sampler_factory = sampler or default_sampler
         self.fork_policy = agent_options.fork_policy
         self.max_tokens_per_turn = max_tokens_per_turn
@@ -295,6 +303,8 @@ class LoopRolloutFunc:
         Raises:
             ValueError: When a prompt carries no ``task_dir`` (not a loop spec's dataset).
         """
+        runtime.arm()
+        self.backend_check()
         endpoint = self.endpoint_for(trainer)
         args = trainer.args
         task_dirs = [task_dir_of(prompt) for prompt in prompts]

@@ -40,12 +40,11 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trl_harbor.agents import AGENTS, EXAMPLE_AGENTS
 from trl_harbor.env import HarborEnv
 from trl_harbor.rewards import harbor_reward
-from trl_harbor.spec import HarborSpec
 from trl_harbor.suite import TaskInfo
 
 if TYPE_CHECKING:
@@ -58,7 +57,35 @@ class HarborMixError(ValueError):
     """A mix that cannot be built: bad weights, clashing names or clashing column types."""
 
 
-def suite_name(spec: HarborSpec) -> str:
+class MixableSpec(Protocol):
+    """What a mix reads of each spec: a :class:`~trl_harbor.spec.HarborSpec`.
+
+    Structural, because the spec module builds mixes (``HarborSpec.mix``): mixing does not import it.
+    """
+
+    suite: Any
+    env_cls: type[HarborEnv] | None
+    options: Any
+    loop_agent: str | None
+    environment_type: str
+
+    @property
+    def environment_factory(self) -> Any: ...
+
+    @property
+    def train_dataset(self) -> Any: ...
+
+
+#: What only a spec has, all of it (checked without computing any of it: no dataset is built).
+_SPEC_ATTRIBUTES = ("suite", "env_cls", "options", "loop_agent", "environment_factory", "task_dirs")
+
+
+def _is_spec(value: Any) -> bool:
+    """Whether ``value`` is a spec (a ``HarborSpec``, or what has everything of one a mix reads)."""
+    return not isinstance(value, type) and all(hasattr(value, name) for name in _SPEC_ATTRIBUTES)
+
+
+def suite_name(spec: MixableSpec) -> str:
     """The default name of a spec's suite in a mix.
 
     A Hugging Face dataset id names itself (``"org/name"``); a local suite is named after its
@@ -95,7 +122,7 @@ class MixEntry:
 
     suite: str
     environment: str
-    spec: HarborSpec = field(repr=False)
+    spec: MixableSpec = field(repr=False)
     weight: float
     rows: int
     harness: str
@@ -103,14 +130,14 @@ class MixEntry:
     options: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
-def _harness_label(spec: HarborSpec) -> str:
+def _harness_label(spec: MixableSpec) -> str:
     agent = getattr(spec.environment_factory, "agent", None)
     if isinstance(agent, str) and (agent in AGENTS or agent in EXAMPLE_AGENTS):
         return agent
     return spec.env_cls.__name__
 
 
-def _spec_options(spec: HarborSpec) -> dict[str, Any]:
+def _spec_options(spec: MixableSpec) -> dict[str, Any]:
     """What a spec's environments get beyond the defaults: its changed options and harness arguments."""
     return {**spec.options.changed(), **spec.environment_factory.harness_kwargs}
 
@@ -132,8 +159,8 @@ def _label(names: list[str] | None, i: int) -> str:
 
 
 def _named_specs(
-    specs: Sequence[HarborSpec] | Mapping[str, HarborSpec],
-) -> tuple[list[str] | None, list[HarborSpec]]:
+    specs: Sequence[MixableSpec] | Mapping[str, MixableSpec],
+) -> tuple[list[str] | None, list[MixableSpec]]:
     """The specs as a list, and their names when given as a mapping; each checked to be a mixable spec."""
     names: list[str] | None = None
     if isinstance(specs, Mapping):
@@ -141,7 +168,7 @@ def _named_specs(
         if any(not name for name in names):
             raise HarborMixError("A suite name in the specs mapping is empty; name every suite.")
         spec_list = list(specs.values())
-    elif isinstance(specs, (HarborSpec, str, bytes)) or not isinstance(specs, Sequence):
+    elif _is_spec(specs) or isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
         raise TypeError(
             f"HarborSpec.mix takes a list of HarborSpec (or a mapping name -> HarborSpec), got {type(specs).__name__}."
         )
@@ -150,7 +177,7 @@ def _named_specs(
     if not spec_list:
         raise HarborMixError("HarborSpec.mix needs at least one spec; got none.")
     for i, spec in enumerate(spec_list):
-        if not isinstance(spec, HarborSpec):
+        if not _is_spec(spec):
             hint = " (pass the specs of a mix, not the mix)" if isinstance(spec, HarborMix) else ""
             raise TypeError(f"{_label(names, i)} is a {type(spec).__name__}, not a HarborSpec{hint}.")
         if spec.loop_agent is not None:
@@ -161,7 +188,7 @@ def _named_specs(
     return names, spec_list
 
 
-def _environment_names(suites: list[str], specs: list[HarborSpec], names: list[str] | None) -> list[str]:
+def _environment_names(suites: list[str], specs: list[MixableSpec], names: list[str] | None) -> list[str]:
     """Each spec's environment name, refusing suites, combinations and names that two specs would share."""
     roots: dict[str, tuple[int, Path]] = {}
     combos: dict[tuple[Any, ...], int] = {}
@@ -195,7 +222,7 @@ def _environment_names(suites: list[str], specs: list[HarborSpec], names: list[s
     return list(environments)
 
 
-def _mixable_dataset(suite: str, spec: HarborSpec) -> Dataset:
+def _mixable_dataset(suite: str, spec: MixableSpec) -> Dataset:
     """A spec's dataset, without the columns the mix sets itself (``environment``, ``suite``)."""
     dataset = spec.train_dataset
     if "environment" in dataset.column_names:  # suite.py renames such a metadata key
@@ -363,7 +390,7 @@ class HarborMix:
 
     def __init__(
         self,
-        specs: Sequence[HarborSpec] | Mapping[str, HarborSpec],
+        specs: Sequence[MixableSpec] | Mapping[str, MixableSpec],
         weights: Sequence[float] | Mapping[str, float] | None = None,
         seed: int = 0,
         *,
@@ -397,7 +424,7 @@ class HarborMix:
         ]
 
     @property
-    def specs(self) -> list[HarborSpec]:
+    def specs(self) -> list[MixableSpec]:
         """The specs, in mix order."""
         return [entry.spec for entry in self.entries]
 
@@ -552,7 +579,5 @@ def _infra(environments: Sequence[Any] | None, rewards: list[float | None], i: i
     return False
 
 
-#: ``HarborSpec.mix(specs, weights=None, seed=0, *, num_rows=None)``: a :class:`HarborMix` (see
-#: ``docs/mixing.md``). Set here, so that the spec module does not depend on mixing.
+#: ``mix(specs, weights=None, seed=0, *, num_rows=None)``: a :class:`HarborMix` (also ``HarborSpec.mix``).
 mix = HarborMix
-HarborSpec.mix = staticmethod(HarborMix)  # type: ignore[attr-defined]

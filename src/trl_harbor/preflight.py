@@ -4,7 +4,9 @@ One broken sandbox costs one rollout (see ``docs/concurrency.md``). A backend th
 *any* sandbox is different: every rollout fails, every reward is ``None``, and a run that goes on
 learns nothing while it logs one long error per rollout. This module stops such runs early:
 
-* :func:`check_backend` runs when a :class:`~trl_harbor.HarborSpec` is built: the backend's own
+* :func:`check_backend` runs when a spec's environment factory (or rollout function) is first
+  used — the trainer's construction, ``trl-harbor check``/``eval`` — not when the spec is built
+  (:class:`~trl_harbor.spec.BackendCheck`): the backend's own
   Harbor ``preflight()`` (options, credentials; for Docker, that ``docker info`` answers), plus
   loading the backend at all. A failure raises :class:`BackendUnavailableError` naming the cause
   and the fixes. ``HarborSpec(preflight=False)`` (or ``TRL_HARBOR_PREFLIGHT=0``) skips it.
@@ -125,7 +127,7 @@ def _unavailable(environment_type: str, exc: BaseException) -> str:
     if environment_type == "local":  # the local backend's own message names the cause and the fixes
         return (
             f"environment_type='local' cannot start sandboxes on this machine: {cause}. Every rollout would fail "
-            "to start. To build the spec anyway (e.g. only for its dataset), pass preflight=False or set "
+            "to start. To skip this check, build the spec with HarborSpec(..., preflight=False) or set "
             "TRL_HARBOR_PREFLIGHT=0."
         )
     detail = _docker_info() if environment_type in ("docker", "podman") or "docker" in cause.lower() else ""
@@ -134,8 +136,8 @@ def _unavailable(environment_type: str, exc: BaseException) -> str:
         f"{detail}. Every rollout would fail to start, every reward would be None, and training "
         "would learn nothing. Fix: make the backend work here (for Docker: a running daemon whose "
         "socket this user may use), or pick a backend that does: environment_type='local' runs "
-        "tasks in bubblewrap sandboxes without a daemon (docs/local-sandbox.md). To build the spec "
-        "anyway (e.g. only for its dataset), pass preflight=False or set TRL_HARBOR_PREFLIGHT=0."
+        "tasks in bubblewrap sandboxes without a daemon (docs/local-sandbox.md). To skip this "
+        "check, build the spec with HarborSpec(..., preflight=False) or set TRL_HARBOR_PREFLIGHT=0."
     )
 
 
@@ -449,5 +451,5 @@ def check_batch(outcomes: Sequence[Any], infra_stop_fraction: float | None = DEF
         f"(at least {infra_stop_fraction:.0%} stops the run): the backend is not working, and "
         f"training on what is left would learn nothing. Most common causes:\n{listed}\n"
         "Fix the backend (see the causes), or pick another one (environment_type='local'). "
-        "To go on anyway, build the spec with HarborSpec(..., infra_stop_fraction=None)."
+        "To go on anyway, build the spec with HarborSpec(..., options=HarborOptions(infra_stop_fraction=None))."
     )

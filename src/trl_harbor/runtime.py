@@ -10,7 +10,8 @@ jobs (``asyncio.to_thread``) run in daemon threads, which the exit does not wait
 
 It also keeps a registry of teardown coroutines (:func:`register_cleanup`) that
 :func:`close_all` runs: on demand, at interpreter exit, and on SIGTERM (after which the
-signal's previous handler runs, or the process exits). Ctrl-C (SIGINT) raises
+signal's previous handler runs, or the process exits) — once armed (:func:`arm`), which the loop's
+start and every environment's construction do; importing the module installs nothing. Ctrl-C (SIGINT) raises
 ``KeyboardInterrupt`` as usual, and the exit runs the teardowns. A process started with a
 signal ignored keeps ignoring it (``pytest ... &`` from a script ignores SIGINT, and Python then
 never raises ``KeyboardInterrupt``).
@@ -36,7 +37,9 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 __all__ = [
+    "arm",
     "close_all",
+    "exiting",
     "get_loop",
     "limit",
     "on_loop_thread",
@@ -155,8 +158,17 @@ def get_loop() -> asyncio.AbstractEventLoop:
             thread = threading.Thread(target=loop.run_forever, name="trl-harbor-event-loop", daemon=True)
             thread.start()
             _loop, _thread = loop, thread
-            _install_signal_handlers()
+            arm()
         return _loop
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting (its main thread has finished: ``atexit`` hooks run now).
+
+    Returns:
+        ``True`` from the moment the main thread is done.
+    """
+    return not threading.main_thread().is_alive()
 
 
 def on_loop_thread() -> bool:
@@ -324,8 +336,25 @@ def _install_signal_handlers() -> None:
             signal.signal(signum, _on_termination)
 
 
-atexit.register(close_all)
-# Now as well as when the loop starts: where every environment call comes from worker threads
-# (AsyncGRPOTrainer's rollout worker), the loop never starts on the main thread, the only one
-# that may install a signal handler.
-_install_signal_handlers()
+_armed = False
+_signals_armed = False
+
+
+def arm() -> None:
+    """Stop every sandbox at exit and on SIGTERM, from now on (idempotent).
+
+    Nothing is installed when this module is imported: a library must not take the process's
+    SIGTERM handler or exit hooks from its user (torchrun, accelerate and SLURM rely on theirs)
+    before it has anything to stop. The shared loop arms itself when it starts; environments and
+    rollout workers arm it when they are built, because only the main thread may install a
+    signal handler and, under ``AsyncGRPOTrainer``, the loop starts on a worker thread. The
+    previous SIGTERM handler still runs after the teardown.
+    """
+    global _armed, _signals_armed
+    with _lock:
+        if not _armed:
+            _armed = True
+            atexit.register(close_all)
+        if not _signals_armed and threading.current_thread() is threading.main_thread():
+            _signals_armed = True
+            _install_signal_handlers()

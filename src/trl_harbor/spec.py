@@ -15,20 +15,21 @@
     )
 
 The suite is found and every task validated when the spec is built, so a malformed suite fails
-at once; the three properties are computed on first access (``datasets`` is imported only by
-``train_dataset``).
+at once; the backend is checked only when the environment factory is first used (the trainer's
+construction), so a dataset builds without one. The three properties are computed on first
+access (``datasets`` is imported only by ``train_dataset``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trl_harbor.agents import resolve_agent
 from trl_harbor.backends import Backend, resolve_backend
-from trl_harbor.env import HarborEnv, with_environment_reward
+from trl_harbor.env import HarborEnv, check_hooks, with_environment_reward
 from trl_harbor.loop import LoopRolloutFunc, loop_agent_name, loop_reward
 from trl_harbor.options import OPTION_NAMES, HarborOptions
 from trl_harbor.preflight import check_backend, check_task_configs, preflight_enabled
@@ -39,7 +40,9 @@ from trl_harbor.terminus import TerminusOptions
 if TYPE_CHECKING:
     from datasets import Dataset
 
-__all__ = ["EnvironmentFactory", "HarborSpec", "check_runnable", "split_env_kwargs"]
+    from trl_harbor.mix import HarborMix
+
+__all__ = ["BackendCheck", "EnvironmentFactory", "HarborSpec", "check_runnable", "split_env_kwargs"]
 
 
 def split_env_kwargs(
@@ -95,6 +98,44 @@ def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv] | None, b
         raise TaskSuiteError(f"{len(problems)} task(s) cannot run here:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
+class BackendCheck:
+    """The backend preflight a spec owes its user, run once, when its sandboxes are first needed.
+
+    Building a spec (and its ``train_dataset``) needs no backend, as in ``trl.experimental.harbor``;
+    the check runs when the environment factory or the rollout function is first used — the
+    trainer's construction, ``trl-harbor check``/``eval`` — so a backend that cannot start any
+    sandbox still fails before the first step, with its cause and fix
+    (:func:`trl_harbor.preflight.check_backend`). Shared by every copy of a factory; a process
+    that unpickles one checks again (a success is remembered per process).
+
+    Args:
+        backend: The backend.
+        task_dirs: The tasks that will run on it (Docker checks their network policies).
+        enabled: ``False``: never check; ``None``: unless ``TRL_HARBOR_PREFLIGHT=0`` (read
+            when the check runs).
+    """
+
+    def __init__(self, backend: Backend, task_dirs: Sequence[Path], enabled: bool | None = None) -> None:
+        self.backend = backend
+        self.task_dirs = tuple(task_dirs)
+        self.enabled = enabled
+        self.passed = False
+
+    def __call__(self) -> None:
+        """Run the check unless it passed already (or is disabled).
+
+        Raises:
+            trl_harbor.preflight.BackendUnavailableError: When the backend cannot start sandboxes here.
+        """
+        if self.passed or not preflight_enabled(self.enabled):
+            return
+        check_backend(self.backend, self.task_dirs)
+        self.passed = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "passed": False}  # another process checks its own machine
+
+
 class EnvironmentFactory:
     """Zero-argument, picklable callable that builds a fresh harness environment.
 
@@ -111,6 +152,7 @@ class EnvironmentFactory:
         harness_kwargs: Further keyword arguments of the harness's constructor.
         cls: The resolved harness class (default: resolved from ``agent``).
         transforms: Functions ``class -> class`` applied, in order, to ``cls``.
+        check: The backend check run before the first environment is built (default: none).
     """
 
     def __init__(
@@ -121,6 +163,7 @@ class EnvironmentFactory:
         harness_kwargs: dict[str, Any] | None = None,
         cls: type[HarborEnv] | None = None,
         transforms: Sequence[Callable[[type], type]] = (),
+        check: BackendCheck | None = None,
     ) -> None:
         self.agent = agent
         self.backend = backend
@@ -128,6 +171,7 @@ class EnvironmentFactory:
         self.harness_kwargs = dict(harness_kwargs or {})
         self.cls = cls or resolve_agent(agent)
         self.transforms = tuple(transforms)
+        self.check = check or BackendCheck(backend, (), enabled=False)
 
     @property
     def environment_type(self) -> str:
@@ -147,7 +191,12 @@ class EnvironmentFactory:
 
         Returns:
             A fresh, not yet reset, harness instance.
+
+        Raises:
+            trl_harbor.preflight.BackendUnavailableError: On the first call, when the backend
+                cannot start sandboxes here (see :class:`BackendCheck`).
         """
+        self.check()
         env = self.built_class(environment_type=self.backend.name, options=self.options, **self.harness_kwargs)
         env._backend = self.backend
         return env
@@ -155,7 +204,13 @@ class EnvironmentFactory:
     def transformed(self, transform: Callable[[type], type]) -> EnvironmentFactory:
         """The same factory with one more class transform (e.g. a recording subclass of the harness)."""
         return EnvironmentFactory(
-            self.agent, self.backend, self.options, self.harness_kwargs, self.cls, (*self.transforms, transform)
+            self.agent,
+            self.backend,
+            self.options,
+            self.harness_kwargs,
+            self.cls,
+            (*self.transforms, transform),
+            self.check,
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -205,21 +260,22 @@ class HarborSpec:
             harness owns it (``get_reward``, :class:`~trl_harbor.env.EnvironmentReward`), which
             ``AsyncGRPOTrainer`` needs (its rollout worker reads rewards from its environments);
             :attr:`reward_funcs` is then an empty list.
-        preflight: Check now that the backend can start sandboxes here (e.g. that Docker's
-            daemon answers); ``None``: unless ``TRL_HARBOR_PREFLIGHT=0``. See
-            :mod:`trl_harbor.preflight`.
+        preflight: Check that the backend can start sandboxes here (e.g. that Docker's daemon
+            answers) when the environment factory or rollout function is first used (the
+            trainer's construction), never when the spec is built; ``None``: unless
+            ``TRL_HARBOR_PREFLIGHT=0``. See :class:`BackendCheck`.
 
     Raises:
         ValueError: When both ``num_tasks`` and ``indices`` are given, an index is out of
             range, ``agent`` is an unknown name, ``environment_type`` names no backend, or an
             option is invalid.
-        TypeError: When ``agent`` does not resolve to a ``HarborEnv`` subclass.
+        TypeError: When ``agent`` does not resolve to a ``HarborEnv`` subclass, or one of its
+            lifecycle hooks cannot be called as the reference calls it
+            (:func:`trl_harbor.env.check_hooks`).
         trl_harbor.suite.TaskSuiteError: When the suite cannot be found, a task is
             malformed, or the harness or backend cannot run a task (multi-step tasks without
             a ``submit_step`` tool, compose tasks on the local sandbox, a ``task.toml`` key
             that is a typo); a ``ValueError``.
-        trl_harbor.preflight.BackendUnavailableError: When the preflight finds that the
-            backend cannot start sandboxes here.
     """
 
     def __init__(
@@ -256,6 +312,8 @@ class HarborSpec:
             harness_kwargs = {}
         #: The harness class (``None`` for a loop-owning agent).
         self.env_cls: type[HarborEnv] | None = None if self.loop_agent else resolve_agent(agent)
+        if self.env_cls is not None:
+            check_hooks(self.env_cls)
         self.backend = resolve_backend(environment_type, dict(self.options.backend_options))
         self.suite = load_suite(dataset, revision=revision)
         self._selected: list[tuple[int, TaskInfo]] = select_tasks(
@@ -268,16 +326,16 @@ class HarborSpec:
             )
         check_runnable(self.tasks, self.env_cls, self.backend)
         check_task_configs(self.tasks, self.suite.root)
-        if preflight_enabled(preflight):
-            check_backend(self.backend, self.task_dirs)
+        #: The backend check, run when the factory or rollout function is first used.
+        self.backend_check = BackendCheck(self.backend, self.task_dirs, preflight)
         self._factory: EnvironmentFactory | None = None
         self._rollout_func: LoopRolloutFunc | None = None
         if self.agent_options is not None:
-            self._rollout_func = LoopRolloutFunc(self.backend, self.options, self.agent_options)
+            self._rollout_func = LoopRolloutFunc(self.backend, self.options, self.agent_options, self.backend_check)
         else:
             transforms = (with_environment_reward,) if reward_source == "environment" else ()
             self._factory = EnvironmentFactory(
-                agent, self.backend, self.options, harness_kwargs, self.env_cls, transforms
+                agent, self.backend, self.options, harness_kwargs, self.env_cls, transforms, self.backend_check
             )
 
     @property
@@ -351,6 +409,30 @@ class HarborSpec:
         if self.loop_agent is not None:
             return loop_reward
         return [] if self.reward_source == "environment" else harbor_reward
+
+    @staticmethod
+    def mix(
+        specs: Sequence[HarborSpec] | Mapping[str, HarborSpec],
+        weights: Sequence[float] | Mapping[str, float] | None = None,
+        seed: int = 0,
+        *,
+        num_rows: int | None = None,
+    ) -> HarborMix:
+        """Several specs in one training run: rows drawn by weight, each routed to its own environment.
+
+        Args:
+            specs: The specs, as a list or a mapping ``{suite name: spec}``.
+            weights: One positive weight per spec (``None``: equal weights).
+            seed: Seed of the row order.
+            num_rows: Rows of the mixed dataset (``None``: enough for every task at these weights).
+
+        Returns:
+            A :class:`~trl_harbor.mix.HarborMix` (``docs/mixing.md``), which says what each argument
+            may be and what it raises.
+        """
+        from trl_harbor.mix import HarborMix
+
+        return HarborMix(specs, weights, seed, num_rows=num_rows)
 
     def __repr__(self) -> str:
         return (

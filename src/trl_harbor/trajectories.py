@@ -142,7 +142,8 @@ class TrajectoryLog:
 
     Args:
         path: The JSONL file (appended to; parent folders are created). In a multi-process
-            run, processes other than rank 0 write ``<stem>.rank<N><suffix>`` next to it.
+            run every rank appends to this one file (each batch in one locked write); each line
+            names its ``rank``.
         environment_type: The backend, recorded on every line.
     """
 

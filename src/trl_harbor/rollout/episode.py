@@ -126,7 +126,9 @@ class Episode:
             if cause is Cause.INFRASTRUCTURE:
                 COUNTERS.infra_failure(stage)
                 what = f"{_STAGES[stage]} failed for task {self.task.name!r}: {what}"
-                logger.warning("trl-harbor: %s (the rollout is not the policy's fault)", what)
+                # At exit every sandbox is stopped, those still starting too: nothing to warn about then.
+                log = logger.info if runtime.exiting() else logger.warning
+                log("trl-harbor: %s (the rollout is not the policy's fault)", what)
             else:
                 logger.info("trl-harbor: task %s: %s", self.task.name, what)
             self.failure = Failure(cause, what, None if isinstance(error, str) else error)
@@ -143,10 +145,15 @@ class Episode:
 
     # ── lifecycle ──────────────────────────────────────────────────────────────────
 
-    async def provision(self, setup: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def provision(
+        self,
+        setup: Callable[[], Awaitable[None]] | None = None,
+        started: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """Start the sandbox as Harbor's trials do (network plan, healthcheck, first step's staging), take
         the baseline of a backend without an isolated view, run ``setup`` (the harness's); never raises:
-        a failure ends the episode (:attr:`failure`)."""
+        a failure ends the episode (:attr:`failure`). ``started`` runs once the sandbox is up, before
+        its healthcheck (the reference's ``_upload_build_files`` hook)."""
         progress.SANDBOX_STARTS.started()
         try:
             async with runtime.limit("harbor-sandbox-starts", self.options.max_concurrent_starts):
@@ -165,6 +172,8 @@ class Episode:
                 )
                 if plan.agent_phase != plan.agent_env_baseline:
                     await environment.set_network_policy(plan.agent_phase)
+                if started is not None:
+                    await started()
                 await environment.run_healthcheck()
                 if self.step is not None:
                     await steps.stage(environment, self.task, self.step)
@@ -176,7 +185,10 @@ class Episode:
             if self.phase is Phase.STARTING:
                 self.phase = Phase.READY
         except asyncio.CancelledError:
-            self.fail("start", "the episode was replaced before its sandbox started")
+            if self._stopping is None:  # cancelled from outside: a lost start
+                self.fail("start", "the episode's start was cancelled")
+            elif self.failure is None:  # stopped before it was used (replaced, or the process exits): nothing lost
+                self.failure = Failure(Cause.INFRASTRUCTURE, "the episode was stopped before its sandbox started")
             raise
         except Exception as exc:
             self.fail("start", exc)

@@ -398,5 +398,9 @@ async def _copy_artifacts(source: BaseEnvironment, target: BaseEnvironment, cont
 
 
 def _unsafe(error: BaseException) -> bool:
-    """Whether a download was refused for what the rollout left (a link, a size past the bound)."""
-    return getattr(error, "unsafe", False) or type(error).__name__ in ("UnsafePathError", "ArtifactTooLargeError")
+    """Whether a download was refused for what the rollout left (a link, a size past the bound).
+
+    Backends mark such errors with a true ``unsafe`` attribute (the local sandbox's
+    ``UnsafePathError`` and ``DownloadTooLargeError``); grading does not import a backend.
+    """
+    return bool(getattr(error, "unsafe", False))

@@ -50,6 +50,8 @@ class _Budget:
 class UnsafePathError(OSError):
     """A sandbox path crosses a symbolic link or leaves the sandbox's tree."""
 
+    unsafe = True
+
 
 def _parts(path: str | PurePosixPath) -> list[str]:
     posix = PurePosixPath(path)
