@@ -232,10 +232,11 @@ def test_spec_selects_terminus_and_refuses_what_it_cannot_run(copy_tasks, tmp_pa
     [prompt] = spec.train_dataset["prompt"]
     assert prompt[0]["task_dir"] == str(suite / TASK) and prompt[0]["content"].startswith("# March humidity")
     assert HarborSpec(suite, environment_type="local").rollout_func is None
-    from trl.experimental.async_grpo import AsyncGRPOConfig
-
     from trl_harbor.capture import VLLMSampler
     from trl_harbor.loop_async import HarborRolloutWorker
+    from trl_harbor.trl_compat import async_grpo
+
+    _, AsyncGRPOConfig = async_grpo()
 
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path / "async"), vllm_server_base_url="http://127.0.0.1:9", num_generations=4,
@@ -268,11 +269,12 @@ def test_spec_selects_terminus_and_refuses_what_it_cannot_run(copy_tasks, tmp_pa
 @pytest.mark.slow
 def test_async_grpo_worker_puts_scored_rows_on_its_buffer(suite: Path) -> None:
     """The AsyncGRPO rollout worker (``AsyncGRPOTrainer`` itself needs a GPU: FlashAttention-3 tree attention)."""
-    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
     from trl_harbor import HarborSpec
     from trl_harbor.capture import ModelSampler, SamplingParams
     from trl_harbor.loop_async import HarborRolloutWorker
+    from trl_harbor.trl_compat import rollout_sample_class
+
+    RolloutSample = rollout_sample_class()
 
     model, tokenizer = scripted_policy([RIGHT, WRONG])
     spec = HarborSpec(suite, agent="terminus-2", environment_type="local", env_kwargs={"pane_height": 8})

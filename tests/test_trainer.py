@@ -302,7 +302,7 @@ def test_a_sandbox_that_cannot_start_costs_its_rollouts_alike(tmp_path: Path) ->
     ours, trls = outcomes[HarborGRPOTrainer], outcomes[GRPOTrainer]
     errors = trls["extra"]["harbor_error"]
     assert sum("sandbox start failed for task 'b_cannot_start'" in e for e in errors) == 2, errors
-    assert trls["rewards"]["harbor_reward"].count(0.0) >= 2
+    assert trls["rewards"]["_outcome_reward_func"].count(0.0) >= 2
     assert ours["completion"] == trls["completion"] and ours["ids"] == trls["ids"]
     assert ours["rewards"] == trls["rewards"] and ours["extra"] == trls["extra"]
 
@@ -343,24 +343,34 @@ def test_every_harness_gives_the_same_results(tmp_path: Path, agent: str) -> Non
 
 @requires_local
 @pytest.mark.slow
-def test_an_untested_trl_release_runs_trls_loop_after_one_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_loop_the_mixin_cannot_hook_runs_trls_loop_after_one_warning(tmp_path: Path) -> None:
+    """A simulated TRL release whose ``_tool_call_loop`` the mixin cannot hook (it hides ``completions``
+    behind ``*args``): one warning, then TRL's own loop, one rollout's calls after another."""
+    from trl import GRPOTrainer
+
     import trl_harbor.trainer as trainer_module
     from trl_harbor import HarborGRPOTrainer
     from trl_harbor.testing import tool_call_text
+    from trl_harbor.trainer import ConcurrentToolsMixin
 
-    assert trainer_module.concurrent_tools_supported()  # the installed TRL is a tested one
-    assert not trainer_module.concurrent_tools_supported("99.0.0")
-    monkeypatch.setattr(trainer_module, "SUPPORTED_TRL_VERSIONS", ())
-    monkeypatch.setattr(trainer_module, "_warned_unsupported", False)
+    class OpaqueLoopTrainer(GRPOTrainer):
+        def _tool_call_loop(self, *args: Any, **kwargs: Any) -> Any:
+            return super()._tool_call_loop(*args, **kwargs)
+
+    class SimulatedTrainer(ConcurrentToolsMixin, OpaqueLoopTrainer):
+        pass
+
+    assert trainer_module.concurrent_tools_supported()  # the installed TRL's loop can be hooked
+    assert trainer_module.concurrent_tools_supported(HarborGRPOTrainer)
+    assert not trainer_module.concurrent_tools_supported(SimulatedTrainer)
     log = _Log()
     spec = _gold_spec(_probe_env(log), tmp_path, exec_latency=0.2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _train(HarborGRPOTrainer, tmp_path, spec, [tool_call_text("bash", {"command": GOOD})], batch=4)
+        _train(SimulatedTrainer, tmp_path, spec, [tool_call_text("bash", {"command": GOOD})], batch=4)
     ours = [w for w in caught if "trl-harbor" in str(w.message)]
     assert len(ours) == 1 and "TRL's own tool loop" in str(ours[0].message)
+    assert "takes no `completions` argument" in str(ours[0].message)
     assert len(log.calls) == 8  # 4 rollouts, 2 turns
     assert log.most_in_flight == 1
 

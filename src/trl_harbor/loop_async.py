@@ -1,8 +1,8 @@
 """Loop-owning agents under TRL's ``AsyncGRPOTrainer``: a rollout worker that never waits for the optimiser.
 
-``trl.experimental.async_grpo.AsyncGRPOTrainer`` trains on rollouts a *worker* keeps producing
-while it optimises; it accepts any worker with ``rollout_buffer``, ``metrics_queue``, ``start``,
-``stop``, ``update_model_version`` and ``check_health`` (its ``RolloutWorkerProtocol``).
+TRL's ``AsyncGRPOTrainer`` trains on rollouts a *worker* keeps producing while it optimises; it
+accepts any worker with ``rollout_buffer``, ``metrics_queue``, ``start``, ``stop``,
+``update_model_version`` and ``check_health`` (its ``RolloutWorkerProtocol``).
 :class:`HarborRolloutWorker` is one for a loop-owning agent (Terminus-2): it cycles through the
 spec's dataset, runs each prompt's group of ``num_generations`` rollouts (the same
 :meth:`LoopRolloutFunc.rollout <trl_harbor.loop.LoopRolloutFunc.rollout>` as the synchronous
@@ -11,9 +11,16 @@ rollout on its buffer: the row's tokens, its mask (the first prompt and the brid
 tokens 1), its sampling log-probabilities, and the group-normalised advantage, tagged with the
 policy version it was sampled under. Groups run concurrently (``max_inflight_groups``).
 
+The trainer is importable from ``trl`` since TRL 1.18 (``from trl import AsyncGRPOConfig,
+AsyncGRPOTrainer``); on TRL 1.16 and 1.17 it lives in ``trl.experimental.async_grpo``, which later
+releases keep, with a deprecation warning, until TRL 2.0. :func:`trl_harbor.trl_compat.async_grpo`
+returns it from wherever the installed TRL has it.
+
 .. code-block:: python
 
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl import AsyncGRPOConfig, AsyncGRPOTrainer  # TRL 1.18+
+    # TRL 1.16 and 1.17: from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    # either: AsyncGRPOTrainer, AsyncGRPOConfig = trl_harbor.trl_compat.async_grpo()
 
     spec = HarborSpec("my-tasks", agent="terminus-2", environment_type="local")
     args = AsyncGRPOConfig(vllm_server_base_url="http://127.0.0.1:8000", num_generations=8, ...)
@@ -42,6 +49,7 @@ from trl_harbor import runtime
 from trl_harbor.capture import CaptureEndpoint, Renderer, VLLMSampler, derive_seed
 from trl_harbor.capture.samplers import Sampler, SamplingParams
 from trl_harbor.loop import LoopRollout, LoopRolloutFunc, loop_metrics, task_dir_of
+from trl_harbor.trl_compat import rollout_sample_class
 
 __all__ = ["HarborRolloutWorker", "group_samples"]
 
@@ -63,7 +71,8 @@ def group_samples(rollouts: Sequence[LoopRollout], prompt: Any, model_version: i
         The samples.
     """
     import numpy as np
-    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    rollout_sample = rollout_sample_class()
 
     rewards = [r.reward for r in rollouts]
     scored = [float(r) for r in rewards if r is not None and not math.isnan(r)]
@@ -78,7 +87,7 @@ def group_samples(rollouts: Sequence[LoopRollout], prompt: Any, model_version: i
         advantage = 0.0 if reward is None or math.isnan(reward) else (reward - mean) / (std + 1e-8)
         replies = [turn.text for turn in rollout.route.trace.segments[0]] if rollout.route is not None else []
         samples.append(
-            RolloutSample(
+            rollout_sample(
                 prompt=[{"role": m["role"], "content": m["content"]} for m in prompt],
                 completion=[{"role": "assistant", "content": "\n".join(replies)}],
                 input_ids=np.asarray([*row.prompt_ids, *row.completion_ids], dtype=np.int64),

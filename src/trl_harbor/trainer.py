@@ -17,8 +17,13 @@ the moment the loop collects it, so TRL turns it into the same ``{"error": ...}`
 
 The calls of a turn are read from the same messages TRL reads (the rollout's last assistant
 message); a call is started only when the loop is certain to ask for it. This depends on how a
-TRL release walks its loop, so the mixin is pinned to the releases it is tested against
-(:data:`SUPPORTED_TRL_VERSIONS`): on any other, it warns once and runs TRL's own loop.
+TRL release walks its loop, so the mixin checks the loop it hooks rather than TRL's version
+(:func:`trl_harbor.trl_compat.tool_loop_problem`): the loop must take the batch's
+``completions`` and look tools up through ``_sync_tool_dicts`` and ``_async_tool_dicts``. When
+it does not, the mixin warns once and runs TRL's own loop (same results, one rollout after
+another). When it does, on a release other than those tested (:data:`TESTED_TRL_VERSIONS`), the
+calls run concurrently after one log line saying so; should that loop ever ask for a call that
+was not started ahead, the call runs then and there, as TRL would have run it, with a warning.
 
 Tools run in worker threads: the tools of *different* rollouts run concurrently, the tools of
 one rollout never do (except async ones, which TRL gathers too). trl-harbor's environments are
@@ -34,6 +39,7 @@ import inspect
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,42 +47,87 @@ from typing import Any
 import trl
 from trl import GRPOTrainer
 
-__all__ = ["SUPPORTED_TRL_VERSIONS", "ConcurrentToolsMixin", "HarborGRPOTrainer", "concurrent_tools_supported"]
+from trl_harbor import trl_compat
+
+__all__ = [
+    "SUPPORTED_TRL_VERSIONS",
+    "TESTED_TRL_VERSIONS",
+    "ConcurrentToolsMixin",
+    "HarborGRPOTrainer",
+    "concurrent_tools_supported",
+]
 
 logger = logging.getLogger(__name__)
 
-#: The TRL releases whose ``GRPOTrainer._tool_call_loop`` the mixin is tested against.
-SUPPORTED_TRL_VERSIONS: tuple[str, ...] = ("1.16.0",)
+#: The TRL releases the mixin is tested against (for the docs and a log line: what decides
+#: whether the mixin runs tool calls concurrently is :func:`concurrent_tools_supported`).
+TESTED_TRL_VERSIONS: tuple[str, ...] = ("1.16.0",)
 
-_warned_unsupported = False
+#: Deprecated alias of :data:`TESTED_TRL_VERSIONS` (the mixin is no longer pinned to them).
+SUPPORTED_TRL_VERSIONS: tuple[str, ...] = TESTED_TRL_VERSIONS
+
+_warned_classes: weakref.WeakSet[type] = weakref.WeakSet()
+_logged_untested = False
 
 
-def concurrent_tools_supported(version: str | None = None) -> bool:
-    """Whether :class:`ConcurrentToolsMixin` runs tool calls concurrently with this TRL release.
+def concurrent_tools_supported(trainer_cls: type | None = None) -> bool:
+    """Whether :class:`ConcurrentToolsMixin` runs tool calls concurrently on this trainer class.
+
+    It checks the ``_tool_call_loop`` the mixin would hook (see
+    :func:`trl_harbor.trl_compat.tool_loop_problem`), not TRL's version.
 
     Args:
-        version: A TRL version string; ``None`` takes the installed one.
+        trainer_cls: A trainer class: one with the mixin in its bases (the loop after the mixin
+            is checked), or one to put the mixin on (its own loop is checked). ``None`` (default):
+            the installed TRL's ``GRPOTrainer``.
 
     Returns:
-        ``True`` for a release in :data:`SUPPORTED_TRL_VERSIONS`; on any other the mixin runs
-        TRL's own, sequential loop.
+        ``True`` when the mixin can hook the loop; otherwise it runs TRL's own, sequential loop.
+
+    Raises:
+        TypeError: When given a TRL version string (what this function took before it checked the loop).
     """
-    return (trl.__version__ if version is None else version) in SUPPORTED_TRL_VERSIONS
+    if isinstance(trainer_cls, str):
+        raise TypeError(
+            f"concurrent_tools_supported takes a trainer class, not a TRL version ({trainer_cls!r}): whether the "
+            "tool calls run concurrently is decided by the trainer's tool loop, not by TRL's version"
+        )
+    return _loop_problem(GRPOTrainer if trainer_cls is None else trainer_cls) is None
 
 
-def _warn_unsupported_once() -> None:
-    global _warned_unsupported
-    if _warned_unsupported:
-        return
-    _warned_unsupported = True
-    warnings.warn(
-        f"trl-harbor: concurrent tool calls are tested with TRL {', '.join(SUPPORTED_TRL_VERSIONS)}, "
-        f"but TRL {trl.__version__} is installed; HarborGRPOTrainer runs TRL's own tool loop instead "
-        "(one rollout's tool calls after another: same results, slower). Install a tested TRL release "
-        "to run a turn's tool calls at the same time.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+def _loop_problem(trainer_cls: type) -> str | None:
+    """Why the mixin cannot hook ``trainer_cls``'s loop: the one ``super()`` reaches from the mixin."""
+    mro = trainer_cls.__mro__
+    if ConcurrentToolsMixin in mro:
+        after = mro[mro.index(ConcurrentToolsMixin) + 1 :]
+        trainer_cls = next((cls for cls in after if "_tool_call_loop" in vars(cls)), after[0])
+    return trl_compat.tool_loop_problem(trainer_cls)
+
+
+def _check_loop_once(trainer_cls: type) -> bool:
+    """Whether the mixin hooks ``trainer_cls``'s loop; warns (once per class) when it cannot."""
+    global _logged_untested
+    problem = _loop_problem(trainer_cls)
+    if problem is not None:
+        if trainer_cls not in _warned_classes:
+            _warned_classes.add(trainer_cls)
+            warnings.warn(
+                f"trl-harbor: {trainer_cls.__qualname__} cannot run a turn's tool calls at the same time with "
+                f"TRL {trl.__version__}: {problem}. It runs TRL's own tool loop instead (one rollout's tool "
+                f"calls after another: same results, slower). Tested with TRL {', '.join(TESTED_TRL_VERSIONS)}.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
+    if trl.__version__ not in TESTED_TRL_VERSIONS and not _logged_untested:
+        _logged_untested = True
+        logger.info(
+            "trl-harbor: concurrent tool calls are tested with TRL %s; TRL %s is installed and its tool loop "
+            "looks hookable, so they run concurrently.",
+            ", ".join(TESTED_TRL_VERSIONS),
+            trl.__version__,
+        )
+    return True
 
 
 @dataclass(eq=False)
@@ -318,13 +369,12 @@ class ConcurrentToolsMixin:
         if tool_concurrency is not None and tool_concurrency < 1:
             raise ValueError(f"tool_concurrency must be at least 1 (or None for no limit); got {tool_concurrency!r}")
         self._tool_concurrency = tool_concurrency
-        if not concurrent_tools_supported():
-            _warn_unsupported_once()
+        self._concurrent_tools = _check_loop_once(type(self))
         super().__init__(*args, **kwargs)
 
     def _tool_call_loop(self, *args: Any, **kwargs: Any) -> Any:
         parent = super()._tool_call_loop  # type: ignore[misc]
-        if not concurrent_tools_supported():  # warned once, in __init__
+        if not getattr(self, "_concurrent_tools", False):  # warned once, in __init__
             return parent(*args, **kwargs)
         completions = inspect.signature(parent).bind(*args, **kwargs).arguments["completions"]
         sync_dicts, async_dicts = self._sync_tool_dicts, self._async_tool_dicts
