@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trl_harbor"
 
 #: Lower layers first; a module may import only modules of its own layer or of layers below.
 LAYERS: list[set[str]] = [
-    {"runtime", "progress", "options", "tools", "sandboxes", "capture"},
+    {"runtime", "progress", "options", "tools", "sandboxes", "capture", "trl_compat"},
     {"suite", "backends"},
     {"preflight"},
     {"rollout"},
@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"spec"},
     {"trajectories", "trainer"},
     {"prompting"},
-    {"check", "evaluate"},
+    {"check", "evaluate", "option_flags"},
     {"train", "report", "images", "starter_model", "testing"},
     {"cli"},
 ]

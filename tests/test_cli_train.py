@@ -10,6 +10,7 @@ the hand-wired tiny checkpoint of ``tests/demo_policy.py``, whose tool calls are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -101,6 +102,21 @@ def test_backend_options_reach_the_backend(tmp_path: Path, capsys, monkeypatch, 
     assert cli_main(["eval", str(BUNDLED_SUITE), "--model", "m", "--ek", ek, "--output-dir", str(out)]) == 2
     printed = capsys.readouterr()
     assert expected in printed.out + printed.err
+
+
+def test_the_plan_resolves_without_changing_the_arguments() -> None:
+    """What a run resolves (the default run's held-out suite, the model) is the plan's, not written back."""
+    from trl_harbor.train import _plan
+
+    harbor, config = parse_train_args([])
+    before = dataclasses.asdict(harbor)
+    plan = _plan(harbor, config)
+    assert dataclasses.asdict(harbor) == before
+    assert plan.default_run and plan.model is None and harbor.heldout_dataset is None
+    assert plan.heldout_dataset == str(STARTER / "heldout") and plan.heldout is not None
+    assert plan.suites == [str(STARTER / "train")]
+    harbor, config = parse_train_args(["--heldout_rollouts", "0"])
+    assert _plan(harbor, config).heldout_dataset is None
 
 
 def test_missing_config_file_is_named(tmp_path: Path, capsys) -> None:
@@ -208,16 +224,31 @@ def _demo_checkpoint(tmp_path: Path) -> Path:
 
 
 @requires_local
-def test_model_from_a_local_checkpoint_trains_with_trl_defaults(tmp_path: Path, close_sandboxes) -> None:
-    """``--model PATH`` loads the checkpoint (no default-run defaults) and saves the trained model."""
+def test_model_from_a_local_checkpoint_trains_with_trl_defaults(tmp_path: Path, close_sandboxes, monkeypatch) -> None:
+    """``--model PATH`` loads the checkpoint (no default-run defaults) and saves the trained model.
+
+    The command line trains with :class:`~trl_harbor.HarborGRPOTrainer`: a turn's tool calls are
+    started together (its dispatcher runs, with ``--tool_concurrency``).
+    """
+    from trl_harbor import trainer as trainer_module
+
+    dispatched: list[int | None] = []
+    original = trainer_module._TurnDispatcher.__init__
+
+    def spy(self, completions, sync_dicts, async_dicts, async_loop, max_threads) -> None:
+        dispatched.append(max_threads)
+        original(self, completions, sync_dicts, async_dicts, async_loop, max_threads)
+
+    monkeypatch.setattr(trainer_module._TurnDispatcher, "__init__", spy)
     checkpoint = _demo_checkpoint(tmp_path)
     out = tmp_path / "run"
     argv = [
         "train", "--model", str(checkpoint), "--num_tasks", "2", "--max_steps", "1", "--num_generations", "2",
         "--per_device_train_batch_size", "4", "--max_completion_length", "128", "--max_tool_calling_iterations", "1",
-        "--logging_steps", "1", "--report_to", "none", "--output_dir", str(out),
+        "--logging_steps", "1", "--report_to", "none", "--output_dir", str(out), "--tool_concurrency", "3",
     ]  # fmt: skip
     assert cli_main(argv) == 0
+    assert dispatched and set(dispatched) == {3}  # the concurrent trainer's tool loop ran
     summary = json.loads((out / "summary.json").read_text())
     assert summary["default_run"] is False and summary["steps"] == 1
     assert summary["heldout_before"] is None  # no --heldout_dataset, no held-out evaluation

@@ -85,7 +85,7 @@ def test_the_sidecar_is_named_as_harbor_names_it(docker_daemon, fresh_egress_pro
     docker_daemon.docker("tag", "debian:bookworm-slim", name)
     try:
         with pytest.raises(BackendUnavailableError) as caught:
-            HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=True)
+            HarborSpec(BUNDLED_SUITE, environment_type="docker", preflight=True).environment_factory()
         assert "harbor-docker-egress-control-sidecar--" not in str(caught.value)  # found: only the probe is missing
         assert docker_env._EGRESS_CONTROL_KERNEL_PROBE_IMAGE in str(caught.value)
 

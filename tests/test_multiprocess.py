@@ -131,6 +131,9 @@ def test_two_processes_log_every_rollout_once_and_leave_nothing(tmp_path: Path) 
     run = _Run(tmp_path, max_steps=3)
     output = run.wait(timeout=1200)
     assert run.child.returncode == 0, output[-4000:]
+    # One console: the main process prints each line once (every rank ran the command).
+    assert output.count("trl-harbor train: ") == 1, output[-4000:]
+    assert output.count("done: 3 steps") == 1, output[-4000:]
     out = run.out
     lines = _lines(out / "trajectories.jsonl")
     assert {line["rank"] for line in lines} == set(range(PROCESSES)), output[-2000:]

@@ -18,26 +18,74 @@ from trl_harbor.options import OPTION_NAMES
 
 EVERY_FLAG = [
     "--command-timeout-sec", "42", "--max-output-chars", "1234", "--max-concurrent-starts", "3",
-    "--on-infra-error", "zero", "--agent-processes", "kill", "--unreached-steps", "zero",
-    "--reward-key", "exact", "--reward-weight", "exact=0.5", "--allowed-change", "/etc/motd",
-    "--ek", "host_trust=false", "--ek", "pids_max=64",
+    "--on-infra-error", "zero", "--infra-stop-fraction", "0.5", "--agent-processes", "kill",
+    "--unreached-steps", "zero", "--reward-key", "exact", "--reward-weight", "exact=0.5",
+    "--allowed-change", "/etc/motd", "--ek", "host_trust=false", "--ek", "pids_max=64",
 ]  # fmt: skip
 EXPECTED = HarborOptions(
     command_timeout_sec=42, max_output_chars=1234, max_concurrent_starts=3, on_infra_error="zero",
-    agent_processes="kill", unreached_steps="zero", reward_key="exact", reward_weights={"exact": 0.5},
-    allowed_changes=("/etc/motd",), backend_options={"host_trust": False, "pids_max": 64},
+    infra_stop_fraction=0.5, agent_processes="kill", unreached_steps="zero", reward_key="exact",
+    reward_weights={"exact": 0.5}, allowed_changes=("/etc/motd",),
+    backend_options={"host_trust": False, "pids_max": 64},
 )  # fmt: skip
+#: ``train`` takes the same flags, underscored or dashed, several values after one flag (TRL's parser).
+TRAIN_FLAGS = [
+    "--command_timeout_sec", "42", "--max-output-chars", "1234", "--max_concurrent_starts", "3",
+    "--on_infra_error", "zero", "--infra_stop_fraction", "0.5", "--agent_processes", "kill",
+    "--unreached_steps", "zero", "--reward_key", "exact", "--reward_weight", "exact=0.5",
+    "--allowed_change", "/etc/motd", "--ek", "host_trust=false", "pids_max=64",
+]  # fmt: skip
+
+
+def _option_dests(parser) -> set[str]:
+    """The dests of a parser's flags that are option flags (by the generated table)."""
+    from trl_harbor.option_flags import OPTION_FLAGS
+
+    dests = {action.dest for action in parser._actions}
+    return {option.field for option in OPTION_FLAGS if option.dest in dests}
 
 
 def test_every_option_has_a_flag_and_the_flags_reach_the_options() -> None:
-    changed = set(EXPECTED.changed())
-    assert changed == set(OPTION_NAMES) - {"infra_stop_fraction"}, "a HarborOptions field without a flag"
+    """Every command that runs rollouts (check, eval, train) takes every option, generated from the dataclass."""
+    from trl_harbor.train import _parser, parse_train_args
+
+    assert set(EXPECTED.changed()) == set(OPTION_NAMES), "EVERY_FLAG must set every HarborOptions field"
+    commands = build_parser()._subparsers._group_actions[0].choices
     for command in ("check", "eval"):
+        assert _option_dests(commands[command]) == set(OPTION_NAMES), command
         head = [command, str(BUNDLED_SUITE)] + (["--model", "m"] if command == "eval" else [])
         args = build_parser().parse_args(head + EVERY_FLAG)
         assert options_from_args(args) == EXPECTED, command
         # No flag given: every default is HarborOptions' own.
         assert options_from_args(build_parser().parse_args(head)) == HarborOptions(), command
+    assert _option_dests(_parser(default_run=False)) == set(OPTION_NAMES), "train"
+    harbor, _ = parse_train_args(["--model", "m", *TRAIN_FLAGS])
+    assert harbor.options() == EXPECTED
+    harbor, _ = parse_train_args(["--model", "m"])
+    assert harbor.options() == HarborOptions()
+
+
+def test_none_is_a_value_where_the_option_takes_it() -> None:
+    """``none`` turns a limit off (``max_concurrent_starts``, ``infra_stop_fraction``), in every command."""
+    from trl_harbor.train import parse_train_args
+
+    flags = ["--max-concurrent-starts", "none", "--infra-stop-fraction", "None"]
+    expected = HarborOptions(max_concurrent_starts=None, infra_stop_fraction=None)
+    assert options_from_args(build_parser().parse_args(["check", str(BUNDLED_SUITE), *flags])) == expected
+    assert parse_train_args(["--model", "m", *flags])[0].options() == expected
+    with pytest.raises(SystemExit):  # not a number, not none: argparse's own error
+        build_parser().parse_args(["check", str(BUNDLED_SUITE), "--command-timeout-sec", "none"])
+    with pytest.raises(ValueError, match="command_timeout_sec"):
+        parse_train_args(["--model", "m", "--command_timeout_sec", "soon"])
+
+
+def test_option_flags_help_is_the_dataclass_docstring() -> None:
+    from trl_harbor.option_flags import OPTION_FLAGS
+
+    for option in OPTION_FLAGS:
+        assert option.help and option.help != option.field, option
+    timeout = next(o for o in OPTION_FLAGS if o.field == "command_timeout_sec")
+    assert timeout.help.startswith("Seconds one command may run") and timeout.default == 180
 
 
 def test_eval_hands_every_option_to_its_environments(monkeypatch: pytest.MonkeyPatch) -> None:

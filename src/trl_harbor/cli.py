@@ -23,55 +23,24 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from trl_harbor.options import HarborOptions
 
-__all__ = ["add_option_flags", "main", "options_from_args"]
-
-
-def add_option_flags(parser: argparse.ArgumentParser) -> None:
-    """Add a flag for every :class:`~trl_harbor.HarborOptions` field (``check`` and ``eval`` share them).
-
-    Args:
-        parser: The command's parser; the flags default to ``None`` (the option's own default).
-    """
-    group = parser.add_argument_group("rollout options (trl_harbor.HarborOptions; defaults there)")
-    group.add_argument("--command-timeout-sec", type=int, help="seconds one command may run")
-    group.add_argument("--max-output-chars", type=int, help="characters of a command's output shown to the model")
-    group.add_argument("--max-concurrent-starts", type=int, help="sandboxes started at once")
-    group.add_argument("--on-infra-error", choices=("skip", "zero", "raise"), help="a rollout lost to the backend")
-    group.add_argument("--agent-processes", choices=("keep", "kill"), help="at grading, backends other than local")
-    group.add_argument("--unreached-steps", choices=("skip", "zero"), help="multi-step rollouts that stopped early")
-    group.add_argument("--reward-key", help="the reward.json entry that is the reward")
-    group.add_argument(
-        "--reward-weight", action="append", default=[], metavar="KEY=W",
-        help="weigh reward.json entries: the reward is the weighted sum (repeatable)",
-    )  # fmt: skip
-    group.add_argument(
-        "--allowed-change", action="append", default=[], metavar="GLOB",
-        help="a path whose agent-made version the verifier sees (repeatable)",
-    )  # fmt: skip
-    group.add_argument(
-        "--ek", action="append", default=[], help="backend option key=value, e.g. pids_max=64 (repeatable)"
-    )
+__all__ = ["main", "options_from_args"]
 
 
 def options_from_args(args: argparse.Namespace) -> HarborOptions:
-    """The :class:`~trl_harbor.HarborOptions` the flags of :func:`add_option_flags` give.
+    """The :class:`~trl_harbor.HarborOptions` the option flags of a command give.
+
+    Args:
+        args: The parsed arguments of a parser with :func:`~trl_harbor.option_flags.add_option_flags`.
+
+    Returns:
+        The options (defaults for the flags not given).
 
     Raises:
-        ValueError: For a malformed ``--ek`` or ``--reward-weight``, or an invalid option.
+        ValueError: For a malformed ``KEY=VALUE`` pair or an invalid option.
     """
-    from trl_harbor.backends import parse_backend_options
-    from trl_harbor.options import OPTION_NAMES, HarborOptions
+    from trl_harbor.option_flags import options_from_values
 
-    # The scalar flags are named after their fields; one not given keeps the field's own default.
-    given = {name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name, None) is not None}
-    weights = _parse_weights(args.reward_weight)
-    if weights:
-        given["reward_weights"] = weights
-    if args.allowed_change:
-        given["allowed_changes"] = tuple(args.allowed_change)
-    if args.ek:
-        given["backend_options"] = parse_backend_options(args.ek)
-    return HarborOptions(**given)
+    return options_from_values(vars(args))
 
 
 def _progress(console, label: str, disable: bool):
@@ -151,19 +120,6 @@ def _print_check(console, title: str, results) -> None:
     console.print(table)
     passed = sum(r.passed for r in results)
     console.print(f"{passed} passed, {len(results) - passed} failed")
-
-
-def _parse_weights(pairs: list[str]) -> dict[str, float] | None:
-    weights = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        try:
-            weights[key] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not key:
-            raise ValueError(f"--reward-weight expects key=number, got {pair!r}")
-    return weights or None
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -277,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_check_parser(commands: argparse._SubParsersAction) -> None:
+    from trl_harbor.option_flags import add_option_flags
+
     check = commands.add_parser("check", help="oracle must score 1 and doing nothing 0, for every task")
     check.add_argument("suite", help="a folder of task folders, or one holding tasks/")
     check.add_argument("--environment-type", "-e", default="local", help="local (default), docker, ... or module:Class")
@@ -292,6 +250,8 @@ def _add_check_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
+    from trl_harbor.option_flags import add_option_flags
+
     # Each flag's dest is the EvalConfig field it sets (_eval_one passes them through by name).
     ev = commands.add_parser("eval", help="a model behind an OpenAI-compatible endpoint on a suite: pass@k")
     ev.add_argument(

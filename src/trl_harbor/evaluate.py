@@ -425,6 +425,7 @@ def evaluate(
 
     Raises:
         ValueError: For a bad suite, harness, selection, chat template or few-shot example.
+        trl_harbor.preflight.BackendUnavailableError: When the backend cannot start sandboxes here.
     """
     from trl_harbor import HarborSpec
     from trl_harbor.trajectories import TrajectoryLog
@@ -441,6 +442,7 @@ def evaluate(
         from trl_harbor.prompting import check_few_shot_tools, tool_names
 
         check_few_shot_tools(config.few_shot, tool_names(spec.env_cls), config.agent)
+    spec.backend_check()  # a backend that cannot start sandboxes fails here, before a model loads
     if policy is None and config.base_url is None:
         try:
             policy = _loaded(config.model, config.chat_template)

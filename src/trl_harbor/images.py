@@ -17,9 +17,11 @@ import argparse
 import asyncio
 import os
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["add_parser", "cache_size"]
+__all__ = ["ImagesBuilt", "add_parser", "build_images", "cache_size"]
 
 
 def cache_size(path: Path) -> int:
@@ -69,9 +71,10 @@ def _human(size: int) -> str:
 
 
 def _store(args: argparse.Namespace):
+    from trl_harbor.sandboxes._cache import CACHE
     from trl_harbor.sandboxes.oci import ImageStore
 
-    return ImageStore(Path(args.cache_dir) if args.cache_dir else None, host_trust=not args.no_host_trust)
+    return CACHE.builder(ImageStore, args.cache_dir or None, host_trust=not args.no_host_trust)
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -93,6 +96,92 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass
+class ImagesBuilt:
+    """What :func:`build_images` did.
+
+    Attributes:
+        built: Images built now.
+        cached: Images that were in the cache already.
+        failed: ``{task: error}`` for each task whose image could not be built.
+        seconds: Wall time.
+    """
+
+    built: int = 0
+    cached: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ready(self) -> int:
+        """Images ready to use (built now or cached)."""
+        return self.built + self.cached
+
+
+def build_images(
+    task_dirs: Sequence[Path],
+    cache_dir: Path | str | None = None,
+    *,
+    host_trust: bool = True,
+    force: bool = False,
+    concurrency: int = 2,
+    on_done: Callable[[str, str], None] | None = None,
+) -> ImagesBuilt:
+    """Build (or find cached) the local sandbox's images of some tasks, ahead of their sandboxes.
+
+    Runs on the process's shared event loop (:mod:`trl_harbor.runtime`), with the image store the
+    local sandbox itself uses for ``cache_dir``, so what is built here is what its sandboxes find.
+
+    Args:
+        task_dirs: The task folders (each with ``environment/Dockerfile``).
+        cache_dir: The cache root (``None``: ``$TRL_HARBOR_CACHE_DIR`` or ``~/.cache/trl-harbor``).
+        host_trust: Forward the host's proxy settings and CA certificates to the builds.
+        force: Rebuild images that are cached.
+        concurrency: Builds at once.
+        on_done: Called with ``(task, status)`` as each task finishes (``status``: ``"cached"``,
+            ``"built in 1.2s"`` or ``"FAILED: ..."``).
+
+    Returns:
+        The counts; a failed build is reported there, never raised.
+    """
+    from trl_harbor import runtime
+    from trl_harbor.sandboxes._cache import CACHE
+    from trl_harbor.sandboxes.oci import ImageStore
+
+    store = CACHE.builder(ImageStore, str(cache_dir) if cache_dir else None, host_trust=host_trust)
+    counts = ImagesBuilt()
+    started = time.monotonic()
+
+    async def build_all() -> None:
+        semaphore = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(task_dir: Path) -> None:
+            environment = task_dir / "environment"
+            async with semaphore:
+                cached = not force and await asyncio.to_thread(store.cached, environment) is not None
+                begun = time.monotonic()
+                try:
+                    await store.get(environment, task_dir.name, force=force)
+                except Exception as error:  # reported per task, then counted
+                    counts.failed[task_dir.name] = str(error)
+                    status = f"FAILED: {error}"
+                else:
+                    if cached:
+                        counts.cached += 1
+                        status = "cached"
+                    else:
+                        counts.built += 1
+                        status = f"built in {time.monotonic() - begun:.1f}s"
+            if on_done is not None:
+                on_done(task_dir.name, status)
+
+        await asyncio.gather(*(one(Path(task_dir)) for task_dir in task_dirs))
+
+    runtime.run(build_all())
+    counts.seconds = time.monotonic() - started
+    return counts
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     from trl_harbor.suite import load_suite
 
@@ -103,33 +192,23 @@ def _cmd_build(args: argparse.Namespace) -> int:
         missing = wanted - {t.path.name for t in tasks}
         if missing:
             raise SystemExit(f"no task named {', '.join(sorted(missing))} in {args.suite}")
-    store = _store(args)
-    failures: list[str] = []
+    done = 0
 
-    async def build_all() -> None:
-        semaphore = asyncio.Semaphore(max(1, args.concurrency))
-        done = 0
+    def report(task: str, status: str) -> None:
+        nonlocal done
+        done += 1
+        print(f"[{done}/{len(tasks)}] {task}: {status}", flush=True)
 
-        async def one(task) -> None:
-            nonlocal done
-            environment = task.path / "environment"
-            async with semaphore:
-                cached = not args.force and await asyncio.to_thread(store.cached, environment) is not None
-                started = time.monotonic()
-                try:
-                    await store.get(environment, task.path.name, force=args.force)
-                    status = "cached" if cached else f"built in {time.monotonic() - started:.1f}s"
-                except Exception as error:  # reported per task, then summarised
-                    failures.append(task.path.name)
-                    status = f"FAILED: {error}"
-            done += 1
-            print(f"[{done}/{len(tasks)}] {task.path.name}: {status}", flush=True)
-
-        await asyncio.gather(*(one(task) for task in tasks))
-
-    asyncio.run(build_all())
-    print(f"\n{len(tasks) - len(failures)} of {len(tasks)} image(s) ready in {store.images_dir}")
-    return 1 if failures else 0
+    counts = build_images(
+        [t.path for t in tasks],
+        args.cache_dir,
+        host_trust=not args.no_host_trust,
+        force=args.force,
+        concurrency=args.concurrency,
+        on_done=report,
+    )
+    print(f"\n{counts.ready} of {len(tasks)} image(s) ready in {_store(args).images_dir}")
+    return 1 if counts.failed else 0
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
