@@ -469,3 +469,35 @@ def test_a_folder_swapped_for_a_link_during_the_walk_is_not_followed(layers, mon
     monkeypatch.setattr(view.os, "open", swap_then_open)
     result = _snap(layers)
     assert not _seen(target, "/opt/data"), result.concealed
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "/usr/local/lib/python3.11/dist-packages/swapme.link",  # an image folder's new entry (judged by the rule)
+        "/usr/local/lib/python3.11/dist-packages/newpkg/swapme.link",  # a new package's (judged by its name)
+    ],
+)
+def test_an_entry_swapped_for_a_folder_before_it_is_linked_is_held_back(layers, monkeypatch, where: str) -> None:
+    """Listed as a link, a folder by the time it is hard-linked (the race of view case 2a): the kernel
+    refuses the hard link (``EPERM``); the entry is held back as changed, and the snapshot is made —
+    it is not an error of grading's (which would skip the rollout instead of scoring it)."""
+    import trl_harbor.sandboxes._view as view
+
+    lower, upper, target = layers
+    _files(upper, {"/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py": "", "/app/answer.txt": "42"})
+    _link(upper, where, "/etc")
+    real_link = os.link
+
+    def swap_then_link(src, dst, *args, **kwargs):
+        if src == "swapme.link" and not (upper / (where.lstrip("/") + ".old")).exists():
+            os.rename(upper / where.lstrip("/"), upper / (where.lstrip("/") + ".old"))
+            (upper / where.lstrip("/")).mkdir()
+        return real_link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(view.os, "link", swap_then_link)
+    result = _snap(layers)
+    assert not _seen(target, where), result.concealed
+    assert any(c.startswith(where + " ") and "changed while it was judged" in c for c in result.concealed), (
+        result.concealed
+    )

@@ -757,6 +757,9 @@ def live_paths(root_fd: int, lower: Path, search: SearchPaths, workdir: str, all
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Why an entry of the agent's is not in the snapshot when it could not be laid there.
+_UNPLACED_READ = "a file the rule reads, too large or changed while it was judged"
+_UNPLACED = "changed while it was judged"
 #: A file the rule reads is copied, up to this size (beyond, it is not seen).
 JUDGED_FILE_CAP = 1 << 20
 #: Entries of the agent's code places judged at most (beyond, the rest is not seen).
@@ -824,7 +827,7 @@ class _Walker:
             return
         judged = rule.reads(path)
         if not self._place(dir_fd, name, dest, info, must=judged):
-            self.conceal(path, "a file the rule reads, too large or changing")
+            self.conceal(path, _UNPLACED_READ if judged else _UNPLACED)
         elif rule.pth_to_judge(path):
             self.pth_files.append(path)
         elif stat.S_ISSOCK(info.st_mode) and path.startswith(IMPLICIT_SOCKETS):
@@ -916,9 +919,11 @@ class _Walker:
                     continue
                 if not allowed and _judged_by_content(path):
                     if not self._place(dir_fd, entry.name, dest, entry.stat(follow_symlinks=False), must=True):
-                        self.conceal(path, "a file the rule reads, too large or changing")
+                        self.conceal(path, _UNPLACED_READ)
                     continue
-                os.link(entry.name, dest, src_dir_fd=dir_fd, follow_symlinks=False)
+                if not _link(dir_fd, entry.name, dest):
+                    self.conceal(path, _UNPLACED)
+                    continue
                 if ".so" in entry.name and _innermost(path, rule.loader_dirs) is not None:
                     self.result.libraries_added = True
             except FileNotFoundError:
@@ -929,7 +934,8 @@ class _Walker:
 
     def _place(self, dir_fd: int, name: str, dest: str, info: os.stat_result, must: bool) -> bool:
         """Copy a file the rule reads (within the budget), else hard-link the agent's entry: its data and
-        metadata stay the agent's; ``False`` if a file that ``must`` be copied could not be."""
+        metadata stay the agent's; ``False`` if a file that ``must`` be copied could not be, or an entry
+        listed as a file is a folder by now (a link to a folder is refused: the agent swapped it)."""
         if must:
             if not stat.S_ISREG(info.st_mode) or info.st_size > JUDGED_FILE_CAP or info.st_blocks * 512 > self.budget:
                 return False
@@ -942,14 +948,7 @@ class _Walker:
             self.budget -= copied
             self.result.copied += copied
             return True
-        try:
-            os.link(name, dest, src_dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return True  # gone since it was listed: not in the snapshot
-        except OSError as error:
-            if error.errno != errno.EEXIST:
-                raise
-        return True
+        return _link(dir_fd, name, dest)
 
     def judge_pth_files(self) -> None:
         """Judge the ``.pth`` files laid, on the snapshot and the image (the folders they name included)."""
@@ -966,6 +965,21 @@ class _Walker:
                 os.chmod(dest, stat.S_IMODE(info.st_mode))
                 with contextlib.suppress(OSError):
                     os.chown(dest, info.st_uid, info.st_gid)
+
+
+def _link(dir_fd: int, name: str, dest: str) -> bool:
+    """Hard-link the agent's entry ``name`` of ``dir_fd`` at ``dest`` (never following a link); ``False``
+    when it is a folder by now (no hard link to a folder: the agent swapped what was listed)."""
+    try:
+        os.link(name, dest, src_dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return True  # gone since it was listed: not in the snapshot
+    except OSError as error:
+        if error.errno == errno.EPERM:
+            return False
+        if error.errno != errno.EEXIST:
+            raise
+    return True
 
 
 def _whiteout_deleted(rule: _Rule, dest: str, path: str, fd: int) -> None:
