@@ -14,9 +14,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trl_harbor"
 
 #: Lower layers first; a module may import only modules of its own layer or of layers below.
 LAYERS: list[set[str]] = [
-    {"runtime", "progress", "options", "tools", "sandboxes", "capture", "trl_compat"},
-    {"suite", "backends"},
-    {"preflight"},
+    {"runtime", "progress", "options", "tools", "sandboxes", "capture", "trl_compat", "digests"},
+    {"suite", "suite_lock", "backends"},
+    {"sources", "preflight"},
     {"rollout"},
     {"env", "terminus"},
     {"rewards", "harnesses", "agents", "loop", "loop_async"},

@@ -128,6 +128,11 @@ def test_eval_reports_known_pass_at_k(tmp_path: Path, copy_tasks, endpoint: Scri
     assert result["pass_at"]["1"] == pytest.approx(0.5)
     assert result["pass_at"]["2"] == pytest.approx((5 / 6 + 0 + 1) / 3)
     assert result["mean_reward"] == pytest.approx(0.5)
+    # The tasks evaluated, pinned: names and digests, read back as a suite (docs/datasets.md).
+    from trl_harbor.suite_lock import read_lock
+
+    (locked,) = read_lock(out / "suite.lock.json")
+    assert sorted(t.name for t in locked.tasks) == sorted(by_task) and all(t.digest for t in locked.tasks)
     assert result["rollouts"] == 12 and result["errors"] == 0
     # Rollouts were in flight at once, and the model was offered the harness's bash tool.
     assert endpoint.max_in_flight >= 2

@@ -173,6 +173,7 @@ def _build_hub_cache(cache: Path, repo_id: str, task_names: list[str]) -> Path:
 
 def _run_offline(cache: Path, code: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HARBOR_TELEMETRY": "0"}
+    env["TRL_HARBOR_CACHE_DIR"] = str(cache.parent / "trl-harbor-cache")  # where snapshots are copied out
     env.pop("HF_HOME", None)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120
@@ -195,7 +196,9 @@ def test_hub_dataset_from_offline_cache(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert Path(out["root"]) == (snapshot / "tasks").resolve() or Path(out["root"]) == snapshot / "tasks"
+    # The snapshot is copied out of the hub cache (real files, not links into its blob store), once per commit.
+    assert Path(out["root"]) == tmp_path / "trl-harbor-cache" / "hub" / "someorg--harbor-suite" / SHA / "tasks"
+    assert sorted(p.name for p in Path(out["root"]).iterdir()) == sorted(p.name for p in (snapshot / "tasks").iterdir())
     assert out["names"] == sorted([GOLD_TASK, "orders_count"])
     assert out["pinned"] == out["names"]
 

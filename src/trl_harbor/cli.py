@@ -60,7 +60,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     console = Console(stderr=False)
     try:
-        task_dirs = _check_task_dirs(args.suite, args.task)
+        task_dirs = _check_task_dirs(args)
         options = options_from_args(args)
     except ValueError as error:  # a TaskSuiteError too
         console.print(f"[red]{error}")
@@ -90,17 +90,43 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _check_task_dirs(suite: str, names: list[str] | None) -> list[Path]:
+def _check_task_dirs(args: argparse.Namespace) -> list[Path]:
     """The suite's task folders (not validated: check reports a malformed one as a failed row), or those named."""
-    from trl_harbor.suite import candidate_task_dirs
+    from trl_harbor.sources import resolve_suite
 
-    task_dirs = candidate_task_dirs(suite)
-    if not names:
+    resolved = resolve_suite(
+        args.suite,
+        registry_url=args.registry_url,
+        registry_path=args.registry_path,
+        task_names=args.task_names,
+        exclude_task_names=args.exclude_task_names,
+        limit=args.n_tasks,
+        download_dir=args.download_dir,
+    )
+    task_dirs = resolved.task_dirs if args.n_tasks is None else resolved.task_dirs[: args.n_tasks]
+    if not args.task:
         return task_dirs
-    missing = set(names) - {d.name for d in task_dirs}
+    missing = set(args.task) - {d.name for d in task_dirs}
     if missing:
-        raise ValueError(f"no such task in {suite}: {', '.join(sorted(missing))}")
-    return [d for d in task_dirs if d.name in names]
+        raise ValueError(f"no such task in {args.suite}: {', '.join(sorted(missing))}")
+    return [d for d in task_dirs if d.name in args.task]
+
+
+def _add_dataset_flags(parser: argparse.ArgumentParser) -> None:
+    """Where a named dataset comes from and which of its tasks to use, as Harbor's ``run`` flags."""
+    parser.add_argument("--registry-url", default=None, help="a Harbor registry's URL, for NAME@VERSION datasets")
+    parser.add_argument(
+        "--registry-path", default=None, help="a Harbor registry.json on disk, for NAME@VERSION datasets"
+    )
+    parser.add_argument(
+        "--include-task-name", "-i", dest="task_names", action="append", help="keep tasks matching this glob"
+    )
+    parser.add_argument(
+        "--exclude-task-name", "-x", dest="exclude_task_names", action="append", help="leave out tasks matching it"
+    )
+    parser.add_argument(
+        "--download-dir", default=None, help="where fetched tasks are cached (default: ~/.cache/harbor/tasks)"
+    )
 
 
 def _print_check(console, title: str, results) -> None:
@@ -236,13 +262,17 @@ def _add_check_parser(commands: argparse._SubParsersAction) -> None:
     from trl_harbor.option_flags import add_option_flags
 
     check = commands.add_parser("check", help="oracle must score 1 and doing nothing 0, for every task")
-    check.add_argument("suite", help="a folder of task folders, or one holding tasks/")
+    check.add_argument(
+        "suite", help="a suite: a folder, org/name (HF), NAME@VERSION (registry), hub:org/name, a git repo, a lock"
+    )
     check.add_argument("--environment-type", "-e", default="local", help="local (default), docker, ... or module:Class")
     check.add_argument(
         "--jobs", "--concurrency", "-j", "-n", dest="concurrency", type=int, default=max(2, (os.cpu_count() or 2) * 2),
         help="tasks checked at once",
     )  # fmt: skip
     check.add_argument("--task", "-t", action="append", help="check only this task (repeatable)")
+    check.add_argument("--n-tasks", "-l", type=int, default=None, help="the first N tasks of the sorted suite")
+    _add_dataset_flags(check)
     add_option_flags(check)
     check.add_argument("--json", action="store_true", help="print the results as JSON (exit status unchanged)")
     check.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
@@ -255,8 +285,9 @@ def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
     # Each flag's dest is the EvalConfig field it sets (_eval_one passes them through by name).
     ev = commands.add_parser("eval", help="a model behind an OpenAI-compatible endpoint on a suite: pass@k")
     ev.add_argument(
-        "suite", nargs="+", help="a task suite: a folder or a HF dataset id (several: each evaluated on its own)"
+        "suite", nargs="+", help="a task suite in any form `check` takes (several: each evaluated on its own)"
     )
+    _add_dataset_flags(ev)
     ev.add_argument("--base-url", default=None, help="the endpoint, e.g. http://127.0.0.1:8000/v1 (none: local)")
     ev.add_argument("--model", required=True, help="the model the endpoint serves; without --base-url a path or hub id")
     ev.add_argument("--agent", default="bash", help="harness: bash, jupyter, terminal_notes, mod:Cls, file.py:Cls")

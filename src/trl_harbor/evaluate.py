@@ -70,7 +70,8 @@ class EvalConfig:
     """What ``trl-harbor eval`` runs.
 
     Attributes:
-        dataset: The task suite (a folder or a Hugging Face dataset id).
+        dataset: The task suite, in any form of :mod:`trl_harbor.sources` (a folder, a Hugging
+            Face dataset id, ``name@version``, ``hub:org/name``, a git repository, a ``suite.lock.json``).
         base_url: The endpoint's base URL, e.g. ``http://127.0.0.1:8000/v1``; ``None``: load
             ``model`` locally with ``transformers``.
         model: The model name the endpoint serves, or (no ``base_url``) a hub id or path.
@@ -99,6 +100,11 @@ class EvalConfig:
             (``None``: the tokenizer's own). An endpoint applies its own.
         seed: Seed of a local model's sampling (``None``: not seeded).
         batch_size: Rollouts whose turn a local model generates in one batch.
+        registry_url: A Harbor registry's URL, for a ``name@version`` dataset.
+        registry_path: A Harbor ``registry.json`` on disk, for a ``name@version`` dataset.
+        task_names: Globs of the task names to keep (Harbor's ``--include-task-name``).
+        exclude_task_names: Globs of the task names to leave out.
+        download_dir: Where fetched tasks are cached (default: Harbor's task cache).
     """
 
     dataset: str
@@ -126,6 +132,11 @@ class EvalConfig:
     chat_template: str | None = None
     seed: int | None = None
     batch_size: int = 16
+    registry_url: str | None = None
+    registry_path: str | None = None
+    task_names: list[str] | None = None
+    exclude_task_names: list[str] | None = None
+    download_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_rollouts < 1 or self.concurrency < 1 or self.max_turns < 1 or self.batch_size < 1:
@@ -412,7 +423,7 @@ def _play(
 def evaluate(
     config: EvalConfig, on_done: Callable[[int], None] | None = None, policy: LocalPolicy | None = None
 ) -> EvalResult:
-    """Evaluate a model on the suite; write ``eval.json`` and ``trajectories.jsonl``.
+    """Evaluate a model on the suite; write ``eval.json``, ``trajectories.jsonl`` and ``suite.lock.json``.
 
     Args:
         config: What to run.
@@ -437,6 +448,11 @@ def evaluate(
         num_tasks=config.num_tasks,
         indices=config.indices,
         options=config.options,
+        registry_url=config.registry_url,
+        registry_path=config.registry_path,
+        task_names=config.task_names,
+        exclude_task_names=config.exclude_task_names,
+        download_dir=config.download_dir,
     )
     if config.few_shot:
         from trl_harbor.prompting import check_few_shot_tools, tool_names
@@ -450,6 +466,7 @@ def evaluate(
             raise ValueError(f"--model {config.model!r} (no --base-url): cannot load it locally: {exc}") from exc
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    spec.write_lock(output_dir)  # suite.lock.json: the tasks evaluated, pinned (rerun: --dataset it)
     log = TrajectoryLog(output_dir / "trajectories.jsonl", environment_type=config.environment_type)
     log.path.unlink(missing_ok=True)
     rows = [dict(row) for row in spec.train_dataset.remove_columns("prompt")]

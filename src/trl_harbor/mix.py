@@ -88,8 +88,9 @@ def _is_spec(value: Any) -> bool:
 def suite_name(spec: MixableSpec) -> str:
     """The default name of a spec's suite in a mix.
 
-    A Hugging Face dataset id names itself (``"org/name"``); a local suite is named after its
-    folder (the folder that holds ``tasks/``, when the tasks live in a ``tasks/`` subfolder).
+    A fetched dataset names itself as it was given (``"org/name"``, ``"terminal-bench@2.0"``), a
+    suite rerun from a lock as the first run gave it; a local suite is named after its folder (the
+    folder that holds ``tasks/``, when the tasks live in a ``tasks/`` subfolder).
 
     Args:
         spec: The spec.
@@ -98,9 +99,15 @@ def suite_name(spec: MixableSpec) -> str:
         The suite's name.
     """
     source = spec.suite.source
-    if not Path(source).expanduser().exists():
-        return source  # a hub dataset id
     root = spec.suite.root
+    resolved = getattr(spec, "resolved", None)  # how a HarborSpec's suite was found (trl_harbor.sources)
+    if resolved is not None:
+        first = resolved.lock_of  # None unless rerun from a lock
+        kind, source = (first.kind, first.dataset) if first is not None else (resolved.source.kind, source)
+        if kind != "local":
+            return source
+    elif not Path(source).expanduser().exists():
+        return source  # a hub dataset id
     return root.parent.name if root.name == "tasks" and root.parent.name else root.name
 
 

@@ -34,13 +34,15 @@ from trl_harbor.loop import LoopRolloutFunc, loop_agent_name, loop_reward
 from trl_harbor.options import OPTION_NAMES, HarborOptions
 from trl_harbor.preflight import check_backend, check_task_configs, preflight_enabled
 from trl_harbor.rewards import harbor_reward
-from trl_harbor.suite import TaskInfo, TaskSuiteError, load_suite, metadata_columns, select_tasks
+from trl_harbor.sources import resolve_suite
+from trl_harbor.suite import TaskInfo, TaskSuiteError, load_tasks, metadata_columns, select_tasks
 from trl_harbor.terminus import TerminusOptions
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
     from trl_harbor.mix import HarborMix
+    from trl_harbor.suite_lock import LockedSuite
 
 __all__ = ["BackendCheck", "EnvironmentFactory", "HarborSpec", "check_runnable", "split_env_kwargs"]
 
@@ -232,9 +234,13 @@ class HarborSpec:
     """Wire a Harbor task suite into ``GRPOTrainer``: dataset, environment factory, reward.
 
     Args:
-        dataset: A Hugging Face dataset repo id holding a Harbor task tree under ``tasks/``,
-            or a local path holding a ``tasks/`` subtree (a path whose children are task
-            dirs is accepted too).
+        dataset: The suite, in any form Harbor's CLI accepts (``docs/datasets.md``): a local
+            folder (a ``tasks/`` subtree, or task folders at any depth), a Hugging Face dataset
+            repo id (``org/name[@revision]``, or ``hf:org/name``) holding its tasks under
+            ``tasks/``, a Harbor registry dataset (``name@version``), a Harbor Hub package
+            (``hub:org/name[@ref]``), a git repository at a ref (``repo:org/name@ref``, a git
+            URL, ``file://...``), or a run's ``suite.lock.json`` (rerun on exactly its tasks,
+            offline from the cache, each checked against its digest).
         agent: The harness: a built-in name (``"bash"``), ``"package.module:ClassName"``,
             ``"path/to/file.py:ClassName"``, or a ``HarborEnv`` subclass; or a loop-owning agent,
             ``"terminus-2"`` (Harbor's Terminus-2, trained through :attr:`rollout_func`; see
@@ -242,11 +248,21 @@ class HarborSpec:
         environment_type: Harbor sandbox backend (``"docker"``, ``"e2b"``, ``"daytona"``,
             ..., ``"local"`` for the bundled bubblewrap sandbox, or ``"module:Class"`` for a
             Harbor plug-in).
-        num_tasks: Use only the first ``num_tasks`` tasks of the sorted list.
+        num_tasks: Use only the first ``num_tasks`` tasks of the sorted list (after
+            ``task_names`` / ``exclude_task_names``, as Harbor's ``n_tasks``); a fetched dataset
+            downloads only those.
         indices: Use exactly these positions of the sorted task list. Exclusive with
             ``num_tasks``.
         include_metadata: Add every task's ``task.toml`` ``[metadata]`` entries as columns.
         revision: Hub revision (branch, tag or commit) when ``dataset`` is a repo id.
+        registry_url: The URL of a Harbor registry (a ``registry.json``) for a ``name@version``
+            dataset (default: Harbor's registry).
+        registry_path: A ``registry.json`` on disk for a ``name@version`` dataset.
+        task_names: Keep only the tasks whose name matches one of these globs (Harbor's
+            ``--include-task-name``).
+        exclude_task_names: Leave out the tasks whose name matches one of these globs.
+        download_dir: Where fetched tasks are cached (default: Harbor's, ``~/.cache/harbor/tasks``).
+        overwrite: Fetch registry, package and repository tasks again even when cached.
         options: How rollouts run and are graded (:class:`~trl_harbor.HarborOptions`: timeouts,
             output cap, concurrency, infrastructure-failure policy, reward reduction, backend
             options, ...).
@@ -272,8 +288,9 @@ class HarborSpec:
         TypeError: When ``agent`` does not resolve to a ``HarborEnv`` subclass, or one of its
             lifecycle hooks cannot be called as the reference calls it
             (:func:`trl_harbor.env.check_hooks`).
-        trl_harbor.suite.TaskSuiteError: When the suite cannot be found, a task is
-            malformed, or the harness or backend cannot run a task (multi-step tasks without
+        trl_harbor.suite.TaskSuiteError: When the suite cannot be found or fetched (naming the
+            dataset, the source and the fix), a cached or locked task differs from its digest, a task is
+            malformed, two tasks share a name, or the harness or backend cannot run a task (multi-step tasks without
             a ``submit_step`` tool, compose tasks on the local sandbox, a ``task.toml`` key
             that is a typo); a ``ValueError``.
     """
@@ -292,6 +309,12 @@ class HarborSpec:
         env_kwargs: dict[str, Any] | None = None,
         reward_source: str = "function",
         preflight: bool | None = None,
+        registry_url: str | None = None,
+        registry_path: str | Path | None = None,
+        task_names: Sequence[str] | None = None,
+        exclude_task_names: Sequence[str] | None = None,
+        download_dir: str | Path | None = None,
+        overwrite: bool = False,
     ) -> None:
         if num_tasks is not None and indices is not None:
             raise ValueError("Provide num_tasks or indices, not both.")
@@ -315,10 +338,34 @@ class HarborSpec:
         if self.env_cls is not None:
             check_hooks(self.env_cls)
         self.backend = resolve_backend(environment_type, dict(self.options.backend_options))
-        self.suite = load_suite(dataset, revision=revision)
+        #: The suite as resolved: its task folders, where each came from, their digests.
+        self.resolved = resolve_suite(
+            dataset,
+            revision=revision,
+            registry_url=registry_url,
+            registry_path=registry_path,
+            task_names=task_names,
+            exclude_task_names=exclude_task_names,
+            limit=num_tasks if indices is None else None,
+            download_dir=download_dir,
+            overwrite=overwrite,
+        )
+        self.suite = load_tasks(self.resolved.task_dirs, source=str(dataset), root=self.resolved.root)
         self._selected: list[tuple[int, TaskInfo]] = select_tasks(
             self.suite.tasks, num_tasks=num_tasks, indices=indices
         )
+        if self.resolved.indices is not None:  # a lock: the task_index each task had in the first run
+            by_path = {path.resolve(): index for path, index in self.resolved.indices.items()}
+            self._selected = [(by_path.get(task.path, i), task) for i, task in self._selected]
+        self._lock_options: dict[str, Any] = {
+            "revision": revision,
+            "registry_url": registry_url,
+            "registry_path": None if registry_path is None else str(registry_path),
+            "task_names": list(task_names) if task_names else None,
+            "exclude_task_names": list(exclude_task_names) if exclude_task_names else None,
+            "num_tasks": num_tasks,
+            "indices": list(indices) if indices is not None else None,
+        }
         if not self._selected:
             raise ValueError(
                 f"The selection (num_tasks={num_tasks}, indices={indices}) leaves no task of "
@@ -352,6 +399,28 @@ class HarborSpec:
     def task_dirs(self) -> list[Path]:
         """Absolute paths of the selected task directories, in dataset order."""
         return [task.path for _, task in self._selected]
+
+    @cached_property
+    def lock(self) -> LockedSuite:
+        """The pinned record of the selected tasks: names, version, sources, content digests.
+
+        Written into a run's output folder (:meth:`write_lock`); passing that file back as the
+        dataset reruns on exactly these tasks (``docs/datasets.md``).
+        """
+        return self.resolved.lock(self._selected, self._lock_options)
+
+    def write_lock(self, path: str | Path) -> Path:
+        """Write :attr:`lock` as a suite lock file.
+
+        Args:
+            path: The file, or a folder (``<folder>/suite.lock.json``).
+
+        Returns:
+            The file written.
+        """
+        from trl_harbor.suite_lock import write_lock
+
+        return write_lock(path, [self.lock])
 
     @cached_property
     def train_dataset(self) -> Dataset:

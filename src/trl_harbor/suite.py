@@ -1,11 +1,15 @@
 """Finding, validating and describing the tasks of a Harbor task suite.
 
 A *suite* is a folder of Harbor task directories (``instruction.md``, ``task.toml``,
-``environment/``, ``tests/test.sh``, optionally ``solution/``). It is given either as a local
-path — a folder holding a ``tasks/`` subtree, or a folder whose children are task dirs — or as
-the id of a Hugging Face **dataset** repo whose ``tasks/`` subtree is downloaded (only that
-subtree) with :func:`huggingface_hub.snapshot_download`, which honours the hub cache and offline
-mode (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``).
+``environment/``, ``tests/test.sh``, optionally ``solution/``), found at any depth (grouped
+layouts such as ``tasks/<field>/<subfield>/<task>/`` included) without following links out of
+it. It is given either as a local path — a folder holding a ``tasks/`` subtree, or a folder
+holding task dirs — or as the id of a Hugging Face **dataset** repo whose ``tasks/`` subtree is
+downloaded (only that subtree) with :func:`huggingface_hub.snapshot_download`, which honours the
+hub cache and offline mode (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``), and copied out of the hub
+cache as real files (the cache's snapshots are links into a blob store, which a backend's
+upload would not carry). Registry names, Harbor Hub packages and git repositories are resolved
+one layer up, by :mod:`trl_harbor.sources`.
 
 Every task is validated up front, with Harbor's own task model, so that a malformed suite
 fails when it is loaded, naming the task, what is wrong with it and how to fix it, rather than
@@ -16,9 +20,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +35,16 @@ __all__ = [
     "TaskInfo",
     "TaskSuite",
     "TaskSuiteError",
+    "cache_root",
     "candidate_task_dirs",
+    "filter_task_dirs",
     "find_suite_root",
+    "find_task_dirs",
+    "hub_suite",
+    "load_tasks",
     "load_suite",
     "load_task",
+    "materialise_hub_snapshot",
     "metadata_columns",
     "select_tasks",
     "validate_task",
@@ -106,12 +120,50 @@ def _is_candidate_task_dir(path: Path) -> bool:
     return any((path / name).exists() for name in ("task.toml", "instruction.md", "tests"))
 
 
-def find_suite_root(dataset: str | Path, revision: str | None = None) -> Path:
-    """Resolve a suite argument to the local folder whose children are task directories.
+def _walk_task_dirs(root: Path) -> tuple[list[Path], list[str]]:
+    """Task-looking folders at any depth under ``root``, and the links out of it that look like tasks.
 
-    A local folder with a ``tasks/`` subtree resolves to that subtree; a local folder whose
-    children are task dirs resolves to itself; anything else is treated as a Hugging Face
-    dataset repo id and its ``tasks/`` subtree is fetched (or read from the hub cache).
+    A task folder is a leaf (nothing under it is searched); hidden and ``_``-prefixed folders are
+    skipped; links to folders are never followed (one inside the suite is found under its real
+    path; one out of it is reported when it looks like a task).
+    """
+    found: list[Path] = []
+    outside: list[str] = []
+    resolved_root = root.resolve()
+    for folder, dirs, _files in os.walk(root, followlinks=False):
+        here = Path(folder)
+        keep = []
+        for name in sorted(dirs):
+            child = here / name
+            if name.startswith((".", "_")):
+                continue
+            if child.is_symlink():
+                target = child.resolve()
+                if not target.is_relative_to(resolved_root) and _is_candidate_task_dir(target):
+                    outside.append(
+                        f"{child}: links to {target}, outside the suite ({resolved_root}); links are not "
+                        "followed out of a suite. Fix: copy (or move) the task into the suite."
+                    )
+                continue
+            if _is_candidate_task_dir(child):
+                found.append(child)
+            else:
+                keep.append(name)
+        dirs[:] = keep
+    return found, outside
+
+
+def _holds_tasks(folder: Path) -> bool:
+    return bool(_walk_task_dirs(folder)[0])
+
+
+def find_suite_root(dataset: str | Path, revision: str | None = None) -> Path:
+    """Resolve a suite argument to the local folder under which its task directories live.
+
+    A local folder with a ``tasks/`` subtree resolves to that subtree; a local folder holding
+    task dirs (at any depth) resolves to itself; anything else is treated as a Hugging Face
+    dataset repo id and its ``tasks/`` subtree is fetched (or read from the hub cache) and
+    copied out of the hub cache as real files (:func:`materialise_hub_snapshot`).
 
     Args:
         dataset: A local path or a Hugging Face dataset repo id.
@@ -128,11 +180,11 @@ def find_suite_root(dataset: str | Path, revision: str | None = None) -> Path:
     if local.is_dir():
         if (local / "tasks").is_dir():
             return (local / "tasks").resolve()
-        if any(_is_candidate_task_dir(child) for child in local.iterdir()):
+        if _holds_tasks(local):
             return local.resolve()
         raise TaskSuiteError(
-            f"{local}: the folder holds no Harbor tasks (neither a 'tasks/' subfolder nor child "
-            "folders with task.toml / instruction.md). Fix: point `dataset` at the folder that "
+            f"{local}: the folder holds no Harbor tasks (neither a 'tasks/' subfolder nor folders "
+            "with task.toml / instruction.md, at any depth). Fix: point `dataset` at the folder that "
             "contains the task directories or their parent 'tasks/' folder."
         )
     if isinstance(dataset, Path) or local.exists() or _looks_like_path(str(dataset)):
@@ -140,10 +192,33 @@ def find_suite_root(dataset: str | Path, revision: str | None = None) -> Path:
             f"{dataset}: no such directory. Fix: pass an existing local folder of Harbor tasks, "
             "or a Hugging Face dataset repo id like 'org/name'."
         )
-    return _download_hub_suite(str(dataset), revision)
+    return hub_suite(str(dataset), revision)[0]
 
 
-def _download_hub_suite(repo_id: str, revision: str | None) -> Path:
+def cache_root() -> Path:
+    """trl-harbor's cache folder: ``$TRL_HARBOR_CACHE_DIR``, else ``~/.cache/trl-harbor``.
+
+    Returns:
+        The folder (not created).
+    """
+    configured = os.environ.get("TRL_HARBOR_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path("~/.cache/trl-harbor").expanduser()
+
+
+def hub_suite(repo_id: str, revision: str | None) -> tuple[Path, str]:
+    """Fetch a Hugging Face dataset repo's ``tasks/`` subtree and copy it out of the hub cache as real files.
+
+    Args:
+        repo_id: The dataset repo id (``org/name``).
+        revision: Branch, tag or commit (``None``: ``main``).
+
+    Returns:
+        ``(folder holding the task directories, the snapshot's commit)``.
+
+    Raises:
+        TaskSuiteError: When the repo cannot be resolved (offline and not cached, unknown,
+            no access), or has no ``tasks/`` folder.
+    """
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - huggingface_hub ships with the train extra
@@ -167,13 +242,74 @@ def _download_hub_suite(repo_id: str, revision: str | None) -> Path:
             "the path / repo id and revision; when offline (HF_HUB_OFFLINE=1) the repo must "
             "already be in the hub cache (HF_HUB_CACHE) — download it once with network access."
         ) from exc
-    root = snapshot / "tasks"
-    if not root.is_dir():
+    if not (snapshot / "tasks").is_dir():
         raise TaskSuiteError(
             f"{repo_id}: the dataset repo (snapshot {snapshot}) has no 'tasks/' folder. Fix: "
             "Harbor suites on the Hub must keep their task directories under 'tasks/'."
         )
-    return root
+    commit = snapshot.name
+    return materialise_hub_snapshot(snapshot, repo_id), commit
+
+
+def materialise_hub_snapshot(snapshot: Path, repo_id: str) -> Path:
+    """Copy a hub snapshot's ``tasks/`` out of the hub cache, its blob-store links made real files.
+
+    The hub cache keeps each snapshot file as a link into the repo's blob store; a backend that
+    uploads a task folder (a tar of it, Docker's build context) would carry the links, not the
+    files. The copy lives in trl-harbor's cache (``<cache>/hub/<repo>/<commit>/tasks``), made
+    once per commit: staged, then renamed into place, so a copy that exists is complete. A link
+    that points elsewhere than the repo's own cache folder is kept a link (the suite check
+    refuses a link out of the suite).
+
+    Args:
+        snapshot: The snapshot folder (``.../datasets--org--name/snapshots/<commit>``).
+        repo_id: The repo id (names the copy).
+
+    Returns:
+        The copied ``tasks/`` folder.
+
+    Raises:
+        TaskSuiteError: When the copy cannot be made (a blob is missing, the disk is full).
+    """
+    source = snapshot / "tasks"
+    repo_store = snapshot.parent.parent.resolve()  # datasets--org--name/
+    target = cache_root() / "hub" / repo_id.replace("/", "--") / snapshot.name
+    if (target / "tasks").is_dir():
+        return target / "tasks"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{snapshot.name}-", dir=target.parent))
+    try:
+        for folder, dirs, files in os.walk(source, followlinks=False):
+            here = Path(folder)
+            out = staging / "tasks" / here.relative_to(source)
+            out.mkdir(parents=True, exist_ok=True)
+            for name in [*dirs, *files]:
+                path = here / name
+                if not path.is_symlink():
+                    if name in files:
+                        shutil.copy2(path, out / name)
+                    continue
+                resolved = path.resolve()
+                if resolved.is_relative_to(repo_store) and resolved.is_file():
+                    shutil.copy2(resolved, out / name)  # a blob: the file itself
+                else:
+                    (out / name).symlink_to(os.readlink(path))
+                    if name in dirs:
+                        dirs.remove(name)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process made it first: its copy is as good
+            if not (target / "tasks").is_dir():
+                raise
+    except OSError as exc:
+        raise TaskSuiteError(
+            f"{repo_id}: could not copy the snapshot {snapshot} out of the hub cache into {target}: {exc}. "
+            "Fix: free disk space or set TRL_HARBOR_CACHE_DIR to a writable folder; a blob missing from the "
+            "hub cache is fetched again by deleting the snapshot (huggingface-cli delete-cache)."
+        ) from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target / "tasks"
 
 
 def _read_config(task_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
@@ -273,6 +409,77 @@ def _missing_host_variables(task: Any) -> list[str]:
     return problems
 
 
+def find_task_dirs(root: Path) -> list[Path]:
+    """The task-looking folders under a suite root, at any depth, sorted by name, not validated.
+
+    Args:
+        root: The suite root (:func:`find_suite_root`).
+
+    Returns:
+        The candidate task directories, sorted by folder name.
+
+    Raises:
+        TaskSuiteError: When the root holds no task directory, two tasks share a folder name
+            (both paths named), or a link out of the suite leads to a task.
+    """
+    found, outside = _walk_task_dirs(Path(root))
+    problems = list(outside)
+    by_name: dict[str, Path] = {}
+    for path in found:
+        if path.name in by_name:
+            problems.append(
+                f"two tasks are named {path.name!r}: {by_name[path.name]} and {path}. Fix: rename one "
+                "folder (task names must be unique within a suite), or exclude one (exclude_task_names)."
+            )
+        else:
+            by_name[path.name] = path
+    if problems:
+        raise TaskSuiteError(
+            f"{len(problems)} problem(s) in task suite {root}:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+    if not found:
+        raise TaskSuiteError(
+            f"{root}: no task directories found. Fix: each task is a folder with instruction.md, "
+            "task.toml, environment/ and tests/test.sh."
+        )
+    return sorted(found, key=lambda p: p.name)
+
+
+def filter_task_dirs(
+    task_dirs: Sequence[Path],
+    task_names: Sequence[str] | None = None,
+    exclude_task_names: Sequence[str] | None = None,
+    *,
+    dataset: str = "",
+) -> list[Path]:
+    """Keep the tasks whose folder name matches an include glob and no exclude glob (Harbor's rule).
+
+    Args:
+        task_dirs: The task folders.
+        task_names: Shell-style globs (``fnmatch``) of the task names to keep (``None``: all).
+        exclude_task_names: Globs of the task names to leave out (applied after ``task_names``).
+        dataset: The suite, for the error message.
+
+    Returns:
+        The kept folders, in the order given.
+
+    Raises:
+        TaskSuiteError: When ``task_names`` matches no task (some task names are listed).
+    """
+    kept = list(task_dirs)
+    if task_names:
+        kept = [d for d in kept if any(fnmatch(d.name, pattern) for pattern in task_names)]
+        if not kept:
+            names = sorted(d.name for d in task_dirs)
+            raise TaskSuiteError(
+                f"{dataset}: no task matches task_names={list(task_names)} (the suite has {len(names)} tasks, "
+                f"e.g. {names[:5]}). Fix: give globs of task folder names, such as 'data-*'."
+            )
+    if exclude_task_names:
+        kept = [d for d in kept if not any(fnmatch(d.name, pattern) for pattern in exclude_task_names)]
+    return kept
+
+
 def candidate_task_dirs(dataset: str | Path, revision: str | None = None) -> list[Path]:
     """The folders of a suite that look like tasks, sorted by name, without validating them.
 
@@ -281,40 +488,32 @@ def candidate_task_dirs(dataset: str | Path, revision: str | None = None) -> lis
         revision: Hub revision for a repo id.
 
     Returns:
-        The candidate task directories.
+        The candidate task directories (at any depth under the suite).
 
     Raises:
-        TaskSuiteError: When the suite cannot be found or holds no task directory.
+        TaskSuiteError: When the suite cannot be found, holds no task directory, or two tasks
+            share a name.
     """
-    root = find_suite_root(dataset, revision)
-    candidates = sorted((child for child in root.iterdir() if _is_candidate_task_dir(child)), key=lambda p: p.name)
-    if not candidates:
-        raise TaskSuiteError(
-            f"{root}: no task directories found. Fix: each task is a folder with instruction.md, "
-            "task.toml, environment/ and tests/test.sh."
-        )
-    return candidates
+    return find_task_dirs(find_suite_root(dataset, revision))
 
 
-def load_suite(dataset: str | Path, revision: str | None = None) -> TaskSuite:
-    """Find and validate every task of a suite.
+def load_tasks(task_dirs: Sequence[Path], *, source: str, root: Path) -> TaskSuite:
+    """Validate given task folders into a suite.
 
     Args:
-        dataset: A local path or a Hugging Face dataset repo id (see :func:`find_suite_root`).
-        revision: Hub revision for a repo id.
+        task_dirs: The task folders, in suite order.
+        source: What the user passed (for messages).
+        root: The folder the suite lives in.
 
     Returns:
-        The validated suite, tasks sorted by directory name.
+        The validated suite.
 
     Raises:
-        TaskSuiteError: When the suite cannot be found, is empty, or any task is malformed
-            (the message lists every malformed task).
+        TaskSuiteError: When any task is malformed (the message lists every malformed task).
     """
-    root = find_suite_root(dataset, revision)
-    candidates = candidate_task_dirs(root)
     tasks: list[TaskInfo] = []
     errors: list[str] = []
-    for candidate in candidates:
+    for candidate in task_dirs:
         info, problems = validate_task(candidate)
         if info is None:
             errors += [f"{candidate}: {problem}" for problem in problems]
@@ -322,9 +521,29 @@ def load_suite(dataset: str | Path, revision: str | None = None) -> TaskSuite:
             tasks.append(info)
     if errors:
         raise TaskSuiteError(
-            f"{len(errors)} problem(s) in task suite {dataset!s}:\n" + "\n".join(f"  - {e}" for e in errors)
+            f"{len(errors)} problem(s) in task suite {source}:\n" + "\n".join(f"  - {e}" for e in errors)
         )
-    return TaskSuite(source=str(dataset), root=root, tasks=tuple(tasks))
+    return TaskSuite(source=source, root=Path(root), tasks=tuple(tasks))
+
+
+def load_suite(dataset: str | Path, revision: str | None = None) -> TaskSuite:
+    """Find and validate every task of a suite (a local folder or a Hugging Face dataset id).
+
+    Args:
+        dataset: A local path or a Hugging Face dataset repo id (see :func:`find_suite_root`);
+            registry names, Harbor Hub packages and git repositories go through
+            :func:`trl_harbor.sources.resolve_suite`.
+        revision: Hub revision for a repo id.
+
+    Returns:
+        The validated suite, tasks sorted by folder name.
+
+    Raises:
+        TaskSuiteError: When the suite cannot be found, is empty, or any task is malformed
+            (the message lists every malformed task).
+    """
+    root = find_suite_root(dataset, revision)
+    return load_tasks(find_task_dirs(root), source=str(dataset), root=root)
 
 
 def select_tasks(

@@ -18,7 +18,10 @@ whether the training reward rose. With ``--model`` (a hub id or a path) it train
 
 Every rollout is written to ``<output_dir>/trajectories.jsonl``
 (:class:`trl_harbor.trajectories.TrajectoryLog`), the per-step metrics to
-``<output_dir>/log_history.json``, the summary to ``<output_dir>/summary.json``, the held-out
+``<output_dir>/log_history.json``, the summary to ``<output_dir>/summary.json``, the suites as
+resolved — names, versions, commits and content digests per task — to
+``<output_dir>/suite.lock.json`` (``--dataset <output_dir>/suite.lock.json`` reruns on exactly those
+tasks, offline from the cache; ``heldout.lock.json`` for the held-out suite), the held-out
 evaluations to ``<output_dir>/heldout-before/`` and ``heldout-after/``, and a report (reward
 curve, held-out pass rates, every trajectory) to ``<output_dir>/report.html``.
 """
@@ -164,8 +167,11 @@ class HarborTrainArguments(option_arguments()):
     Attributes:
         model: Model to train: a hub id or a local path. ``None``: the embedded default run
             (the starter model of :mod:`trl_harbor.starter_model`, :data:`DEFAULT_RUN`).
-        dataset: The task suite(s): local folders or Hugging Face dataset ids (``None``: the
-            starter suite's training tasks). Several suites are mixed in one run (:meth:`HarborSpec.mix`).
+        dataset: The task suite(s), in any form of :mod:`trl_harbor.sources` (a folder, a Hugging
+            Face dataset id, ``name@version`` of a Harbor registry, ``hub:org/name``, a git
+            repository, a run's ``suite.lock.json``; ``None``: the starter suite's training tasks).
+            Several suites are mixed in one run (:meth:`HarborSpec.mix`); a lock of several suites
+            stands for all of them.
         dataset_weights: With several suites, how often each one's rows come (default: equal;
             they need not sum to 1).
         agent: The harness: ``bash``, ``jupyter``, ``terminal_notes``, ``pkg.mod:Class`` or
@@ -176,6 +182,12 @@ class HarborTrainArguments(option_arguments()):
         num_tasks: Use the first N tasks of the sorted suite.
         indices: Use exactly these positions of the sorted suite (exclusive with ``num_tasks``).
         revision: Hub revision of ``dataset``.
+        registry_url: A Harbor registry's URL, for ``name@version`` datasets.
+        registry_path: A Harbor ``registry.json`` on disk, for ``name@version`` datasets.
+        task_names: Globs of the task names to keep, in every suite (Harbor's ``--include-task-name``).
+        exclude_task_names: Globs of the task names to leave out.
+        download_dir: Where fetched tasks are cached (default: Harbor's task cache).
+        overwrite: Fetch registry, package and repository tasks again even when cached.
         trajectories: Write ``trajectories.jsonl`` (one line per rollout) into ``output_dir``.
         tool_concurrency: How many rollouts run a turn's tool calls at the same time
             (:class:`~trl_harbor.HarborGRPOTrainer`); ``None``: every rollout of the batch.
@@ -206,6 +218,16 @@ class HarborTrainArguments(option_arguments()):
     num_tasks: int | None = field(default=None, metadata={"help": "use the first N tasks of the sorted suite"})
     indices: list[int] | None = field(default=None, metadata={"help": "use these positions of the sorted suite"})
     revision: str | None = field(default=None, metadata={"help": "hub revision of --dataset"})
+    registry_url: str | None = field(default=None, metadata={"help": "Harbor registry URL for NAME@VERSION datasets"})
+    registry_path: str | None = field(
+        default=None, metadata={"help": "Harbor registry.json on disk for NAME@VERSION datasets"}
+    )
+    task_names: list[str] | None = field(default=None, metadata={"help": "globs of task names to keep"})
+    exclude_task_names: list[str] | None = field(default=None, metadata={"help": "globs of task names to leave out"})
+    download_dir: str | None = field(
+        default=None, metadata={"help": "where fetched tasks are cached (default: ~/.cache/harbor/tasks)"}
+    )
+    overwrite: bool = field(default=False, metadata={"help": "fetch registry/package/repo tasks again"})
     trajectories: bool = field(default=True, metadata={"help": "write <output_dir>/trajectories.jsonl"})
     tool_concurrency: int | None = field(
         default=None, metadata={"help": "rollouts that run a turn's tool calls at once (default: every one)"}
@@ -444,9 +466,20 @@ def _plan(harbor: HarborTrainArguments, config: GRPOConfig) -> _Plan:
     try:
         suites, heldout_dataset = _suites(harbor)
         options = harbor.options()
-        spec_of = partial(HarborSpec, agent=harbor.agent, environment_type=harbor.environment_type, options=options)
+        fetch = {"registry_url": harbor.registry_url, "registry_path": harbor.registry_path,
+                 "download_dir": harbor.download_dir, "overwrite": harbor.overwrite}  # fmt: skip
+        spec_of = partial(
+            HarborSpec, agent=harbor.agent, environment_type=harbor.environment_type, options=options, **fetch
+        )
         specs = [
-            spec_of(suite, num_tasks=harbor.num_tasks, indices=harbor.indices, revision=harbor.revision)
+            spec_of(
+                suite,
+                num_tasks=harbor.num_tasks,
+                indices=harbor.indices,
+                revision=harbor.revision,
+                task_names=harbor.task_names,
+                exclude_task_names=harbor.exclude_task_names,
+            )  # fmt: skip
             for suite in suites
         ]
         if any(s.loop_agent is not None for s in specs) and default_run:
@@ -499,8 +532,22 @@ def _suites(harbor: HarborTrainArguments) -> tuple[list[str], str | None]:
         if heldout is None:
             heldout = str(starter / "heldout")
     else:
-        suites = list(harbor.dataset) if harbor.dataset else [str(bundled_suite())]
+        suites = _expand_locks(list(harbor.dataset) if harbor.dataset else [str(bundled_suite())])
     return suites, (heldout if harbor.heldout_rollouts > 0 else None)
+
+
+def _expand_locks(suites: list[str]) -> list[str]:
+    """A lock of several suites (a mixed run's) stands for each of them (``lock.json#0``, ``#1``, ...)."""
+    from trl_harbor.suite_lock import is_lock_file, read_lock, split_lock_selector
+
+    expanded = []
+    for suite in suites:
+        if is_lock_file(suite) and split_lock_selector(suite)[1] is None:
+            count = len(read_lock(suite))
+            expanded += [suite] if count == 1 else [f"{suite}#{i}" for i in range(count)]
+        else:
+            expanded.append(suite)
+    return expanded
 
 
 def _introduce(harbor: HarborTrainArguments, plan: _Plan, timings: dict[str, float], print_fn) -> None:
@@ -711,6 +758,8 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
     timings: dict[str, float] = {}
     plan = _plan(harbor, config)
     plan.output_dir.mkdir(parents=True, exist_ok=True)
+    if main_process():
+        _write_locks(plan)
     _introduce(harbor, plan, timings, print_fn)
     images = _prebuild_images(plan, print_fn)
     if images is not None:
@@ -722,14 +771,23 @@ def run_train(harbor: HarborTrainArguments, config: GRPOConfig, print_fn=print) 
     print_fn(f"  model   loaded in {timings['model_load_s']:.0f} s ({parameters / 1e6:.1f}M parameters)")
     heldout = _train(trainer, harbor, config, plan, timings, print_fn)
     trainer.save_model(str(plan.output_dir))  # `trl-harbor eval --model OUTPUT_DIR` evaluates it
-    main_process = trainer.is_world_process_zero()  # one writer in a multi-process run
-    if tokenizer is not None and main_process:
+    is_main = trainer.is_world_process_zero()  # one writer in a multi-process run
+    if tokenizer is not None and is_main:
         tokenizer.save_pretrained(str(plan.output_dir))  # with the chat template it was trained with
     timings["total_s"] = round(time.monotonic() - started, 1)
     summary = _summary(trainer, harbor, plan, heldout, log, timings)
-    if main_process:
+    if is_main:
         _write_outputs(summary, trainer.state.log_history, log, print_fn)
     return summary
+
+
+def _write_locks(plan: _Plan) -> None:
+    """The suites as resolved (tasks, versions, commits, digests): ``suite.lock.json``, ``heldout.lock.json``."""
+    from trl_harbor.suite_lock import LOCK_FILENAME, write_lock
+
+    write_lock(plan.output_dir / LOCK_FILENAME, [spec.lock for spec in getattr(plan.spec, "specs", [plan.spec])])
+    if plan.heldout is not None:
+        write_lock(plan.output_dir / "heldout.lock.json", [plan.heldout.lock])
 
 
 def _summary(trainer, harbor: HarborTrainArguments, plan: _Plan, heldout: dict[str, HeldoutResult], log,
