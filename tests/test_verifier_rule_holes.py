@@ -501,3 +501,35 @@ def test_an_entry_swapped_for_a_folder_before_it_is_linked_is_held_back(layers, 
     assert any(c.startswith(where + " ") and "changed while it was judged" in c for c in result.concealed), (
         result.concealed
     )
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "/usr/local/lib/python3.11/dist-packages/swapped.py",  # an image folder's new entry
+        "/usr/local/lib/python3.11/dist-packages/newpkg/swapped.py",  # a new package's
+    ],
+)
+def test_a_file_swapped_for_a_link_before_it_is_linked_is_held_back(layers, monkeypatch, where: str) -> None:
+    """Judged as a file (by its name), a link by the time it is hard-linked: its target was never judged,
+    so what is laid is checked after linking (the inode can no longer change what it is) and held back."""
+    import trl_harbor.sandboxes._view as view
+
+    lower, upper, target = layers
+    _files(upper, {where: "x = 1", "/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py": ""})
+    real_link = os.link
+    entry = upper / where.lstrip("/")
+
+    def swap_then_link(src, dst, *args, **kwargs):
+        if src == "swapped.py" and not entry.is_symlink():
+            entry.unlink()
+            entry.symlink_to("/usr/lib/python3.11/os.py")
+        return real_link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(view.os, "link", swap_then_link)
+    result = _snap(layers)
+    assert not _seen(target, where), result.concealed
+    assert any(c.startswith(where + " ") and "changed while it was judged" in c for c in result.concealed), (
+        result.concealed
+    )
+    assert _seen(target, "/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py")  # the rest is laid

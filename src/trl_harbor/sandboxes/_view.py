@@ -921,7 +921,7 @@ class _Walker:
                     if not self._place(dir_fd, entry.name, dest, entry.stat(follow_symlinks=False), must=True):
                         self.conceal(path, _UNPLACED_READ)
                     continue
-                if not _link(dir_fd, entry.name, dest):
+                if not _link(dir_fd, entry.name, dest, is_link=entry.is_symlink()):
                     self.conceal(path, _UNPLACED)
                     continue
                 if ".so" in entry.name and _innermost(path, rule.loader_dirs) is not None:
@@ -948,7 +948,7 @@ class _Walker:
             self.budget -= copied
             self.result.copied += copied
             return True
-        return _link(dir_fd, name, dest)
+        return _link(dir_fd, name, dest, is_link=stat.S_ISLNK(info.st_mode))
 
     def judge_pth_files(self) -> None:
         """Judge the ``.pth`` files laid, on the snapshot and the image (the folders they name included)."""
@@ -967,9 +967,12 @@ class _Walker:
                     os.chown(dest, info.st_uid, info.st_gid)
 
 
-def _link(dir_fd: int, name: str, dest: str) -> bool:
-    """Hard-link the agent's entry ``name`` of ``dir_fd`` at ``dest`` (never following a link); ``False``
-    when it is a folder by now (no hard link to a folder: the agent swapped what was listed)."""
+def _link(dir_fd: int, name: str, dest: str, is_link: bool) -> bool:
+    """Hard-link the agent's entry ``name`` of ``dir_fd`` at ``dest`` (never following a link), as it was
+    judged: a link (``is_link``) or not. ``False`` (nothing laid) when what was judged is not what is
+    linked by now — a folder (no hard link to one), or a file swapped for a link or back: the linked
+    inode is what the verifier gets, so it is checked after linking, when the agent can no longer
+    change what it is."""
     try:
         os.link(name, dest, src_dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -979,6 +982,14 @@ def _link(dir_fd: int, name: str, dest: str) -> bool:
             return False
         if error.errno != errno.EEXIST:
             raise
+        return True
+    try:
+        laid_link = stat.S_ISLNK(os.lstat(dest).st_mode)
+    except FileNotFoundError:
+        return True
+    if laid_link != is_link:
+        os.unlink(dest)
+        return False
     return True
 
 
