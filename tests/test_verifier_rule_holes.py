@@ -533,3 +533,45 @@ def test_a_file_swapped_for_a_link_before_it_is_linked_is_held_back(layers, monk
         result.concealed
     )
     assert _seen(target, "/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py")  # the rest is laid
+
+
+def test_a_link_swapped_for_a_file_before_its_target_is_read_is_held_back(layers, monkeypatch) -> None:
+    """In a new package, listed as a link, a file by the time its target is read (``EINVAL``): held
+    back as changed, not an error of grading's."""
+    import trl_harbor.sandboxes._view as view
+
+    lower, upper, target = layers
+    where = "/usr/local/lib/python3.11/dist-packages/newpkg/flip.py"
+    _files(upper, {"/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py": ""})
+    _link(upper, where, "__init__.py")
+    real_readlink = os.readlink
+    entry = upper / where.lstrip("/")
+
+    def swap_then_readlink(name, *args, **kwargs):
+        if name == "flip.py" and entry.is_symlink():
+            entry.unlink()
+            entry.write_text("x = 1")
+        return real_readlink(name, *args, **kwargs)
+
+    monkeypatch.setattr(view.os, "readlink", swap_then_readlink)
+    result = _snap(layers)
+    assert not _seen(target, where), result.concealed
+    assert any(c.startswith(where + " ") and "changed while it was judged" in c for c in result.concealed)
+
+
+def test_a_live_folder_without_a_mount_point_in_the_view_stays_out(tmp_path: Path) -> None:
+    """A folder of the agent's removed before the snapshot and made again before it is mounted live has no
+    mount point in the view: it stays out (as when the snapshot was made), not an error of grading's."""
+    from trl_harbor.sandboxes._roots import _bind_live
+
+    agent, view_root = tmp_path / "agent", tmp_path / "view"
+    (agent / "newdir").mkdir(parents=True)
+    view_root.mkdir()
+    agent_fd = os.open(agent, os.O_RDONLY | os.O_DIRECTORY)
+    root_fd = os.open(view_root, os.O_PATH | os.O_DIRECTORY)
+    try:
+        _bind_live(agent_fd, root_fd, "/newdir")  # no mount point: nothing mounted, nothing raised
+    finally:
+        os.close(agent_fd)
+        os.close(root_fd)
+    assert not (view_root / "newdir").exists()

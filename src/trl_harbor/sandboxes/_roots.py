@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -474,7 +475,13 @@ def _bind_live(agent_root: int, root: int, path: str) -> None:
         tree = _viewfs.clone_tree(source)
     finally:
         os.close(source)
-    _attach_beneath(tree, root, path)
+    try:
+        _attach_beneath(tree, root, path)
+    except OSError as error:
+        # No mount point: the folder was not there when the snapshot was made (removed, then made
+        # again while the view was assembled). It stays out of the view, as it was then.
+        if error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+            raise
 
 
 def _attach_beneath(tree: int, root: int, path: str, folder: bool = True) -> None:

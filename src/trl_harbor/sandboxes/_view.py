@@ -913,7 +913,14 @@ class _Walker:
                         os.close(fd)
                     continue
                 if why is None and entry.is_symlink():
-                    why = rule.concealed_link(path, os.readlink(entry.name, dir_fd=dir_fd))
+                    try:
+                        target = os.readlink(entry.name, dir_fd=dir_fd)
+                    except OSError as error:  # not a link any more (EINVAL): swapped since it was listed
+                        if error.errno != errno.EINVAL:
+                            raise
+                        self.conceal(path, _UNPLACED)
+                        continue
+                    why = rule.concealed_link(path, target)
                 if why is not None:
                     self.conceal(path, why)
                     continue
