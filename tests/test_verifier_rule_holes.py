@@ -575,3 +575,22 @@ def test_a_live_folder_without_a_mount_point_in_the_view_stays_out(tmp_path: Pat
         os.close(agent_fd)
         os.close(root_fd)
     assert not (view_root / "newdir").exists()
+
+
+def test_an_agents_hosts_file_that_is_a_fifo_does_not_hang_the_view(tmp_path: Path) -> None:
+    """``mkfifo /etc/hosts``: reading the agent's host names for the view must not wait for a writer."""
+    import threading
+
+    from trl_harbor.sandboxes._roots import _agents_local_hosts
+
+    (tmp_path / "etc").mkdir()
+    os.mkfifo(tmp_path / "etc" / "hosts")
+    found: list[str] = []
+    reader = threading.Thread(target=lambda: found.append(_agents_local_hosts(tmp_path, "box")), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "reading a FIFO /etc/hosts blocked"
+    assert found == [""]
+    (tmp_path / "etc" / "hosts").unlink()
+    (tmp_path / "etc" / "hosts").write_text("10.0.0.5 db\n127.0.0.1 localhost\n")
+    assert _agents_local_hosts(tmp_path, "box") == "10.0.0.5 db\n"

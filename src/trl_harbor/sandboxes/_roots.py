@@ -606,10 +606,13 @@ _LOCAL_NAME = re.compile(
 def _agents_local_hosts(snapshot_dir: Path, hostname: str) -> str:
     """The agent's ``/etc/hosts`` lines that name local hosts only (its file, as the snapshot laid it)."""
     try:
-        fd = os.open(snapshot_dir / "etc" / "hosts", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Non-blocking: the agent's /etc/hosts may be a FIFO (an open for reading would wait for ever).
+        fd = os.open(snapshot_dir / "etc" / "hosts", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return ""
     with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""  # a FIFO, a socket, a device: no names of the agent's
         text = handle.read(65536).decode("utf-8", "replace")
     kept = []
     reserved = {"localhost", "ip6-localhost", "ip6-loopback", hostname}
