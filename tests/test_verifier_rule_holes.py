@@ -471,6 +471,29 @@ def test_a_folder_swapped_for_a_link_during_the_walk_is_not_followed(layers, mon
     assert not _seen(target, "/opt/data"), result.concealed
 
 
+def _swap_before(monkeypatch, call: str, name: str, swap) -> None:
+    """Run ``swap`` once, just before the walk's ``os.<call>`` reaches the entry ``name`` (the agent's race)."""
+    import trl_harbor.sandboxes._view as view
+
+    real = getattr(os, call)
+    done = []
+
+    def racing(first, *args, **kwargs):
+        if first == name and not done:
+            done.append(True)
+            swap()
+        return real(first, *args, **kwargs)
+
+    monkeypatch.setattr(view.os, call, racing)
+
+
+def _held_back(result, target: Path, where: str) -> None:
+    assert not _seen(target, where), result.concealed
+    assert any(c.startswith(where + " ") and "changed while it was judged" in c for c in result.concealed), (
+        result.concealed
+    )
+
+
 @pytest.mark.parametrize(
     "where",
     [
@@ -482,25 +505,17 @@ def test_an_entry_swapped_for_a_folder_before_it_is_linked_is_held_back(layers, 
     """Listed as a link, a folder by the time it is hard-linked (the race of view case 2a): the kernel
     refuses the hard link (``EPERM``); the entry is held back as changed, and the snapshot is made —
     it is not an error of grading's (which would skip the rollout instead of scoring it)."""
-    import trl_harbor.sandboxes._view as view
-
     lower, upper, target = layers
     _files(upper, {"/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py": "", "/app/answer.txt": "42"})
     _link(upper, where, "/etc")
-    real_link = os.link
+    entry = upper / where.lstrip("/")
 
-    def swap_then_link(src, dst, *args, **kwargs):
-        if src == "swapme.link" and not (upper / (where.lstrip("/") + ".old")).exists():
-            os.rename(upper / where.lstrip("/"), upper / (where.lstrip("/") + ".old"))
-            (upper / where.lstrip("/")).mkdir()
-        return real_link(src, dst, *args, **kwargs)
+    def to_folder() -> None:
+        entry.rename(entry.with_name(entry.name + ".old"))
+        entry.mkdir()
 
-    monkeypatch.setattr(view.os, "link", swap_then_link)
-    result = _snap(layers)
-    assert not _seen(target, where), result.concealed
-    assert any(c.startswith(where + " ") and "changed while it was judged" in c for c in result.concealed), (
-        result.concealed
-    )
+    _swap_before(monkeypatch, "link", "swapme.link", to_folder)
+    _held_back(_snap(layers), target, where)
 
 
 @pytest.mark.parametrize(
@@ -513,50 +528,34 @@ def test_an_entry_swapped_for_a_folder_before_it_is_linked_is_held_back(layers, 
 def test_a_file_swapped_for_a_link_before_it_is_linked_is_held_back(layers, monkeypatch, where: str) -> None:
     """Judged as a file (by its name), a link by the time it is hard-linked: its target was never judged,
     so what is laid is checked after linking (the inode can no longer change what it is) and held back."""
-    import trl_harbor.sandboxes._view as view
-
     lower, upper, target = layers
     _files(upper, {where: "x = 1", "/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py": ""})
-    real_link = os.link
     entry = upper / where.lstrip("/")
 
-    def swap_then_link(src, dst, *args, **kwargs):
-        if src == "swapped.py" and not entry.is_symlink():
-            entry.unlink()
-            entry.symlink_to("/usr/lib/python3.11/os.py")
-        return real_link(src, dst, *args, **kwargs)
+    def to_link() -> None:
+        entry.unlink()
+        entry.symlink_to("/usr/lib/python3.11/os.py")
 
-    monkeypatch.setattr(view.os, "link", swap_then_link)
-    result = _snap(layers)
-    assert not _seen(target, where), result.concealed
-    assert any(c.startswith(where + " ") and "changed while it was judged" in c for c in result.concealed), (
-        result.concealed
-    )
+    _swap_before(monkeypatch, "link", "swapped.py", to_link)
+    _held_back(_snap(layers), target, where)
     assert _seen(target, "/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py")  # the rest is laid
 
 
 def test_a_link_swapped_for_a_file_before_its_target_is_read_is_held_back(layers, monkeypatch) -> None:
     """In a new package, listed as a link, a file by the time its target is read (``EINVAL``): held
     back as changed, not an error of grading's."""
-    import trl_harbor.sandboxes._view as view
-
     lower, upper, target = layers
     where = "/usr/local/lib/python3.11/dist-packages/newpkg/flip.py"
     _files(upper, {"/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py": ""})
     _link(upper, where, "__init__.py")
-    real_readlink = os.readlink
     entry = upper / where.lstrip("/")
 
-    def swap_then_readlink(name, *args, **kwargs):
-        if name == "flip.py" and entry.is_symlink():
-            entry.unlink()
-            entry.write_text("x = 1")
-        return real_readlink(name, *args, **kwargs)
+    def to_file() -> None:
+        entry.unlink()
+        entry.write_text("x = 1")
 
-    monkeypatch.setattr(view.os, "readlink", swap_then_readlink)
-    result = _snap(layers)
-    assert not _seen(target, where), result.concealed
-    assert any(c.startswith(where + " ") and "changed while it was judged" in c for c in result.concealed)
+    _swap_before(monkeypatch, "readlink", "flip.py", to_file)
+    _held_back(_snap(layers), target, where)
 
 
 def test_a_live_folder_without_a_mount_point_in_the_view_stays_out(tmp_path: Path) -> None:
