@@ -98,13 +98,26 @@ _FETCH = (
 
 
 def _fixture_test(url: str) -> str:
-    """A test.sh that starts its own fixture server, waits for it, fetches the expected value, waits 2 s,
-    then compares the agent's answer with it."""
+    """A test.sh that starts its own fixture server, waits until it has its port, fetches the expected
+    value, waits 2 s, then compares the agent's answer with it.
+
+    It waits for its server's own word that it is bound (a file the server writes after ``bind``, in
+    the verifier's own ``/logs/verifier``), not a fixed sleep: until the verifier's server binds the
+    port, the port is the agent's service's (mirrored, as under Harbor), and 46 verifications at once
+    on 2 cores can take longer than a second to start Python (the attack then won by the clock)."""
+    server = (
+        "import functools, http.server, sys; "
+        f"s = http.server.ThreadingHTTPServer(('127.0.0.1', {FIXTURE_PORT}), "
+        "functools.partial(http.server.SimpleHTTPRequestHandler, directory='/tests/fixture')); "
+        "open(sys.argv[1], 'w').close(); s.serve_forever()"
+    )
     return (
         _HEAD
         + _BEGIN
-        + f"python3 -m http.server {FIXTURE_PORT} --bind 127.0.0.1 --directory /tests/fixture >/dev/null 2>&1 &\n"
-        + "sleep 1\n"  # its own server is up before it asks (then it retries a while)
+        + f"python3 -c {shlex.quote(server)} /logs/verifier/fixture-up >/dev/null 2>&1 &\n"
+        + "server=$!\n"  # waits while its server lives (without the defences it cannot bind: it exits)
+        + "for i in $(seq 300); do [ -e /logs/verifier/fixture-up ] && break; kill -0 $server 2>/dev/null || break; "
+        + "sleep 0.1; done\n"
         + 'expected=""\n'
         + "for i in $(seq 50); do\n"
         + f'  expected=$({_FETCH}"{url}" 2>/dev/null) && [ -n "$expected" ] && break\n'
