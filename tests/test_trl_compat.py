@@ -288,3 +288,32 @@ def test_the_module_documents_every_public_name() -> None:
     for name in trl_compat.__all__:
         doc = inspect.getdoc(getattr(trl_compat, name)) or ""
         assert "Returns:" in doc, name
+
+
+def test_the_installed_transformers_and_trl_parse_a_tool_call(tmp_path) -> None:
+    """The pair installed reads back as a call a Qwen3 tool call that the tokenizer holds as one added token,
+    as the test policy emits it (transformers 5.25's response-template parser, with TRL 1.16, returns it as
+    text: no tool is ever called; the ``test`` extra caps transformers below it)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import get_json_schema
+    from trl.chat_template_utils import add_response_schema, parse_response
+
+    from trl_harbor import HarborBashEnv
+    from trl_harbor.testing import build_tokenizer, tool_call_text
+
+    call = tool_call_text("bash", {"command": "ls /workdir/data"})
+    # The test policy (tests/demo_policy.py) emits a whole call as one added token; saved, then loaded,
+    # as a checkpoint is trained and evaluated.
+    build_tokenizer(extra_tokens=[call]).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        tokenizer = add_response_schema(tokenizer)
+    tools = [get_json_schema(HarborBashEnv.bash)]
+    conversation = [{"role": "user", "content": "list the data folder"}]
+    prompt = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    reply = call + "<|im_end|>"
+    ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+    parsed = parse_response(tokenizer, ids, prefix=prompt, tools=tools)
+    calls = parsed.get("tool_calls") or []
+    assert [c["function"]["name"] for c in calls] == ["bash"], parsed
