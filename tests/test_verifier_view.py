@@ -215,7 +215,9 @@ def test_an_agent_that_exhausts_its_processes_does_not_starve_its_keel(task: Pat
     async def scenario():
         env = await _started(task, tmp_path)
         try:
-            await _sh(env, "for i in $(seq 600); do (while :; do :; done) & done; echo started")
+            # Started in the background: the shell that starts them is starved by them too (a 60 s timeout once).
+            await _sh(env, "(for i in $(seq 600); do (while :; do :; done) & done) >/dev/null 2>&1 & echo started")
+            await asyncio.sleep(3)
             started = time.monotonic()
             assert await env.alive()  # the keel answers: its cgroup leaf is not the agent's
             async with env.verifier_view() as view:

@@ -558,8 +558,9 @@ if os.path.exists(path) and "stolen" not in open(path).read():
     open(path, "w").write("def test_stolen():\\n    pass\\n")
 """
 WRITE_REWARD = f"""
-if os.path.isdir("/logs/verifier"):
-    open("{REWARD}", "w").write("1\\n")
+if os.path.isdir("/logs/verifier"):  # written whole (a rename): never read half-written, empty
+    open("{REWARD}.tmp", "w").write("1\\n")
+    os.replace("{REWARD}.tmp", "{REWARD}")
 """
 COPY_TESTS = """
 if os.path.exists("/tests/answers.json"):
