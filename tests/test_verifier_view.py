@@ -148,6 +148,35 @@ def test_the_verifiers_network_is_its_own_and_the_agents_services_answer_it(tmp_
     run(scenario())
 
 
+def test_a_verifier_with_a_network_gets_it_on_its_own_process_every_time(task: Path, tmp_path: Path) -> None:
+    """The keel starts a view from a handler that exits as it answers: the view is reparented while the
+    host looks for it. A walk of the process tree once missed it (a CI run: no network, no grade); the
+    host now asks the kernel (SO_PEERCRED on the view's socket). Many views, each with its own network."""
+    from types import SimpleNamespace
+
+    from harbor.models.task.config import NetworkMode
+
+    public = SimpleNamespace(network_mode=NetworkMode.PUBLIC)
+
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            agent_interfaces = await _sh(env, "cat /proc/net/dev")
+            assert "tap0" not in agent_interfaces  # a no-network task: the agent has loopback only
+            for _ in range(12):
+                async with env.verifier_view(network_policy=public) as view:
+                    box = view._sandbox.box
+                    status = Path(f"/proc/{box.host_pid}/status").read_text()
+                    nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
+                    assert nspid[-1] == str(box.pid)  # the view's supervisor itself, not a passing process
+                    assert "tap0" in await _sh(view, "cat /proc/net/dev")  # slirp4netns is attached to it
+            assert await _sh(env, "cat /proc/net/dev") == agent_interfaces
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
 def test_every_link_of_the_agents_goes_through_its_keel(task: Path, tmp_path: Path) -> None:
     async def scenario():
         env = await _started(task, tmp_path)

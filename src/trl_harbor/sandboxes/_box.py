@@ -612,8 +612,7 @@ class Box:
         if forward:  # executed through its descriptor, as the supervisor is
             fds.append(os.open(await asyncio.to_thread(static_binary, "forwarder"), os.O_RDONLY | os.O_CLOEXEC))
         try:
-            listener.bind(client.address)
-            listener.listen(128)
+            listener.bind(client.address)  # the view listens on it, from its own process
             answer = await self.control._control("view", hostname, fds=fds)
         finally:
             listener.close()
@@ -622,7 +621,7 @@ class Box:
         view = ViewBox(self, client, int(answer["stdout"]))
         try:
             if network == "user":
-                view.host_pid = await asyncio.to_thread(_host_pid, self._child_pid, view.pid)
+                view.host_pid = await asyncio.to_thread(_listener_pid, client.address)
                 await view.set_network("user")
         except BaseException:
             await view.kill()
@@ -741,17 +740,16 @@ class ViewBox:
         self.supervisor.forget_address()
 
 
-def _host_pid(keel_host_pid: int, pid: int) -> int | None:
-    """The host PID of the process ``pid`` of a box's keel namespace (a descendant of its keel)."""
-    for candidate in _process_tree(keel_host_pid):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{candidate}/status").read_text().splitlines():
-                if line.startswith("NSpid:"):
-                    numbers = line.split()[1:]
-                    if len(numbers) >= 2 and numbers[1] == str(pid) and len(numbers) == 2:
-                        return candidate
-                    break
-    return None
+def _listener_pid(address: str) -> int:
+    """The host PID of the process that listens on the unix socket ``address`` (``SO_PEERCRED``: the
+    kernel translates it into this PID namespace; no walk of a process tree that changes meanwhile)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.connect(address)
+        creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid = struct.unpack("3i", creds)[0]
+    if pid <= 0:
+        raise SandboxError("the verifier's view has no process to attach a network to")
+    return pid
 
 
 class UserNetwork:

@@ -1029,6 +1029,12 @@ static void start_view(int conn, struct request *r) {
         }
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
         signal(SIGCHLD, SIG_IGN);
+        /* Listening from here makes this process the peer every connect() sees: the host learns its
+         * PID, in the host's own namespace, with SO_PEERCRED (this handler exits, the view is reparented). */
+        if (listen(r->fds[1], 128) != 0) {
+            dprintf(ready[1], "cannot listen for the verifier's commands: %s", strerror(errno));
+            _exit(1);
+        }
         send_fd(ready[1], binds); /* a zero byte: ready */
         if (binds >= 0) close(binds);
         close(ready[1]);
