@@ -17,12 +17,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local, tiny_grpo_trainer
 
-from trl_harbor.sources import parse_dataset, resolve_suite
+from trl_harbor.sources import SuiteSelection, parse_dataset, resolve_suite
 from trl_harbor.suite import TaskSuiteError, load_suite
 from trl_harbor.suite_lock import read_lock
 
@@ -165,10 +166,10 @@ def test_malformed_names_are_refused(given: str, kwargs: dict, expected: str) ->
 def test_registry_versions_resolve_to_their_commits_and_cache(suite_repo, tmp_path: Path) -> None:
     lines: list[str] = []
     download = tmp_path / "downloads"
-    kwargs = {"registry_path": suite_repo["registry"], "download_dir": download, "progress": lines.append}
-    one = resolve_suite("demo-suite@1.0", **kwargs)
-    two = resolve_suite("demo-suite@2.0", **kwargs)
-    latest = resolve_suite("demo-suite", **kwargs)  # no version: Harbor's choice, the highest
+    selection = SuiteSelection(registry_path=suite_repo["registry"], download_dir=download)
+    one = resolve_suite("demo-suite@1.0", selection, progress=lines.append)
+    two = resolve_suite("demo-suite@2.0", selection, progress=lines.append)
+    latest = resolve_suite("demo-suite", selection, progress=lines.append)  # no version: Harbor's choice, the highest
     assert (one.name, one.version, [d.name for d in one.task_dirs]) == ("demo-suite", "1.0", [GOLD_TASK])
     assert [d.name for d in two.task_dirs] == [GOLD_TASK, OTHER_TASK] and latest.version == "2.0"
     assert {o["git_commit_id"] for o in one.origins.values()} == {suite_repo["first"]}
@@ -178,11 +179,13 @@ def test_registry_versions_resolve_to_their_commits_and_cache(suite_repo, tmp_pa
     assert one.digest(one.task_dirs[0]) != two.digest(two.task_dirs[0])
     assert "1 fetched" in lines[1] and "0 fetched, 2 from the cache" in lines[-1]  # the third came from the cache
     # Globs and a count, as Harbor's: only the tasks kept are fetched.
-    only = resolve_suite("demo-suite@2.0", task_names=["orders_*"], **kwargs)
+    only = resolve_suite("demo-suite@2.0", replace(selection, task_names=["orders_*"]), progress=lines.append)
     assert [d.name for d in only.task_dirs] == [OTHER_TASK]
-    first = resolve_suite("demo-suite@2.0", limit=1, **kwargs)
+    first = resolve_suite("demo-suite@2.0", selection, limit=1, progress=lines.append)
     assert [d.name for d in first.task_dirs] == [GOLD_TASK]
-    none_left = resolve_suite("demo-suite@2.0", exclude_task_names=["*_count"], **kwargs)
+    none_left = resolve_suite(
+        "demo-suite@2.0", replace(selection, exclude_task_names=["*_count"]), progress=lines.append
+    )
     assert [d.name for d in none_left.task_dirs] == [GOLD_TASK]
 
 
@@ -195,7 +198,7 @@ def test_registry_versions_resolve_to_their_commits_and_cache(suite_repo, tmp_pa
 )
 def test_registry_failures_name_the_dataset_the_source_and_the_fix(suite_repo, tmp_path, dataset, expected) -> None:
     with pytest.raises(TaskSuiteError) as info:
-        resolve_suite(dataset, registry_path=suite_repo["registry"], download_dir=tmp_path / "dl")
+        resolve_suite(dataset, SuiteSelection(registry_path=suite_repo["registry"], download_dir=tmp_path / "dl"))
     message = str(info.value)
     assert message.startswith(f"{dataset}:") and expected in message
     assert str(suite_repo["registry"]) in message and "Fix:" in message and "suite.lock.json" in message
@@ -209,19 +212,22 @@ def test_an_unreachable_repository_leaves_nothing_behind(suite_repo, tmp_path: P
     broken.write_text(json.dumps(registry))
     download = tmp_path / "dl"
     with pytest.raises(TaskSuiteError, match="could not download the tasks of demo-suite@2.0") as info:
-        resolve_suite("demo-suite@2.0", registry_path=broken, download_dir=download, progress=lambda _: None)
+        resolve_suite(
+            "demo-suite@2.0", SuiteSelection(registry_path=broken, download_dir=download), progress=lambda _: None
+        )
     assert "git clone" in str(info.value) and "Fix:" in str(info.value)
     assert not download.exists() or not any(download.rglob("task.toml"))  # nothing partial left as if complete
 
 
 def test_a_tampered_cached_task_is_refused(suite_repo, tmp_path: Path) -> None:
-    kwargs = {"registry_path": suite_repo["registry"], "download_dir": tmp_path / "dl", "progress": lambda _: None}
-    resolved = resolve_suite("demo-suite@1.0", **kwargs)
+    selection = SuiteSelection(registry_path=suite_repo["registry"], download_dir=tmp_path / "dl")
+    resolved = resolve_suite("demo-suite@1.0", selection, progress=lambda _: None)
     (resolved.task_dirs[0] / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
     with pytest.raises(TaskSuiteError, match=f"task '{GOLD_TASK}': the cached copy .* has changed") as info:
-        resolve_suite("demo-suite@1.0", **kwargs)
+        resolve_suite("demo-suite@1.0", selection, progress=lambda _: None)
     assert "Fix: delete" in str(info.value)
-    again = resolve_suite("demo-suite@1.0", overwrite=True, **kwargs)  # fetched afresh, as the fix says
+    # Fetched afresh, as the fix says.
+    again = resolve_suite("demo-suite@1.0", replace(selection, overwrite=True), progress=lambda _: None)
     assert (again.task_dirs[0] / "tests" / "test.sh").read_text() != "echo 1 > /logs/verifier/reward.txt\n"
 
 
@@ -229,12 +235,12 @@ def test_a_cached_copy_never_recorded_complete_is_fetched_again(suite_repo, tmp_
     """A download cut short leaves a folder without its digest note: it is fetched again, never trusted."""
     from trl_harbor.digests import digest_note
 
-    kwargs = {"registry_path": suite_repo["registry"], "download_dir": tmp_path / "dl", "progress": lambda _: None}
-    first = resolve_suite("demo-suite@1.0", **kwargs)
+    selection = SuiteSelection(registry_path=suite_repo["registry"], download_dir=tmp_path / "dl")
+    first = resolve_suite("demo-suite@1.0", selection, progress=lambda _: None)
     task = first.task_dirs[0]
     (task / "tests" / "test.sh").unlink()  # a partial copy: a file missing
     digest_note(task).unlink()  # ... and no record that it was ever complete
-    again = resolve_suite("demo-suite@1.0", **kwargs)
+    again = resolve_suite("demo-suite@1.0", selection, progress=lambda _: None)
     assert (again.task_dirs[0] / "tests" / "test.sh").is_file()
     assert again.digests[again.task_dirs[0]] == first.digests[task] and digest_note(again.task_dirs[0]).is_file()
 
@@ -265,7 +271,7 @@ def git_daemon(suite_repo, tmp_path: Path) -> Iterator[str]:
 
 
 def test_git_repository_at_a_ref_through_harbor_and_file(suite_repo, git_daemon: str, tmp_path: Path) -> None:
-    quiet = {"download_dir": tmp_path / "dl", "progress": lambda _: None}
+    quiet = {"selection": SuiteSelection(download_dir=tmp_path / "dl"), "progress": lambda _: None}
     served = resolve_suite(f"{git_daemon}@{suite_repo['first']}", **quiet)  # Harbor's own --repo parser
     assert [d.name for d in served.task_dirs] == [GOLD_TASK]
     assert {o["git_commit_id"] for o in served.origins.values()} == {suite_repo["first"]}
@@ -308,6 +314,40 @@ def test_links_out_of_the_suite_are_not_followed(tmp_path: Path) -> None:
     (root / "tasks" / "science" / "group-out").symlink_to(outside)  # a folder of no task: not searched
     (root / "tasks" / "alias").symlink_to(root / "tasks" / "business")  # inside: found once, under its real path
     assert [t.path.name for t in load_suite(root).tasks] == [GOLD_TASK, OTHER_TASK]
+
+
+def test_a_selection_is_one_frozen_value_recorded_in_a_lock_without_its_cache(tmp_path: Path) -> None:
+    import dataclasses
+
+    selection = SuiteSelection(registry_path=tmp_path / "registry.json", task_names=["a*"], download_dir=tmp_path)
+    assert selection.task_names == ("a*",) and hash(selection) == hash(replace(selection))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        selection.overwrite = True  # type: ignore[misc]
+    assert selection.lock_options() == {
+        "revision": None,
+        "registry_url": None,
+        "registry_path": str(tmp_path / "registry.json"),
+        "task_names": ["a*"],
+        "exclude_task_names": None,
+    }
+    assert SuiteSelection(task_names=[]).lock_options()["task_names"] is None
+    assert set(selection.as_kwargs()) == {f.name for f in dataclasses.fields(SuiteSelection)}
+
+
+def test_a_count_cuts_a_local_folder_after_the_filters_and_check_slices_once() -> None:
+    import argparse
+
+    from trl_harbor.cli import _check_task_dirs
+
+    names = sorted(p.name for p in BUNDLED_SUITE.iterdir() if (p / "task.toml").is_file())
+    assert [d.name for d in resolve_suite(BUNDLED_SUITE, limit=2).task_dirs] == names[:2]
+    assert resolve_suite(BUNDLED_SUITE, limit=0).task_dirs == []
+    rest = resolve_suite(BUNDLED_SUITE, SuiteSelection(exclude_task_names=[names[0]]), limit=1)
+    assert [d.name for d in rest.task_dirs] == [names[1]]
+    flags = {"registry_url": None, "registry_path": None, "task_names": None, "exclude_task_names": None,
+             "download_dir": None, "task": None}  # fmt: skip
+    args = argparse.Namespace(suite=str(BUNDLED_SUITE), n_tasks=3, **flags)
+    assert [d.name for d in _check_task_dirs(args)] == names[:3]
 
 
 # ── Hugging Face snapshots: real files, pinned to the commit ──────────────────────────
@@ -421,14 +461,18 @@ def test_cli_trains_on_a_registry_dataset_and_reruns_from_its_lock(suite_repo, t
     policy.tokenizer.save_pretrained(checkpoint)
     steps = ["--model", str(checkpoint), "--max_steps", "1", "--num_generations", "2", "--per_device_train_batch_size",
              "2", "--max_completion_length", "64", "--max_tool_calling_iterations", "1", "--report_to", "none",
-             "--save_strategy", "no", "--heldout_rollouts", "0"]  # fmt: skip
+             "--save_strategy", "no"]  # fmt: skip
     first = tmp_path / "first"
+    # Held out: the same registry's dataset, sampled from the registry and cache the run was given.
     argv = ["train", "--dataset", "demo-suite@2.0", "--registry_path", str(suite_repo["registry"]),
-            "--download_dir", str(tmp_path / "dl"), "--task_names", GOLD_TASK, "--output_dir", str(first), *steps]  # fmt: skip
+            "--download_dir", str(tmp_path / "dl"), "--task_names", GOLD_TASK, "--output_dir", str(first),
+            "--heldout_dataset", "demo-suite@2.0", "--heldout_rollouts", "1", *steps]  # fmt: skip
     assert cli_main(argv) == 0
+    summary = json.loads((first / "summary.json").read_text())
+    assert summary["heldout_before"]["scored"] >= 1 and summary["heldout_after"]["scored"] >= 1
     (locked,) = read_lock(first / "suite.lock.json")
     assert (locked.dataset, locked.version, [t.name for t in locked.tasks]) == ("demo-suite@2.0", "2.0", [GOLD_TASK])
     second = tmp_path / "second"
     lock = str(first / "suite.lock.json")
-    assert cli_main(["train", "--dataset", lock, "--output_dir", str(second), *steps]) == 0
+    assert cli_main(["train", "--dataset", lock, "--output_dir", str(second), "--heldout_rollouts", "0", *steps]) == 0
     assert read_lock(second / "suite.lock.json")[0].tasks == locked.tasks

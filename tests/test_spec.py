@@ -70,6 +70,8 @@ def test_malformed_task_fails_in_the_constructor(copy_tasks) -> None:
     (root / "orders_count" / "instruction.md").unlink()
     with pytest.raises(TaskSuiteError, match="instruction.md is missing"):
         HarborSpec(root)
+    with pytest.raises(TaskSuiteError, match="instruction.md is missing"):  # a folder is validated whole
+        HarborSpec(root, num_tasks=1)
     with pytest.raises(TaskSuiteError, match="no such directory"):
         HarborSpec("./does/not/exist")
 

@@ -34,10 +34,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trl_harbor.options import HarborOptions
 from trl_harbor.tools import tool_schemas
+
+if TYPE_CHECKING:
+    from trl_harbor.sources import SuiteSelection
 
 __all__ = ["EndpointError", "EvalConfig", "EvalResult", "LocalPolicy", "TaskScore", "evaluate", "pass_at_k"]
 
@@ -150,6 +153,19 @@ class EvalConfig:
         bad = [k for k in self.k if k < 1 or k > self.num_rollouts]
         if bad:
             raise ValueError(f"--k {bad}: each k must be between 1 and --num-rollouts ({self.num_rollouts})")
+
+    @property
+    def selection(self) -> SuiteSelection:
+        """Where :attr:`dataset` comes from and which of its tasks to keep (its registry, filters and cache)."""
+        from trl_harbor.sources import SuiteSelection
+
+        return SuiteSelection(
+            registry_url=self.registry_url,
+            registry_path=self.registry_path,
+            task_names=self.task_names,
+            exclude_task_names=self.exclude_task_names,
+            download_dir=self.download_dir,
+        )
 
 
 @dataclass
@@ -448,11 +464,7 @@ def evaluate(
         num_tasks=config.num_tasks,
         indices=config.indices,
         options=config.options,
-        registry_url=config.registry_url,
-        registry_path=config.registry_path,
-        task_names=config.task_names,
-        exclude_task_names=config.exclude_task_names,
-        download_dir=config.download_dir,
+        **config.selection.as_kwargs(),
     )
     if config.few_shot:
         from trl_harbor.prompting import check_few_shot_tools, tool_names

@@ -30,10 +30,11 @@ run on the process-wide loop (:func:`trl_harbor.runtime.run`).
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
@@ -43,20 +44,32 @@ from trl_harbor.digests import read_digest_note, task_digest, write_digest_note
 from trl_harbor.suite import (
     TaskInfo,
     TaskSuiteError,
-    _looks_like_path,
     filter_task_dirs,
     find_suite_root,
     find_task_dirs,
     hub_suite,
+    looks_like_path,
 )
 from trl_harbor.suite_lock import LockedSuite, LockedTask, is_lock_file, read_lock
 
-__all__ = ["KINDS", "DatasetSource", "ResolvedSuite", "parse_dataset", "resolve_lock", "resolve_suite"]
+__all__ = [
+    "FETCHED_KINDS",
+    "KINDS",
+    "DatasetSource",
+    "ResolvedSuite",
+    "SuiteSelection",
+    "parse_dataset",
+    "resolve_lock",
+    "resolve_suite",
+]
 
 logger = logging.getLogger(__name__)
 
 #: The forms a dataset string takes.
 KINDS = ("local", "huggingface", "registry", "package", "git", "lock")
+
+#: The forms whose tasks Harbor's task client downloads, one by one (only those a run uses).
+FETCHED_KINDS = ("registry", "package", "git")
 
 _PREFIXES = {"hf:": "huggingface", "hub:": "package", "registry:": "registry", "repo:": "git"}
 _GIT_SCHEMES = ("https://", "http://", "ssh://", "git://", "git@", "file://")
@@ -87,6 +100,81 @@ class DatasetSource:
         """``location@version`` (or ``location``)."""
         return f"{self.location}@{self.version}" if self.version else self.location
 
+    @property
+    def fetched(self) -> bool:
+        """Whether its tasks are downloaded one by one (:data:`FETCHED_KINDS`), not listed from a folder or a lock."""
+        return self.kind in FETCHED_KINDS
+
+
+@dataclass(frozen=True)
+class SuiteSelection:
+    """Where a dataset comes from and which of its tasks to keep: how a suite is asked for, besides its name.
+
+    Built once from what the user gave (:class:`~trl_harbor.HarborSpec`'s keywords, the
+    ``trl-harbor`` flags, a config's fields) and passed to :func:`resolve_suite`. Each field is
+    named as :class:`~trl_harbor.HarborSpec`'s keyword of the same meaning (:meth:`as_kwargs`).
+
+    Attributes:
+        revision: The Hugging Face revision (branch, tag or commit) of an ``org/name`` id, given
+            apart from the dataset string (``None``: the one after ``@``, else ``main``); any
+            other form refuses it.
+        registry_url: A Harbor registry's URL (a ``registry.json`` served over HTTP), for a
+            ``name@version`` dataset (``None``: Harbor's default registry). A Hugging Face id
+            refuses it as a likely mistake.
+        registry_path: A ``registry.json`` on disk, for a ``name@version`` dataset (likewise;
+            not with ``registry_url``).
+        task_names: Globs of the task names to keep (Harbor's ``--include-task-name``; ``None``:
+            every task), kept as a tuple. A lock refuses it (it pins its tasks).
+        exclude_task_names: Globs of the task names to leave out (``--exclude-task-name``),
+            applied after ``task_names``; kept as a tuple.
+        download_dir: Where fetched tasks are cached (``None``: Harbor's task cache,
+            ``~/.cache/harbor/tasks``); for a lock, where a task whose copy is gone is fetched again.
+        overwrite: Fetch registry, package and repository tasks again even when cached.
+    """
+
+    revision: str | None = None
+    registry_url: str | None = None
+    registry_path: str | Path | None = None
+    task_names: Sequence[str] | None = None
+    exclude_task_names: Sequence[str] | None = None
+    # Where the tasks are cached, and whether afresh: not part of what a lock records.
+    download_dir: str | Path | None = field(default=None, metadata={"recorded": False})
+    overwrite: bool = field(default=False, metadata={"recorded": False})
+
+    def __post_init__(self) -> None:
+        for name in ("task_names", "exclude_task_names"):
+            globs = getattr(self, name)
+            if globs is not None:
+                object.__setattr__(self, name, tuple(globs))
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments, named as :class:`~trl_harbor.HarborSpec` takes them.
+
+        Returns:
+            ``{field name: value}`` for every field.
+        """
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def lock_options(self) -> dict[str, Any]:
+        """How the suite was asked for, as a suite lock records it (JSON values).
+
+        Returns:
+            ``{field name: value}`` for every field but ``download_dir`` and ``overwrite`` (where
+            tasks are cached is no part of what was asked for): a path as a string, globs as a
+            list (``None`` when none was given).
+        """
+        options: dict[str, Any] = {}
+        for f in fields(self):
+            if not f.metadata.get("recorded", True):
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = list(value) or None
+            elif isinstance(value, os.PathLike):
+                value = os.fspath(value)
+            options[f.name] = value
+        return options
+
 
 def parse_dataset(dataset: str | Path, *, revision: str | None = None) -> DatasetSource:
     """Tell which form a dataset string is (see the module's table).
@@ -111,7 +199,7 @@ def parse_dataset(dataset: str | Path, *, revision: str | None = None) -> Datase
             return _named(given, kind, given[len(prefix) :], revision)
     if given.startswith(_GIT_SCHEMES):
         return DatasetSource(given, "git", given)
-    if Path(given).expanduser().exists() or _looks_like_path(given):
+    if Path(given).expanduser().exists() or looks_like_path(given):
         return DatasetSource(given, "local", given)
     if "/" in given.split("@", 1)[0]:
         return _named(given, "huggingface", given, revision)
@@ -181,7 +269,8 @@ class ResolvedSuite:
 
         Args:
             selected: ``(task_index, task)`` pairs, in dataset order.
-            options: How the suite was asked for (recorded as given).
+            options: How the suite was asked for (recorded as given: :meth:`SuiteSelection.lock_options`
+                and the run's own selection, ``num_tasks`` / ``indices``).
 
         Returns:
             The locked suite.
@@ -213,33 +302,23 @@ def _stderr(message: str) -> None:
 
 
 def resolve_suite(
-    dataset: str | Path,
+    dataset: str | Path | DatasetSource,
+    selection: SuiteSelection | None = None,
     *,
-    revision: str | None = None,
-    registry_url: str | None = None,
-    registry_path: str | Path | None = None,
-    task_names: Sequence[str] | None = None,
-    exclude_task_names: Sequence[str] | None = None,
     limit: int | None = None,
-    download_dir: str | Path | None = None,
-    overwrite: bool = False,
     progress: Progress | None = None,
 ) -> ResolvedSuite:
     """Find a suite's task folders, fetching and pinning them when it is not a local folder.
 
     Args:
-        dataset: Any form of the module's table.
-        revision: Hugging Face revision (for an ``org/name`` id).
-        registry_url: A Harbor registry's URL (a ``registry.json`` served over HTTP) for a registry
-            name (other forms ignore it, but a Hugging Face id refuses it as a likely mistake).
-        registry_path: A ``registry.json`` on disk for a registry name (likewise).
-        task_names: Globs of task names to keep (Harbor's ``--include-task-name``).
-        exclude_task_names: Globs of task names to leave out (``--exclude-task-name``).
-        limit: Fetch only the first ``limit`` tasks of the sorted, filtered list (registry,
-            package and repository datasets; ``None``: all). Local folders are listed whole.
-        download_dir: Where fetched tasks are cached (default: Harbor's task cache,
-            ``~/.cache/harbor/tasks``).
-        overwrite: Fetch again even what is cached.
+        dataset: Any form of the module's table, or what :func:`parse_dataset` made of it (with
+            ``selection.revision``).
+        selection: Where the dataset comes from and which of its tasks to keep (``None``: every
+            task, from the default registry into Harbor's task cache).
+        limit: Keep only the first ``limit`` tasks of the sorted, filtered list (a lock's: in its
+            order; ``None``: all; a negative count: none). A registry, package or repository
+            dataset fetches only those; a folder, a Hugging Face snapshot or a lock is listed
+            (and checked) whole, then cut.
         progress: Called with one line when a fetch starts and one when it ends (default: stderr).
 
     Returns:
@@ -249,7 +328,9 @@ def resolve_suite(
         TaskSuiteError: Naming the dataset, the source and the fix, when it cannot be parsed,
             found, fetched, or a cached task's digest differs from the one recorded with it.
     """
-    source = parse_dataset(dataset, revision=revision)
+    selection = selection or SuiteSelection()
+    source = dataset if isinstance(dataset, DatasetSource) else parse_dataset(dataset, revision=selection.revision)
+    registry_url, registry_path = selection.registry_url, selection.registry_path
     if (registry_url is not None or registry_path is not None) and source.kind == "huggingface":
         raise TaskSuiteError(
             f"{source.given}: registry_url / registry_path name the registry of a dataset name (name@version), "
@@ -258,34 +339,23 @@ def resolve_suite(
         )
     if registry_url is not None and registry_path is not None:
         raise TaskSuiteError(f"{source.given}: give registry_url or registry_path, not both.")
+    if source.fetched:
+        return _resolve_harbor(source, selection, limit=limit, progress=progress or _stderr)
     if source.kind == "lock":
-        if task_names or exclude_task_names:
+        if selection.task_names or selection.exclude_task_names:
             raise TaskSuiteError(
                 f"{source.given}: a lock pins its tasks; task_names / exclude_task_names do not apply. "
                 "Fix: drop them (num_tasks / indices still select among the locked tasks)."
             )
-        return resolve_lock(source.given, download_dir=download_dir, progress=progress)
-    if source.kind in ("local", "huggingface"):
-        return _resolve_folder(source, task_names, exclude_task_names, progress or _stderr)
-    return _resolve_harbor(
-        source,
-        registry_url=registry_url,
-        registry_path=Path(registry_path).expanduser() if registry_path is not None else None,
-        task_names=task_names,
-        exclude_task_names=exclude_task_names,
-        limit=limit,
-        download_dir=Path(download_dir).expanduser() if download_dir is not None else None,
-        overwrite=overwrite,
-        progress=progress or _stderr,
-    )
+        resolved = resolve_lock(source.given, download_dir=selection.download_dir, progress=progress)
+    else:
+        resolved = _resolve_folder(source, selection, progress or _stderr)
+    if limit is not None:
+        resolved.task_dirs = resolved.task_dirs[: max(limit, 0)]
+    return resolved
 
 
-def _resolve_folder(
-    source: DatasetSource,
-    task_names: Sequence[str] | None,
-    exclude_task_names: Sequence[str] | None,
-    progress: Progress,
-) -> ResolvedSuite:
+def _resolve_folder(source: DatasetSource, selection: SuiteSelection, progress: Progress) -> ResolvedSuite:
     if source.kind == "local":
         root = find_suite_root(Path(source.location).expanduser())
         name, version = root.parent.name if root.name == "tasks" else root.name, None
@@ -296,7 +366,9 @@ def _resolve_folder(
         progress(
             f"trl-harbor: {source.given}: Hugging Face dataset at commit {version} ({time.monotonic() - start:.1f} s)"
         )
-    task_dirs = filter_task_dirs(find_task_dirs(root), task_names, exclude_task_names, dataset=source.given)
+    task_dirs = filter_task_dirs(
+        find_task_dirs(root), selection.task_names, selection.exclude_task_names, dataset=source.given
+    )
     resolved = ResolvedSuite(source, name, version, root, task_dirs)
     for task_dir in task_dirs:
         if source.kind == "huggingface":
@@ -407,18 +479,14 @@ def _fix(source: DatasetSource) -> str:
 
 
 def _resolve_harbor(
-    source: DatasetSource,
-    *,
-    registry_url: str | None,
-    registry_path: Path | None,
-    task_names: Sequence[str] | None,
-    exclude_task_names: Sequence[str] | None,
-    limit: int | None,
-    download_dir: Path | None,
-    overwrite: bool,
-    progress: Progress,
+    source: DatasetSource, selection: SuiteSelection, *, limit: int | None, progress: Progress
 ) -> ResolvedSuite:
     from harbor.constants import TASK_CACHE_DIR
+
+    registry_url = selection.registry_url
+    registry_path = None if selection.registry_path is None else Path(selection.registry_path).expanduser()
+    download_dir = None if selection.download_dir is None else Path(selection.download_dir).expanduser()
+    overwrite = selection.overwrite
 
     where = _where(source, registry_url, registry_path)
     start = time.monotonic()
@@ -432,7 +500,9 @@ def _resolve_harbor(
             f"{source.given}: could not resolve the {source.kind} dataset from {where}: {_detail(exc)}. "
             f"Fix: {_fix(source)}."
         ) from exc
-    task_ids = _select_task_ids(source, list(metadata.task_ids), task_names, exclude_task_names, limit)
+    task_ids = _select_task_ids(
+        source, list(metadata.task_ids), selection.task_names, selection.exclude_task_names, limit
+    )
     root = download_dir or TASK_CACHE_DIR
     pinned = f"{metadata.name}@{metadata.version}"
     label = source.given if pinned == source.given else f"{source.given} ({pinned})"

@@ -34,7 +34,7 @@ from trl_harbor.loop import LoopRolloutFunc, loop_agent_name, loop_reward
 from trl_harbor.options import OPTION_NAMES, HarborOptions
 from trl_harbor.preflight import check_backend, check_task_configs, preflight_enabled
 from trl_harbor.rewards import harbor_reward
-from trl_harbor.sources import resolve_suite
+from trl_harbor.sources import SuiteSelection, parse_dataset, resolve_suite
 from trl_harbor.suite import TaskInfo, TaskSuiteError, load_tasks, metadata_columns, select_tasks
 from trl_harbor.terminus import TerminusOptions
 
@@ -338,17 +338,22 @@ class HarborSpec:
         if self.env_cls is not None:
             check_hooks(self.env_cls)
         self.backend = resolve_backend(environment_type, dict(self.options.backend_options))
-        #: The suite as resolved: its task folders, where each came from, their digests.
-        self.resolved = resolve_suite(
-            dataset,
+        #: Where the suite comes from and which of its tasks to keep, as given.
+        self.selection = SuiteSelection(
             revision=revision,
             registry_url=registry_url,
             registry_path=registry_path,
             task_names=task_names,
             exclude_task_names=exclude_task_names,
-            limit=num_tasks if indices is None else None,
             download_dir=download_dir,
             overwrite=overwrite,
+        )
+        # A fetched dataset downloads only the first num_tasks; a folder, a Hugging Face snapshot or a
+        # lock is validated whole (a malformed task fails the spec), and select_tasks picks among them.
+        source = parse_dataset(dataset, revision=revision)
+        #: The suite as resolved: its task folders, where each came from, their digests.
+        self.resolved = resolve_suite(
+            source, self.selection, limit=num_tasks if indices is None and source.fetched else None
         )
         self.suite = load_tasks(self.resolved.task_dirs, source=str(dataset), root=self.resolved.root)
         self._selected: list[tuple[int, TaskInfo]] = select_tasks(
@@ -358,11 +363,7 @@ class HarborSpec:
             by_path = {path.resolve(): index for path, index in self.resolved.indices.items()}
             self._selected = [(by_path.get(task.path, i), task) for i, task in self._selected]
         self._lock_options: dict[str, Any] = {
-            "revision": revision,
-            "registry_url": registry_url,
-            "registry_path": None if registry_path is None else str(registry_path),
-            "task_names": list(task_names) if task_names else None,
-            "exclude_task_names": list(exclude_task_names) if exclude_task_names else None,
+            **self.selection.lock_options(),
             "num_tasks": num_tasks,
             "indices": list(indices) if indices is not None else None,
         }

@@ -44,6 +44,7 @@ __all__ = [
     "load_tasks",
     "load_suite",
     "load_task",
+    "looks_like_path",
     "materialise_hub_snapshot",
     "metadata_columns",
     "select_tasks",
@@ -108,7 +109,17 @@ class TaskSuite:
     tasks: tuple[TaskInfo, ...]
 
 
-def _looks_like_path(dataset: str) -> bool:
+def looks_like_path(dataset: str) -> bool:
+    """Whether a dataset string is written as a path, whether or not anything is there.
+
+    Args:
+        dataset: The dataset string.
+
+    Returns:
+        ``True`` when it starts with ``.``, ``/``, ``~`` or a backslash, has a drive letter
+        (``C:``), holds a backslash, or holds two slashes or more (``a/b/c``); ``False`` for a
+        bare ``name`` or ``org/name`` (a registry name or a Hugging Face id).
+    """
     if dataset.startswith((".", "/", "~", "\\")) or (len(dataset) > 1 and dataset[1] == ":"):
         return True
     return dataset.count("/") > 1 or "\\" in dataset
@@ -187,7 +198,7 @@ def find_suite_root(dataset: str | Path, revision: str | None = None) -> Path:
             "with task.toml / instruction.md, at any depth). Fix: point `dataset` at the folder that "
             "contains the task directories or their parent 'tasks/' folder."
         )
-    if isinstance(dataset, Path) or local.exists() or _looks_like_path(str(dataset)):
+    if isinstance(dataset, Path) or local.exists() or looks_like_path(str(dataset)):
         raise TaskSuiteError(
             f"{dataset}: no such directory. Fix: pass an existing local folder of Harbor tasks, "
             "or a Hugging Face dataset repo id like 'org/name'."

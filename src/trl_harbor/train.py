@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from trl import GRPOConfig
 
     from trl_harbor.options import HarborOptions
+    from trl_harbor.sources import SuiteSelection
 
 __all__ = [
     "DEFAULT_RUN",
@@ -265,6 +266,21 @@ class HarborTrainArguments(option_arguments()):
             )
         self.options()  # a bad rollout option or --ek fails with the arguments, not later
 
+    @property
+    def selection(self) -> SuiteSelection:
+        """Where the suites come from and which of their tasks to keep (revision, registry, filters, cache)."""
+        from trl_harbor.sources import SuiteSelection
+
+        return SuiteSelection(
+            revision=self.revision,
+            registry_url=self.registry_url,
+            registry_path=self.registry_path,
+            task_names=self.task_names,
+            exclude_task_names=self.exclude_task_names,
+            download_dir=self.download_dir,
+            overwrite=self.overwrite,
+        )
+
 
 @dataclass
 class HeldoutResult:
@@ -456,6 +472,7 @@ class _Plan:
 
 def _plan(harbor: HarborTrainArguments, config: GRPOConfig) -> _Plan:
     """Resolve the suites, specs and prompt options: what is wrong with them fails here, before the model loads."""
+    from dataclasses import replace
     from functools import partial
 
     from trl_harbor import HarborSpec
@@ -466,20 +483,10 @@ def _plan(harbor: HarborTrainArguments, config: GRPOConfig) -> _Plan:
     try:
         suites, heldout_dataset = _suites(harbor)
         options = harbor.options()
-        fetch = {"registry_url": harbor.registry_url, "registry_path": harbor.registry_path,
-                 "download_dir": harbor.download_dir, "overwrite": harbor.overwrite}  # fmt: skip
-        spec_of = partial(
-            HarborSpec, agent=harbor.agent, environment_type=harbor.environment_type, options=options, **fetch
-        )
+        selection = harbor.selection
+        spec_of = partial(HarborSpec, agent=harbor.agent, environment_type=harbor.environment_type, options=options)
         specs = [
-            spec_of(
-                suite,
-                num_tasks=harbor.num_tasks,
-                indices=harbor.indices,
-                revision=harbor.revision,
-                task_names=harbor.task_names,
-                exclude_task_names=harbor.exclude_task_names,
-            )  # fmt: skip
+            spec_of(suite, num_tasks=harbor.num_tasks, indices=harbor.indices, **selection.as_kwargs())
             for suite in suites
         ]
         if any(s.loop_agent is not None for s in specs) and default_run:
@@ -496,7 +503,9 @@ def _plan(harbor: HarborTrainArguments, config: GRPOConfig) -> _Plan:
         heldout = None
         if heldout_dataset:
             try:
-                heldout = spec_of(heldout_dataset)
+                # The same registry and cache; the revision and task filters are the training suites' only.
+                fetch = replace(selection, revision=None, task_names=None, exclude_task_names=None)
+                heldout = spec_of(heldout_dataset, **fetch.as_kwargs())
             except (ValueError, FileNotFoundError) as exc:
                 raise TrainSetupError(f"--heldout_dataset {heldout_dataset}: {exc}") from exc
         # The CLI's earliest moment for the backend check is here, before a model loads (a library
@@ -712,6 +721,10 @@ def _heldout(name: str, harbor: HarborTrainArguments, config: GRPOConfig, plan: 
         top_k=config.top_k or None,
         max_tokens=config.max_completion_length,
         options=plan.options,
+        # From where the plan resolved it: the same registry and cache (a name@version held-out suite).
+        registry_url=harbor.registry_url,
+        registry_path=harbor.registry_path,
+        download_dir=harbor.download_dir,
         output_dir=str(plan.output_dir / f"heldout-{name}"),
         system_prompt=harbor.system_prompt,
         few_shot=plan.few_shot,
