@@ -305,6 +305,53 @@ def test_eval_a_local_model_with_the_prompt_options_in_one_batch(tmp_path: Path,
     assert len(rows) == 6 and all(len(row["tool_calls"]) == 1 for row in rows)
 
 
+def test_a_local_model_runs_the_prompts_shared_beginning_once_and_generates_the_same(tmp_path: Path) -> None:
+    """Every prompt of a turn starts with the same system prompt, tools and example turns: the local
+    policy runs them once (a cache copied per row) and generates what it generates without the cache."""
+    from transformers.utils import get_json_schema
+
+    from trl_harbor import HarborBashEnv
+    from trl_harbor.evaluate import EvalConfig, LocalPolicy
+    from trl_harbor.testing import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    policy = LocalPolicy(build_model(tokenizer, seed=3), tokenizer)
+    tools = [get_json_schema(HarborBashEnv.bash)]
+    examples = [
+        {"role": "user", "content": "Write the word green into /workdir/colour.txt."},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c0", "type": "function", "function": {
+            "name": "bash", "arguments": '{"command": "echo green > /workdir/colour.txt"}'}}]},
+    ]  # fmt: skip
+    asks = ["List the files.", "Count the lines of /workdir/data/a.csv, please.", "Hi", "Print the date and time now."]
+    conversations = [
+        [{"role": "system", "content": "Be brief."}, *examples, {"role": "user", "content": a}] for a in asks
+    ]
+    prompts = [policy._prompt_ids(c, tools) for c in conversations]
+    config = EvalConfig(dataset=".", base_url=None, model="tiny", temperature=0.0, max_tokens=12, batch_size=3,
+                        output_dir=str(tmp_path))  # fmt: skip
+
+    run: list[int] = []  # tokens each forward pass of the model is given
+    hook = policy.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: run.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        plain = [ids for start in (0, 3) for ids in policy._generate(prompts[start : start + 3], config)]
+        plain_tokens, run[:] = sum(run), []
+        prefix = policy._prefix(prompts)
+        assert prefix is not None and len(prefix.ids) >= 32
+        assert all(p[: len(prefix.ids)] == prefix.ids for p in prompts)
+        cached = [ids for start in (0, 3) for ids in policy._generate(prompts[start : start + 3], config, prefix)]
+        cached_tokens = sum(run)
+    finally:
+        hook.remove()
+    assert cached == plain  # greedy: the same completions, token for token
+    assert any(len(ids) > 1 for ids in plain)
+    # The shared part runs once instead of once per row (four rows here).
+    assert cached_tokens <= plain_tokens - 2 * len(prefix.ids)
+    replies = policy.chat_batch(conversations, tools, config)
+    assert len(replies) == len(asks) and all(r["role"] == "assistant" for r in replies)
+
+
 @requires_local
 def test_eval_several_suites_each_on_its_own(
     tmp_path: Path, copy_tasks, endpoint: ScriptedEndpoint, close_sandboxes
