@@ -332,6 +332,16 @@ def test_a_selection_is_one_frozen_value_recorded_in_a_lock_without_its_cache(tm
     }
     assert SuiteSelection(task_names=[]).lock_options()["task_names"] is None
     assert set(selection.as_kwargs()) == {f.name for f in dataclasses.fields(SuiteSelection)}
+    # Built from anything whose attributes carry the fields' names (parsed flags, a config); the rest default.
+    from argparse import Namespace
+
+    flags = Namespace(registry_url="http://r", task_names=["b*"], n_tasks=3, download_dir=None, registry_path=None,
+                      exclude_task_names=None)  # fmt: skip
+    assert SuiteSelection.of(flags) == SuiteSelection(registry_url="http://r", task_names=("b*",))
+    from trl_harbor.evaluate import EvalConfig
+
+    config = EvalConfig(dataset="x", base_url=None, model="m", registry_path="reg.json", exclude_task_names=["c"])
+    assert SuiteSelection.of(config) == SuiteSelection(registry_path="reg.json", exclude_task_names=["c"])
 
 
 def test_a_count_cuts_a_local_folder_after_the_filters_and_check_slices_once() -> None:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from trl_harbor.options import HarborOptions
-    from trl_harbor.sources import SuiteSelection
 
 __all__ = ["main", "options_from_args"]
 
@@ -93,28 +92,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _check_task_dirs(args: argparse.Namespace) -> list[Path]:
     """The suite's task folders (not validated: check reports a malformed one as a failed row), or those named."""
-    from trl_harbor.sources import resolve_suite
+    from trl_harbor.sources import SuiteSelection, resolve_suite
 
-    task_dirs = resolve_suite(args.suite, _suite_selection(args), limit=args.n_tasks).task_dirs
+    task_dirs = resolve_suite(args.suite, SuiteSelection.of(args), limit=args.n_tasks).task_dirs
     if not args.task:
         return task_dirs
     missing = set(args.task) - {d.name for d in task_dirs}
     if missing:
         raise ValueError(f"no such task in {args.suite}: {', '.join(sorted(missing))}")
     return [d for d in task_dirs if d.name in args.task]
-
-
-def _suite_selection(args: argparse.Namespace) -> SuiteSelection:
-    """Where the suite comes from and which of its tasks to keep, from :func:`_add_dataset_flags`' flags."""
-    from trl_harbor.sources import SuiteSelection
-
-    return SuiteSelection(
-        registry_url=args.registry_url,
-        registry_path=args.registry_path,
-        task_names=args.task_names,
-        exclude_task_names=args.exclude_task_names,
-        download_dir=args.download_dir,
-    )
 
 
 def _add_dataset_flags(parser: argparse.ArgumentParser) -> None:

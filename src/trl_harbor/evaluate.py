@@ -161,13 +161,7 @@ class EvalConfig:
         """Where :attr:`dataset` comes from and which of its tasks to keep (its registry, filters and cache)."""
         from trl_harbor.sources import SuiteSelection
 
-        return SuiteSelection(
-            registry_url=self.registry_url,
-            registry_path=self.registry_path,
-            task_names=self.task_names,
-            exclude_task_names=self.exclude_task_names,
-            download_dir=self.download_dir,
-        )
+        return SuiteSelection.of(self)
 
 
 @dataclass

@@ -147,6 +147,20 @@ class SuiteSelection:
             if globs is not None:
                 object.__setattr__(self, name, tuple(globs))
 
+    @classmethod
+    def of(cls, given: Any) -> SuiteSelection:
+        """The selection an object's same-named attributes give (parsed flags, a config); a field it
+        lacks keeps its default.
+
+        Args:
+            given: An ``argparse.Namespace``, an eval or train config: anything with attributes named
+                as the fields.
+
+        Returns:
+            The selection.
+        """
+        return cls(**{f.name: getattr(given, f.name, f.default) for f in fields(cls)})
+
     def as_kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments, named as :class:`~trl_harbor.HarborSpec` takes them.
 

@@ -271,15 +271,7 @@ class HarborTrainArguments(option_arguments()):
         """Where the suites come from and which of their tasks to keep (revision, registry, filters, cache)."""
         from trl_harbor.sources import SuiteSelection
 
-        return SuiteSelection(
-            revision=self.revision,
-            registry_url=self.registry_url,
-            registry_path=self.registry_path,
-            task_names=self.task_names,
-            exclude_task_names=self.exclude_task_names,
-            download_dir=self.download_dir,
-            overwrite=self.overwrite,
-        )
+        return SuiteSelection.of(self)
 
 
 @dataclass
