@@ -179,19 +179,20 @@ class Rig:
     forwarder: subprocess.Popen | None = None
     servers: list[Server] = field(default_factory=list)
 
-    def start(self, mode: str = "diag", nofile: int | None = None) -> subprocess.Popen:
+    def start(self, mode: str = "diag", nofile: int | None = None, binds: int | None = None) -> subprocess.Popen:
         """Start the forwarder from the agent's namespace, watching a process of our own (with
-        ``nofile``, under that descriptor limit)."""
+        ``nofile``, under that descriptor limit; with ``binds``, that bind filter's listener)."""
         self.watched = subprocess.Popen(["sleep", "infinity"])
         pidfd = os.pidfd_open(self.watched.pid)
         try:
             argv = [static_binary("forwarder"), str(self.agent), str(self.view), str(pidfd)]
+            argv += [] if binds is None else [str(binds)]
             if nofile is not None:
                 argv = ["sh", "-c", f'ulimit -n {nofile} && exec "$@"', "sh", *argv]
             env = {"FORWARDER_SCAN": "proc"} if mode == "proc" else {}
             with netns(self.agent):
                 self.forwarder = subprocess.Popen(
-                    argv, pass_fds=(self.agent, self.view, pidfd), env=env, stdin=subprocess.DEVNULL,
+                    argv, pass_fds=(self.agent, self.view, pidfd, *([] if binds is None else [binds])), env=env, stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
         finally:
@@ -510,3 +511,55 @@ def test_exits_when_the_watched_process_dies_and_leaves_nothing() -> None:
         except OSError:
             pass
     assert left == []
+
+
+def _orphaned_bind_listener() -> int:
+    """The listener of a bind filter (as the view's supervisor installs) that no process holds any
+    more: a child installs it, hands its listener over, and exits — the listener hangs up for good."""
+    import ctypes
+
+    nr_bind = {"x86_64": 49, "aarch64": 200}[os.uname().machine]
+    nr_seccomp = {"x86_64": 317, "aarch64": 277}[os.uname().machine]
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:  # the child: no Python beyond raw calls, then out
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+            code = [(0x20, 0, 0, 0), (0x15, 0, 1, nr_bind), (0x06, 0, 0, 0x7FC00000), (0x06, 0, 0, 0x7FFF0000)]
+            program = b"".join(struct.pack("HBBI", *insn) for insn in code)
+            buffer = ctypes.create_string_buffer(program)
+            fprog = struct.pack("HxxxxxxQ", len(code), ctypes.addressof(buffer))
+            listener = libc.syscall(nr_seccomp, 1, 8, ctypes.c_char_p(fprog))  # SET_MODE_FILTER, NEW_LISTENER
+            socket.send_fds(theirs, [b"x"], [listener])
+        finally:
+            os._exit(0)
+    theirs.close()
+    try:
+        _, fds, _, _ = socket.recv_fds(ours, 1, 1)
+    finally:
+        ours.close()
+        os.waitpid(pid, 0)
+    assert len(fds) == 1
+    return fds[0]
+
+
+def test_a_bind_filter_no_process_holds_any_more_does_not_spin_it() -> None:
+    # The view's supervisor exits: its bind filter's listener hangs up before its pidfd is readable
+    # (under load, long before). Left in the epoll set, a hung-up listener is ready for ever.
+    rig = make_rig()
+    binds = _orphaned_bind_listener()
+    try:
+        forwarder = rig.start(binds=binds)
+        rig.serve(rig.agent, "127.0.0.1", 8093)
+        rig.wait_for(lambda: echoes(rig.view, "127.0.0.1", 8093))
+        before = cpu_seconds(forwarder.pid)
+        time.sleep(1)
+        assert cpu_seconds(forwarder.pid) - before < 0.2
+        assert echoes(rig.view, "127.0.0.1", 8093)  # still serving
+        assert rig.watched is not None
+        rig.watched.send_signal(signal.SIGKILL)
+        assert forwarder.wait(2) == 0
+    finally:
+        os.close(binds)
+        rig.close()
