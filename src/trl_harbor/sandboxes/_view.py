@@ -885,36 +885,45 @@ class _Walker:
     def _own(self, dir_fd: int, folder: str, depth: int) -> None:
         """Lay a folder of the agent's own that holds no place the rule names (a new package's): there
         only an entry's own name decides — a hook, code configuration, metadata the rule reads (copied),
-        a link into the verifier's places — so it is judged without looking at the image."""
+        a link into the verifier's places — so it is judged without looking at the image.
+
+        Its entries are hard-linked as listed; then one listing of what was laid (which the agent
+        cannot change) checks that each is what was judged — a link, or not — and removes the others
+        (an entry swapped between the two listings): one system call an entry, not two."""
         rule = self.rule
         try:
             with os.scandir(dir_fd) as listing:
                 entries = sorted(listing, key=lambda entry: entry.name)
         except OSError:
             return
+        here = f"{self.target}{folder}"
+        metadata = posixpath.basename(folder).lower().endswith((".dist-info", ".egg-info"))
+        linked: dict[str, bool] = {}  # laid by a hard link: name -> judged a link
         for entry in entries:
-            path, dest = f"{folder}/{entry.name}", f"{self.target}{folder}/{entry.name}"
+            name = entry.name
+            path, dest = f"{folder}/{name}", f"{here}/{name}"
             self.result.entries += 1
             if self.result.entries > MAX_ENTRIES:
                 self.conceal(path, "the agent's changes to code places are too many to judge")
-                return
+                break
             try:
                 allowed = rule.is_allowed(path)
-                why = None if allowed else rule.own_entry(path, entry.name)
+                why = None if allowed else rule.own_entry(path, name)
                 if entry.is_dir(follow_symlinks=False):
                     if why is not None or depth >= MAX_DEPTH:
                         self.conceal(path, why or "too deep to judge")
                         continue
-                    fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+                    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
                     try:
                         _mkdir_like(dest, os.fstat(fd), opaque=False)
                         self._own(fd, path, depth + 1)
                     finally:
                         os.close(fd)
                     continue
-                if why is None and entry.is_symlink():
+                is_link = entry.is_symlink()
+                if why is None and is_link:
                     try:
-                        target = os.readlink(entry.name, dir_fd=dir_fd)
+                        target = os.readlink(name, dir_fd=dir_fd)
                     except OSError as error:  # not a link any more (EINVAL): swapped since it was listed
                         if error.errno != errno.EINVAL:
                             raise
@@ -924,20 +933,40 @@ class _Walker:
                 if why is not None:
                     self.conceal(path, why)
                     continue
-                if not allowed and _judged_by_content(path):
-                    if not self._place(dir_fd, entry.name, dest, entry.stat(follow_symlinks=False), must=True):
+                if not allowed and (metadata or _judged_by_name(name)):
+                    if not self._place(dir_fd, name, dest, entry.stat(follow_symlinks=False), must=True):
                         self.conceal(path, _UNPLACED_READ)
                     continue
-                if not _link(dir_fd, entry.name, dest, is_link=entry.is_symlink()):
+                try:
+                    os.link(name, dest, src_dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # gone since it was listed: not in the snapshot
+                except OSError as error:
+                    if error.errno != errno.EPERM:  # a folder by now: no hard link to one
+                        raise
                     self.conceal(path, _UNPLACED)
                     continue
-                if ".so" in entry.name and _innermost(path, rule.loader_dirs) is not None:
+                linked[name] = is_link
+                if ".so" in name and _innermost(path, rule.loader_dirs) is not None:
                     self.result.libraries_added = True
             except FileNotFoundError:
                 continue  # gone since it was listed: not in the snapshot
             except OSError as error:
                 if error.errno not in (errno.EEXIST, errno.ELOOP, errno.ENOTDIR):
                     raise
+        if linked:
+            self._check_linked(here, folder, linked)
+
+    def _check_linked(self, here: str, folder: str, linked: dict[str, bool]) -> None:
+        """Remove what was hard-linked into ``here`` as other than it was judged (a file swapped for a
+        link since it was listed, or back): the linked inode is what the verifier gets, and the agent
+        can no longer change what it is."""
+        with os.scandir(here) as laid:
+            for entry in laid:
+                judged_link = linked.get(entry.name)
+                if judged_link is not None and entry.is_symlink() != judged_link:
+                    os.unlink(entry.path)
+                    self.conceal(f"{folder}/{entry.name}", _UNPLACED)
 
     def _place(self, dir_fd: int, name: str, dest: str, info: os.stat_result, must: bool) -> bool:
         """Copy a file the rule reads (within the budget), else hard-link the agent's entry: its data and
@@ -1028,11 +1057,12 @@ def _mkdir_like(path: str, info: os.stat_result, opaque: bool) -> None:
 def _judged_by_content(path: str) -> bool:
     """Whether the rule read this file's content (a distribution's metadata, a ``.pth``)."""
     parent = posixpath.basename(posixpath.dirname(path)).lower()
-    return (
-        path.endswith(".pth")
-        or parent.endswith((".dist-info", ".egg-info"))
-        or _EDITABLE_FINDER.match(posixpath.basename(path)) is not None
-    )
+    return parent.endswith((".dist-info", ".egg-info")) or _judged_by_name(posixpath.basename(path))
+
+
+def _judged_by_name(name: str) -> bool:
+    """Whether the rule reads a file of this name wherever it is (a ``.pth``, an editable finder)."""
+    return name.endswith(".pth") or _EDITABLE_FINDER.match(name) is not None
 
 
 def _sparse_copy(dir_fd: int, name: str, dest: str) -> int:
