@@ -14,6 +14,7 @@ attacks and honest rollouts through the whole grading path.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import time
 from pathlib import Path
@@ -308,3 +309,54 @@ def test_a_view_teardown_that_fails_is_logged_and_the_sandbox_still_stops(caplog
         asyncio.run(scenario())
     assert any("could not be detached" in record.getMessage() for record in caplog.records), caplog.records
     assert not root.closing
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root's worker (a user's holder makes the views without root)")
+def test_views_are_made_in_a_process_apart_and_one_that_died_is_replaced(
+    task: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """As root, a batch's views (a walk and a dozen mounts each) are made by a worker process, not on
+    the trainer's interpreter (whose lock its event loop needs); a worker that died is started again."""
+    from trl_harbor.sandboxes import _roots, _userns
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("a view was made in the trainer's process")
+
+    monkeypatch.setattr(_roots, "snapshot", not_here)  # this process's copy only: the worker has its own
+
+    async def scenario() -> None:
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(env, "echo 42 > /workdir/answer.txt")
+            async with env.verifier_view() as view:
+                assert await _sh(view, "cat /workdir/answer.txt") == "42"
+            first = _userns.worker()
+            assert first.call(os.getpid) == first.proc.pid != os.getpid()
+            first.proc.kill()
+            first.proc.wait()
+            async with env.verifier_view() as view:
+                assert await _sh(view, "cat /workdir/answer.txt") == "42"
+            assert _userns.worker() is not first
+        finally:
+            await env.stop(delete=True)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root's worker")
+def test_the_worker_exits_with_its_owner() -> None:
+    import subprocess
+    import sys
+
+    owner = subprocess.run(
+        [sys.executable, "-c", "from trl_harbor.sandboxes import _userns; print(_userns.worker().proc.pid)"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert owner.returncode == 0, owner.stderr
+    pid = int(owner.stdout)
+    for _ in range(100):
+        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the worker {pid} outlived its owner")

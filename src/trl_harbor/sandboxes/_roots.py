@@ -330,8 +330,11 @@ class VerifierRoot(ImageRoot):
                     storage_mb=agent_box.config.storage_mb, runas=static_binary("runas"), tmpdir=self._tmpdir,
                 binds=list(agent_box.config.extra_ro_binds),
             )  # fmt: skip
-            self.view = await asyncio.to_thread(self.host.call, make_view, spec)
-            tree = await asyncio.to_thread(self.host.call_fd, view_tree, self.dir)
+            # In a process apart (a batch's views, each a walk and a dozen mounts, one at a time
+            # there, not contending for this interpreter's lock with its event loop).
+            maker = self.host.apart()
+            self.view = await asyncio.to_thread(maker.call, make_view, spec)
+            tree = await asyncio.to_thread(maker.call_fd, view_tree, self.dir)
             try:
                 self.box = await agent_box.open_view(
                     tree, self.task.hostname, "user" if self.network == "user" else "none"
@@ -370,7 +373,7 @@ class VerifierRoot(ImageRoot):
                 await box.kill()
         finally:
             if view_dir is not None:
-                await _off_loop(self.host.call, close_view, view_dir)
+                await _off_loop(self.host.apart().call, close_view, view_dir)
 
     def _for_user(self, user: str | int | None, command: str, env: dict[str, str] | None) -> tuple[str, dict[str, str]]:
         command, merged = super()._for_user(user, command, env)
