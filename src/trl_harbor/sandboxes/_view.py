@@ -257,6 +257,7 @@ class _Rule:
         # Where ``python -m`` may run from (its working directory is first on the import path).
         self.run_dirs = {d for d in (self.workdir, "/tmp") if d != "/"}
         self.names = self._shipped_names()
+        self._code_below: dict[str, bool] = {}
 
     def _shipped_names(self) -> _Names:
         names = _Names()
@@ -339,13 +340,18 @@ class _Rule:
 
     def code_below(self, path: str) -> bool:
         """Whether code is looked up at or below the folder ``path`` (then it must stay a folder, the image's
-        entries there stay)."""
-        prefix = path.rstrip("/") + "/"
-        return (
-            self.code_place(prefix + "x")
-            or any(d == path or d.startswith(prefix) for d in self.lookup_dirs)
-            or any(g.startswith(prefix) for g in self.config)
-        )
+        entries there stay). Remembered per folder: every view of the image asks it of the same folders."""
+        known = self._code_below.get(path)
+        if known is None:
+            if len(self._code_below) > _REMEMBERED_FOLDERS:
+                self._code_below.clear()
+            prefix = path.rstrip("/") + "/"
+            known = self._code_below[path] = (
+                self.code_place(prefix + "x")
+                or any(d == path or d.startswith(prefix) for d in self.lookup_dirs)
+                or any(g.startswith(prefix) for g in self.config)
+            )
+        return known
 
     # -- the judgement ---------------------------------------------------------------
 
@@ -764,6 +770,8 @@ _UNPLACED = "changed while it was judged"
 JUDGED_FILE_CAP = 1 << 20
 #: Entries of the agent's code places judged at most (beyond, the rest is not seen).
 MAX_ENTRIES = 1_000_000
+#: Folders a rule remembers its answers for at most (then it forgets them all and starts again).
+_REMEMBERED_FOLDERS = 100_000
 
 
 class _Walker:
