@@ -24,11 +24,11 @@ __all__ = ["GUARD_MODULE", "guard_files", "site_folder"]
 #: The hook's module name (also its file's stem); a ``.pth`` of that stem imports it.
 GUARD_MODULE = "_trl_harbor_verifier_guard"
 
-_TEMPLATE = '''"""trl-harbor's import guard in the verifier's view of a sandbox (not a file of the task's image).
-
-Modules the image ships, imports, or the test runner needs are imported from the image's own
-folders only; distribution metadata is read from those folders only.
-"""
+# Comments, not docstrings, and no import: every Python start of the verifier's compiles this
+# (measured: the guard's cost per interpreter start 2.8 -> see CHANGELOG).
+_TEMPLATE = '''# trl-harbor's import guard in the verifier's view of a sandbox (not a file of the task's image):
+# modules the image ships, imports, or the test runner needs are imported from the image's own
+# folders only; distribution metadata is read from those folders only.
 import sys
 
 TRUSTED = {trusted!r}
@@ -36,13 +36,15 @@ GUARDED = frozenset({guarded!r}.split())
 
 
 def _install():
-    try:
-        from importlib.machinery import PathFinder
-    except ImportError:  # a Python without importlib's machinery: nothing to guard with
+    # The path finder already loaded (importing importlib.machinery costs a start ~0.7 ms).
+    for position, PathFinder in enumerate(sys.meta_path):
+        if getattr(PathFinder, "__name__", "") == "PathFinder":
+            break
+    else:  # no path finder: nothing to guard
         return
 
     class VerifierImportGuard(object):
-        """Top-level imports: the image's folders first; a guarded name nowhere else."""
+        # Top-level imports: the image's folders first; a guarded name nowhere else.
 
         @classmethod
         def find_spec(cls, name, path=None, target=None):
@@ -57,13 +59,6 @@ def _install():
         def invalidate_caches(cls):
             pass
 
-    position = 0
-    for index, finder in enumerate(sys.meta_path):
-        if finder is PathFinder or getattr(finder, "__name__", "") == "PathFinder":
-            position = index
-            break
-    else:
-        position = len(sys.meta_path)
     sys.meta_path.insert(position, VerifierImportGuard)
 
     original = getattr(PathFinder, "find_distributions", None)
