@@ -26,7 +26,7 @@ GUARD_MODULE = "_trl_harbor_verifier_guard"
 
 # Comments, not docstrings, and no import: every Python start of the verifier's compiles this
 # (measured: the guard's cost per interpreter start 2.8 -> see CHANGELOG).
-_TEMPLATE = '''# trl-harbor's import guard in the verifier's view of a sandbox (not a file of the task's image):
+_TEMPLATE = """# trl-harbor's import guard in the verifier's view of a sandbox (not a file of the task's image):
 # modules the image ships, imports, or the test runner needs are imported from the image's own
 # folders only; distribution metadata is read from those folders only.
 import sys
@@ -80,7 +80,7 @@ try:
     _install()
 except Exception:  # never the cause of a verifier's failure
     pass
-'''
+"""
 
 
 def site_folder(python_path: Iterable[str]) -> str | None:
