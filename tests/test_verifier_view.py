@@ -330,13 +330,15 @@ def test_views_are_made_in_a_process_apart_and_one_that_died_is_replaced(
             await _sh(env, "echo 42 > /workdir/answer.txt")
             async with env.verifier_view() as view:
                 assert await _sh(view, "cat /workdir/answer.txt") == "42"
-            first = _userns.worker()
-            assert first.call(os.getpid) == first.proc.pid != os.getpid()
-            first.proc.kill()
-            first.proc.wait()
-            async with env.verifier_view() as view:
+            workers = list({id(w): w for w in (_userns.worker() for _ in range(8))}.values())  # each in turn
+            for worker in workers:
+                assert worker.call(os.getpid) == worker.proc.pid != os.getpid()
+                worker.proc.kill()
+                worker.proc.wait()
+            async with env.verifier_view() as view:  # made by workers started again
                 assert await _sh(view, "cat /workdir/answer.txt") == "42"
-            assert _userns.worker() is not first
+            again = {id(_userns.worker()) for _ in range(8)}
+            assert again.isdisjoint(id(w) for w in workers) and len(again) == len(workers)
         finally:
             await env.stop(delete=True)
 

@@ -19,9 +19,10 @@ Without subordinate ids the holder maps this user's uid and gid as 0 and no othe
 :data:`SINGLE_ID_LIMITS`.
 
 As root there is no holder: host-side work runs in the process itself, but for the verifier's views
-(:meth:`Host.apart`), which a *worker* of the same protocol makes one at a time, in the host's
-namespaces: a batch of views made on the trainer's threads contended for its interpreter's lock
-with its event loop (grading a batch of 16 cost 1.5x grading in place; 1.2x with the worker).
+(:meth:`Host.apart`), which *workers* of the same protocol make, in the host's namespaces — one per
+CPU, each one view at a time: a batch of views made on the trainer's threads contended for its
+interpreter's lock with its event loop (grading a batch of 16 on 2 cores cost 1.5-1.7x grading in
+place; 1.2-1.4x with the workers, ``benchmarks/grading.py``).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class Host:
     def apart(self) -> Host:
         """This host's rights in a process apart from this one, for work that must not take this
         interpreter's lock from its event loop (the verifier's views: a walk and a dozen mounts each,
-        a batch at once): as root, a worker of this package's started once per process (:func:`worker`)."""
+        a batch at once): as root, one of this process's workers (:func:`worker`)."""
         return worker()
 
 
@@ -238,8 +239,8 @@ def _serving_process(socket_path: Path, main: str) -> subprocess.Popen:
 
 
 class Worker(_Served):
-    """Root's worker (:meth:`Host.apart`): a process of this package's in the host's namespaces that
-    runs ``call`` requests one at a time (a batch of them does not contend for one interpreter's
+    """One of root's workers (:meth:`Host.apart`): a process of this package's in the host's namespaces
+    that runs ``call`` requests one at a time (a batch of them does not contend for one interpreter's
     lock) and exits when its owner does (its standard input closes)."""
 
     def __init__(self, socket_path: Path):
@@ -328,19 +329,26 @@ class Holder(_Served):
 
 _LOCK = threading.Lock()
 _HOLDER: tuple[int, Holder] | None = None
-_WORKER: tuple[int, Worker] | None = None
+_WORKERS: tuple[int, list[Worker | None]] | None = None
+_TURN = 0
 
 
 def worker() -> Worker:
-    """Root's worker for this process (:meth:`Host.apart`), started at first use and again if it died."""
-    global _WORKER
+    """One of root's workers for this process (:meth:`Host.apart`), in turn: one per CPU this process
+    may use, each started at first use and again if it died."""
+    global _WORKERS, _TURN
     with _LOCK:
-        if _WORKER is None or _WORKER[0] != os.getpid() or _WORKER[1].proc.poll() is not None:
-            path = state_root() / f"{os.getpid()}-worker.sock"
+        if _WORKERS is None or _WORKERS[0] != os.getpid():
+            _WORKERS = (os.getpid(), [None] * max(1, len(os.sched_getaffinity(0))))
+        slots = _WORKERS[1]
+        _TURN = (_TURN + 1) % len(slots)
+        chosen = slots[_TURN]
+        if chosen is None or chosen.proc.poll() is not None:
+            path = state_root() / f"{os.getpid()}-worker{_TURN}.sock"
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            _WORKER = (os.getpid(), Worker(path))
-        return _WORKER[1]
+            chosen = slots[_TURN] = Worker(path)
+        return chosen
 
 
 def host() -> Host:
