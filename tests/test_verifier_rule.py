@@ -216,3 +216,33 @@ def test_stem() -> None:
     assert stem("numpy-2.1.0.dist-info") == "numpy"
     assert stem("libssl.so.3") == "libssl"
     assert stem(".bashrc") == ".bashrc"
+
+
+def test_an_own_folders_configuration_shortcut_judges_as_the_full_rule(tmp_path: Path) -> None:
+    """An entry of a new folder is checked against the configuration globs it can begin like only:
+    the verdict must be the full rule's for every glob of CODE_CONFIG (entries that match, entries
+    beside them, and below folders that are configuration themselves)."""
+    from trl_harbor.sandboxes._view import CODE_CONFIG, _Rule
+
+    (tmp_path / "home" / "dev").mkdir(parents=True)
+    rule = _Rule(tmp_path, SEARCH, "/workdir", ())
+    folders = {"/", "/etc", "/etc/ssl", "/usr/lib/x86_64-linux-gnu/gconv", "/srv/app/newpkg", "/opt/tool"}
+    names = {"x.py", "pip.conf", "openssl.cnf", "gconv-modules", "ld.so.conf", "python3.11", ".bashrc"}
+    for glob in rule.config:
+        head, _, tail = glob.replace("*", "zz").rpartition("/")
+        folders |= {head or "/", glob.replace("*", "zz"), f"{glob.replace('*', 'zz')}/sub"}
+        names.add(tail)
+    assert any(item.startswith("~/") for item in CODE_CONFIG) and "/home/dev/.gitconfig" in {
+        g.replace("*", "dev") for g in rule.config
+    }
+    checked = 0
+    for folder in folders:
+        for name in names:
+            path = f"{folder.rstrip('/')}/{name}"
+            expected = "code configuration" if rule.in_config(path) else None
+            got = rule.own_entry(folder, name)
+            if got in ("an interpreter hook", "the test runner's own package"):
+                continue
+            assert got == expected, (folder, name)
+            checked += expected is not None
+    assert checked > len(rule.config)  # most globs were matched through the shortcut

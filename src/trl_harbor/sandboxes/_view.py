@@ -240,6 +240,7 @@ class _Rule:
         self._config_re = re.compile(
             "|".join(f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g + '/*')})" for g in self.config)
         )
+        self._config_in: dict[str, re.Pattern[str] | None] = {}  # per folder: the globs its entries may match
         self._allowed_re = re.compile(
             "|".join(f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g.rstrip('/') + '/*')})" for g in self.allowed)
             or "(?!)"
@@ -302,15 +303,38 @@ class _Rule:
             and not any(p.startswith(folder + "/") for p in IMPLICIT_SOCKETS)
         )
 
-    def own_entry(self, path: str, name: str) -> str | None:
-        """Why an entry inside a folder that holds nothing named is not seen (``None``: it is)."""
+    def own_entry(self, folder: str, name: str) -> str | None:
+        """Why the entry ``name`` of a folder that holds nothing named is not seen (``None``: it is)."""
         if _HOOKS_RE.match(name):
             return "an interpreter hook"
         if stem(name) in RUNNER_PACKAGES:
             return "the test runner's own package"
-        if self.in_config(path):
+        config = self._config_of_entries(folder)
+        if config is not None and config.match(f"{folder}/{name}"):
             return "code configuration"
         return None
+
+    def _config_of_entries(self, folder: str) -> re.Pattern[str] | None:
+        """The configuration globs an entry of ``folder`` may match: those whose literal beginning (up
+        to the first wildcard) such a path can start with — a path cannot match a glob whose
+        beginning it lacks — as one expression; ``None``: none. The full expression for a folder that
+        is configuration itself (so is all below it). Remembered per folder."""
+        if folder in self._config_in:
+            return self._config_in[folder]
+        if len(self._config_in) > _REMEMBERED_FOLDERS:
+            self._config_in.clear()
+        if self.in_config(folder):
+            found: re.Pattern[str] | None = self._config_re
+        else:
+            below = folder.rstrip("/") + "/"
+            globs = [g for g in self.config if _may_begin(below, _literal_start(g))]
+            found = (
+                re.compile("|".join(f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g + '/*')})" for g in globs))
+                if globs
+                else None
+            )
+        self._config_in[folder] = found
+        return found
 
     def verifier_only(self, path: str) -> bool:
         """Whether ``path`` belongs to the verifier alone (its tests, its outputs, the solution)."""
@@ -640,6 +664,19 @@ def _declares_runner_plugin(metadata: Path) -> bool:
     return "[pytest11]" in text.replace(" ", "")
 
 
+def _literal_start(glob: str) -> str:
+    """What every path that matches ``glob`` begins with: the glob up to its first wildcard."""
+    for index, char in enumerate(glob):
+        if char in "*?[":
+            return glob[:index]
+    return glob
+
+
+def _may_begin(below: str, start: str) -> bool:
+    """Whether a path below the folder ``below`` (ending in ``/``) may begin with ``start``."""
+    return below.startswith(start) or start.startswith(below)
+
+
 def _matches(name: str, globs: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
@@ -916,7 +953,7 @@ class _Walker:
                 break
             try:
                 allowed = rule.is_allowed(path)
-                why = None if allowed else rule.own_entry(path, name)
+                why = None if allowed else rule.own_entry(folder, name)
                 if entry.is_dir(follow_symlinks=False):
                     if why is not None or depth >= MAX_DEPTH:
                         self.conceal(path, why or "too deep to judge")
