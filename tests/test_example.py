@@ -43,5 +43,6 @@ def test_example_trains_under_accelerate_with_two_processes(tmp_path: Path) -> N
     assert "tool calls/rollout=" in completed.stdout + completed.stderr
     # Every sandbox of the run was removed: what is new belongs to a live process (another test
     # running beside this one), never to one that has exited.
-    left = [name for name in set(os.listdir(state_root())) - before if not _alive(int(name.split("-", 1)[0]))]
+    new = [name for name in set(os.listdir(state_root())) - before if name.split("-", 1)[0].isdigit()]  # not workers/
+    left = [name for name in new if not _alive(int(name.split("-", 1)[0]))]
     assert left == []

@@ -345,20 +345,59 @@ def test_views_are_made_in_a_process_apart_and_one_that_died_is_replaced(
     asyncio.run(scenario())
 
 
+def _gone(pid: int) -> bool:
+    """Whether the process ``pid`` exits (or is a zombie) within 5 s."""
+    for _ in range(100):
+        try:
+            if "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]:
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="root's worker")
-def test_the_worker_exits_with_its_owner() -> None:
+@pytest.mark.parametrize("end", ["exit", "SIGKILL"])
+def test_the_worker_exits_with_its_owner(end: str) -> None:
+    """However its owner ends — its exit (the worker's socket is removed as it does) or a kill."""
+    import signal
     import subprocess
     import sys
 
-    owner = subprocess.run(
-        [sys.executable, "-c", "from trl_harbor.sandboxes import _userns; print(_userns.worker().proc.pid)"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert owner.returncode == 0, owner.stderr
-    pid = int(owner.stdout)
-    for _ in range(100):
-        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError(f"the worker {pid} outlived its owner")
+    from trl_harbor.sandboxes._userns import worker_sockets
+
+    script = (
+        "import sys, time\nfrom trl_harbor.sandboxes import _userns\nprint(_userns.worker().proc.pid, flush=True)\n"
+    )
+    script += "time.sleep(60)\n" if end == "SIGKILL" else ""
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    pid = int(owner.stdout.readline())
+    if end == "SIGKILL":
+        owner.send_signal(signal.SIGKILL)
+    assert owner.wait(60) in (0, -signal.SIGKILL)
+    assert _gone(pid), f"the worker {pid} outlived its owner"
+    if end == "exit":
+        assert not [p.name for p in worker_sockets().iterdir() if p.name.startswith(f"{owner.pid}-")]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root's worker")
+def test_the_sockets_of_workers_killed_with_their_owner_are_swept() -> None:
+    import subprocess
+
+    from trl_harbor.sandboxes._lifetime import sweep_stale
+    from trl_harbor.sandboxes._userns import worker_sockets
+
+    child = subprocess.Popen(["true"])
+    child.wait()  # a PID no process has any more
+    gone = worker_sockets() / f"{child.pid}-0.sock"
+    ours = worker_sockets() / f"{os.getpid()}-99.sock"
+    for path in (gone, ours):
+        path.write_text("")
+    try:
+        sweep_stale()
+        assert not gone.exists() and ours.exists()
+    finally:
+        gone.unlink(missing_ok=True)
+        ours.unlink(missing_ok=True)

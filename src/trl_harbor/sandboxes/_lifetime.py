@@ -89,6 +89,10 @@ def sweep_stale() -> int:
                 _remove_stale(Path(entry.path))
                 removed += 1
     _cgroups.remove_stale(_owner_dead)
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(state_root() / "workers"):  # sockets of view workers killed with their owner
+            if _owner_dead(entry.name):
+                Path(entry.path).unlink(missing_ok=True)
     return removed
 
 

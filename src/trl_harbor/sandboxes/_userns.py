@@ -27,6 +27,7 @@ place; 1.2-1.4x with the workers, ``benchmarks/grading.py``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -333,6 +334,26 @@ _WORKERS: tuple[int, list[Worker | None]] | None = None
 _TURN = 0
 
 
+def worker_sockets() -> Path:
+    """Where root's workers listen (apart from the sandboxes' trees; a dead owner's are swept with them)."""
+    folder = state_root() / "workers"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
+def _stop_workers(workers: tuple[int, list[Worker | None]]) -> None:
+    """At exit: this process's workers told to go (their standard input closed), their sockets removed
+    now (a worker removes its own as it goes, a moment later)."""
+    if workers[0] != os.getpid():
+        return  # a forked child's exit: the workers are its parent's
+    for chosen in workers[1]:
+        if chosen is not None:
+            with contextlib.suppress(OSError):
+                if chosen.proc.stdin is not None:
+                    chosen.proc.stdin.close()
+            chosen.socket_path.unlink(missing_ok=True)
+
+
 def worker() -> Worker:
     """One of root's workers for this process (:meth:`Host.apart`), in turn: one per CPU this process
     may use, each started at first use and again if it died."""
@@ -340,11 +361,12 @@ def worker() -> Worker:
     with _LOCK:
         if _WORKERS is None or _WORKERS[0] != os.getpid():
             _WORKERS = (os.getpid(), [None] * max(1, len(os.sched_getaffinity(0))))
+            atexit.register(_stop_workers, _WORKERS)
         slots = _WORKERS[1]
         _TURN = (_TURN + 1) % len(slots)
         chosen = slots[_TURN]
         if chosen is None or chosen.proc.poll() is not None:
-            path = state_root() / f"{os.getpid()}-worker{_TURN}.sock"
+            path = worker_sockets() / f"{os.getpid()}-{_TURN}.sock"
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             chosen = slots[_TURN] = Worker(path)
