@@ -69,7 +69,7 @@ def test_the_root_tests_of_task_images_and_isolation_pass_without_root() -> None
         "'tests/test_local_image_root.py', 'tests/test_local_isolation.py', 'tests/test_verifier_view.py', "
         "'tests/test_local_oci.py::test_multi_stage_build_exports_root_and_config', "
         "'tests/test_local_sandbox.py::test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees', "
-        "'tests/test_local_sandbox.py::test_a_sandbox_has_its_own_process_limit']))\n",
+        "'tests/test_local_sandbox.py::test_a_sandbox_has_its_own_process_limit', '-k', 'not root_workers']))\n",
         timeout=2400,
     )
     summary = out.strip().splitlines()[-1]

@@ -311,18 +311,15 @@ def test_a_view_teardown_that_fails_is_logged_and_the_sandbox_still_stops(caplog
     assert not root.closing
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="root's worker (a user's holder makes the views without root)")
-def test_views_are_made_in_a_process_apart_and_one_that_died_is_replaced(
-    task: Path, tmp_path: Path, monkeypatch
-) -> None:
-    """As root, a batch's views (a walk and a dozen mounts each) are made by a worker process, not on
-    the trainer's interpreter (whose lock its event loop needs); a worker that died is started again."""
-    from trl_harbor.sandboxes import _roots, _userns
+def test_views_are_made_in_a_process_apart(task: Path, tmp_path: Path, monkeypatch) -> None:
+    """A batch's views (a walk and a dozen mounts each) are made by another process — root's workers,
+    a user's holder — not on the trainer's interpreter, whose lock its event loop needs."""
+    from trl_harbor.sandboxes import _roots
 
     def not_here(*args, **kwargs):
         raise AssertionError("a view was made in the trainer's process")
 
-    monkeypatch.setattr(_roots, "snapshot", not_here)  # this process's copy only: the worker has its own
+    monkeypatch.setattr(_roots, "snapshot", not_here)  # this process's copy only: the other has its own
 
     async def scenario() -> None:
         env = await _started(task, tmp_path)
@@ -330,6 +327,25 @@ def test_views_are_made_in_a_process_apart_and_one_that_died_is_replaced(
             await _sh(env, "echo 42 > /workdir/answer.txt")
             async with env.verifier_view() as view:
                 assert await _sh(view, "cat /workdir/answer.txt") == "42"
+        finally:
+            await env.stop(delete=True)
+
+    asyncio.run(scenario())
+
+
+# Root's workers (a user that is not root has its holder instead: tests/test_rootless.py runs this
+# file as nobody without the tests named "root_workers").
+root_workers = pytest.mark.skipif(os.geteuid() != 0, reason="root's workers: a user has a holder instead")
+
+
+@root_workers
+def test_root_workers_that_died_are_started_again(task: Path, tmp_path: Path) -> None:
+    from trl_harbor.sandboxes import _userns
+
+    async def scenario() -> None:
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(env, "echo 42 > /workdir/answer.txt")
             workers = list({id(w): w for w in (_userns.worker() for _ in range(8))}.values())  # each in turn
             for worker in workers:
                 assert worker.call(os.getpid) == worker.proc.pid != os.getpid()
@@ -357,9 +373,9 @@ def _gone(pid: int) -> bool:
     return False
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="root's worker")
+@root_workers
 @pytest.mark.parametrize("end", ["exit", "SIGKILL"])
-def test_the_worker_exits_with_its_owner(end: str) -> None:
+def test_root_workers_exit_with_their_owner(end: str) -> None:
     """However its owner ends — its exit (the worker's socket is removed as it does) or a kill."""
     import signal
     import subprocess
@@ -382,8 +398,8 @@ def test_the_worker_exits_with_its_owner(end: str) -> None:
         assert not [p.name for p in worker_sockets().iterdir() if p.name.startswith(f"{owner.pid}-")]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="root's worker")
-def test_the_sockets_of_workers_killed_with_their_owner_are_swept() -> None:
+@root_workers
+def test_root_workers_sockets_are_swept_when_they_were_killed_with_their_owner() -> None:
     import subprocess
 
     from trl_harbor.sandboxes._lifetime import sweep_stale
