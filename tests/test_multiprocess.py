@@ -118,6 +118,8 @@ class _Run:
         deadline = time.monotonic() + within
         while True:
             left = [p.name for p in self.state.iterdir()] if self.state.exists() else []
+            if "workers" in left and not any((self.state / "workers").iterdir()):
+                left.remove("workers")  # the (empty) folder of root's view workers' sockets: no sandbox's
             left += [
                 str(p) for pid in self.pids for p in Path("/sys/fs/cgroup").glob(f"**/trl-harbor/{pid}-*")
             ]  # fmt: skip
