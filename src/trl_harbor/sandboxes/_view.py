@@ -237,9 +237,7 @@ class _Rule:
             for home in (search.homes if item.startswith("~/") else ("",))
         ]
         # One regular expression for every glob (each path is judged against them all).
-        self._config_re = re.compile(
-            "|".join(f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g + '/*')})" for g in self.config)
-        )
+        self._config_re = _globs_and_below(self.config)
         self._config_in: dict[str, re.Pattern[str] | None] = {}  # per folder: the globs its entries may match
         self._allowed_re = re.compile(
             "|".join(f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g.rstrip('/') + '/*')})" for g in self.allowed)
@@ -328,11 +326,7 @@ class _Rule:
         else:
             below = folder.rstrip("/") + "/"
             globs = [g for g in self.config if _may_begin(below, _literal_start(g))]
-            found = (
-                re.compile("|".join(f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g + '/*')})" for g in globs))
-                if globs
-                else None
-            )
+            found = _globs_and_below(globs) if globs else None
         self._config_in[folder] = found
         return found
 
@@ -662,6 +656,11 @@ def _declares_runner_plugin(metadata: Path) -> bool:
     except OSError:
         return False
     return "[pytest11]" in text.replace(" ", "")
+
+
+def _globs_and_below(globs: Iterable[str]) -> re.Pattern[str]:
+    """One expression matching a path that a glob matches, or a path below one."""
+    return re.compile("|".join(f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g + '/*')})" for g in globs))
 
 
 def _literal_start(glob: str) -> str:
