@@ -29,6 +29,7 @@ def main() -> None:
     from trl_harbor.evaluate import EvalConfig, LocalPolicy
     from trl_harbor.harnesses.bash_minimal import MinimalBashEnv
     from trl_harbor.prompting import load_few_shot, openai_messages, prompt_prefix
+    from trl_harbor.shared_prefix import shared_prefix
     from trl_harbor.starter_model import ensure_starter_model
     from trl_harbor.tools import tool_schemas
     from trl_harbor.train import DEFAULT_RUN, DEFAULT_SYSTEM_PROMPT
@@ -49,7 +50,7 @@ def main() -> None:
     for name in ("whole prompts", "shared part once"):
         run.clear()
         started = time.perf_counter()
-        prefix = policy._prefix(prompts) if name == "shared part once" else None
+        prefix = shared_prefix(policy.model, prompts) if name == "shared part once" else None
         out = [
             ids for s in range(0, len(prompts), size) for ids in policy._generate(prompts[s : s + size], config, prefix)
         ]

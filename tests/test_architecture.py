@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trl_harbor"
 
 #: Lower layers first; a module may import only modules of its own layer or of layers below.
 LAYERS: list[set[str]] = [
-    {"runtime", "progress", "options", "tools", "sandboxes", "capture", "trl_compat", "digests"},
+    {"runtime", "progress", "options", "tools", "sandboxes", "capture", "trl_compat", "digests", "shared_prefix"},
     {"suite", "suite_lock", "backends"},
     {"sources", "preflight"},
     {"rollout"},
@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"rewards", "harnesses", "agents", "loop", "loop_async"},
     {"mix"},
     {"spec"},
-    {"trajectories", "trainer"},
+    {"trajectories", "trainer", "freezing"},
     {"prompting"},
     {"check", "evaluate", "option_flags"},
     {"train", "report", "images", "starter_model", "testing"},

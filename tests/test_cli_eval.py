@@ -19,6 +19,7 @@ from conftest import BUNDLED_SUITE, requires_local
 
 from trl_harbor.cli import main as cli_main
 from trl_harbor.evaluate import pass_at_k
+from trl_harbor.shared_prefix import shared_prefix
 from trl_harbor.trajectories import read_trajectories
 
 WRONG = "echo -n 0 > /workdir/answer.txt"
@@ -337,7 +338,7 @@ def test_a_local_model_runs_the_prompts_shared_beginning_once_and_generates_the_
     try:
         plain = [ids for start in (0, 3) for ids in policy._generate(prompts[start : start + 3], config)]
         plain_tokens, run[:] = sum(run), []
-        prefix = policy._prefix(prompts)
+        prefix = shared_prefix(policy.model, prompts)
         assert prefix is not None and len(prefix.ids) >= 32
         assert all(p[: len(prefix.ids)] == prefix.ids for p in prompts)
         cached = [ids for start in (0, 3) for ids in policy._generate(prompts[start : start + 3], config, prefix)]

@@ -71,6 +71,7 @@ def test_a_model_turns_the_default_run_defaults_off(tmp_path: Path) -> None:
         ("", ["--num_tasks", "2", "--indices", "1"], "not both"),
         ("", ["--on_infra_error", "ignore"], "on_infra_error"),
         ("", ["--heldout_rollouts", "-1"], "--heldout_rollouts"),
+        ("", ["--trainable_layers", "0"], "--trainable_layers must be at least 1"),
         # Prompt options are checked before any model loads, and the message names the option and the fix.
         ("", ["--chat_template", "qwen9"], "--chat_template 'qwen9' is neither one of TRL's bundled chat templates"),
         ("", ["--few_shot", "/nonexistent/shots.json"], "--few_shot /nonexistent/shots.json: no such file"),
@@ -193,6 +194,15 @@ def test_default_run_pipeline(tmp_path: Path, capsys, close_sandboxes) -> None:
     b, a = summary["heldout_before"], summary["heldout_after"]
     assert f"base model {b['pass_rate']:.2f} ({b['passed']}/{b['scored']})" in line
     assert f"trained {a['pass_rate']:.2f} ({a['passed']}/{a['scored']})" in line
+    # Only the top blocks trained: everything below them is the starter model's, bit for bit.
+    import torch
+    from safetensors.torch import load_file
+
+    assert f"training its top {DEFAULT_RUN['trainable_layers']} blocks" in printed
+    trained, base = load_file(out / "model.safetensors"), load_file(Path(summary["model"]) / "model.safetensors")
+    lowest_trained = 30 - DEFAULT_RUN["trainable_layers"]
+    for name in ("model.embed_tokens.weight", f"model.layers.{lowest_trained - 1}.mlp.up_proj.weight"):
+        assert torch.equal(trained[name], base[name]), name
     # The first run's costs are in the progress lines and the summary.
     assert "  model   loaded in" in printed and "  images  " in printed and " s/step" in printed
     assert {"model_load_s", "train_s", "heldout_before_s", "heldout_after_s"} <= set(summary["timings"])

@@ -54,3 +54,59 @@ def test_a_failing_reporter_never_breaks_the_caller() -> None:
         progress.report("verification", 1, 2)
     finally:
         progress.set_reporter(previous)
+
+
+def test_an_open_phase_is_redrawn_with_its_time_on_a_terminal_and_ends_as_one_line() -> None:
+    terminal, log = io.StringIO(), io.StringIO()
+    now = [0.0]
+    shown = progress.LineReporter(terminal.write, terminal=True, clock=lambda: now[0], heartbeat=None)
+    shown("model update", 0, 1)
+    now[0] = 12.0
+    shown.tick()  # no count moves in a forward and backward pass: the heartbeat redraws its time
+    assert terminal.getvalue().endswith("  model update (12 s)")
+    now[0] = 20.0
+    shown("model update", 1, 1)
+    assert terminal.getvalue().endswith("\r\033[K  model update in 20.0 s\n")
+    shown.tick()  # nothing open: nothing drawn
+    assert terminal.getvalue().endswith("in 20.0 s\n")
+    plain = progress.LineReporter(log.write, terminal=False, clock=lambda: now[0], heartbeat=None)
+    with progress_to(plain), progress.phase("generation"):
+        now[0] = 23.0
+        plain.tick()
+    assert log.getvalue() == "  generation in 3.0 s\n"  # elsewhere one line a phase, at its end
+
+
+def test_the_heartbeat_redraws_an_open_phase_until_closed() -> None:
+    import threading
+
+    drawn = threading.Event()
+    lines: list[str] = []
+
+    def write(text: str) -> None:
+        lines.append(text)
+        if "(" in text:
+            drawn.set()
+
+    shown = progress.LineReporter(write, terminal=True, min_seconds=0.0, heartbeat=0.01)
+    shown("generation", 0, 1)
+    drawn.clear()
+    assert drawn.wait(5), "the heartbeat never redrew the open phase"
+    shown.close()
+    assert shown._beating is not None
+    shown._beating.join(5)
+    assert not shown._beating.is_alive()
+
+
+def progress_to(reporter):
+    """Install ``reporter`` for a ``with`` block."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def installed():
+        previous = progress.set_reporter(reporter)
+        try:
+            yield
+        finally:
+            progress.set_reporter(previous)
+
+    return installed()

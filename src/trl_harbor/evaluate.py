@@ -38,7 +38,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trl_harbor import progress
 from trl_harbor.options import HarborOptions
+from trl_harbor.shared_prefix import SharedPrefix, shared_prefix
 from trl_harbor.tools import tool_schemas
 
 if TYPE_CHECKING:
@@ -280,9 +282,13 @@ class LocalPolicy:
         self.model.eval()
         try:
             size = config.batch_size
-            prefix = self._prefix(prompts)
-            completions = [ids for start in range(0, len(prompts), size)
-                           for ids in self._generate(prompts[start : start + size], config, prefix)]  # fmt: skip
+            batches = range(0, len(prompts), size)
+            progress.report("generation", 0, len(batches))
+            prefix = shared_prefix(self.model, prompts)
+            completions = []
+            for done, start in enumerate(batches, 1):
+                completions += self._generate(prompts[start : start + size], config, prefix)
+                progress.report("generation", done, len(batches))
         finally:
             self.model.train(was_training)
         return [
@@ -304,91 +310,23 @@ class LocalPolicy:
         )
         return list(ids)
 
-    def _prefix(self, prompts: list[list[int]]) -> _Prefix | None:
-        """The prompts' shared beginning (system prompt, tools, example turns) run through the model once.
-
-        Every prompt of a turn starts with the same hundreds of tokens; without this each row of
-        every batch computes them again (most of a small model's sampling time on CPU). ``None``
-        when too little is shared, or the model's cache cannot be copied per row.
-        """
-        import torch
-
-        shared, shortest = 0, min(len(p) for p in prompts)
-        first = prompts[0]
-        # At least one token of each prompt stays to be run: generation starts from its logits.
-        while shared < shortest - 1 and all(p[shared] == first[shared] for p in prompts):
-            shared += 1
-        if shared < _MIN_SHARED_PREFIX:
-            return None
-        keyword = _cache_keyword(self.model)
-        device = next(self.model.parameters()).device
-        with torch.no_grad():
-            output = self.model(input_ids=torch.tensor([first[:shared]], device=device), use_cache=True)
-        cache = getattr(output, keyword, None)
-        if cache is None or not hasattr(cache, "batch_repeat_interleave"):
-            return None
-        return _Prefix(first[:shared], cache, keyword)
-
-    def _generate(self, prompts: list[list[int]], config: EvalConfig, prefix: _Prefix | None = None) -> list[list[int]]:
-        """One ``generate`` call over the prompts: each one's completion, up to its end token.
-
-        Without a prefix the prompts are left-padded. With one, each row is the prefix (its cache
-        copied per row: not run again), padding, then the rest of its prompt; the attention mask
-        skips the padding and positions follow the mask, so each row sees exactly its prompt.
-        """
-        import copy
-
-        import torch
+    def _generate(
+        self, prompts: list[list[int]], config: EvalConfig, prefix: SharedPrefix | None = None
+    ) -> list[list[int]]:
+        """One ``generate`` call over the prompts (their shared ``prefix`` run once): each one's completion,
+        up to its end token."""
+        from trl_harbor.shared_prefix import generate_after_prefix
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         eos = self.tokenizer.eos_token_id
-        device = next(self.model.parameters()).device
-        head: list[int] = [] if prefix is None else prefix.ids
-        rows = [p[len(head) :] for p in prompts]
-        width = max(len(r) for r in rows)
         sampling: dict[str, Any] = {"do_sample": False}
         if config.temperature > 0:
             sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p,
                         "top_k": config.top_k or 0}  # fmt: skip
-        if prefix is not None:
-            cache = copy.deepcopy(prefix.cache)
-            cache.batch_repeat_interleave(len(rows))
-            sampling[prefix.keyword] = cache
-        with torch.no_grad():
-            output = self.model.generate(
-                input_ids=torch.tensor([head + [pad] * (width - len(r)) + r for r in rows], device=device),
-                attention_mask=torch.tensor(
-                    [[1] * len(head) + [0] * (width - len(r)) + [1] * len(r) for r in rows], device=device
-                ),
-                max_new_tokens=config.max_tokens,
-                pad_token_id=pad,
-                eos_token_id=eos,
-                use_cache=True,
-                **sampling,
-            )
-        completions = output[:, len(head) + width :].tolist()
+        completions = generate_after_prefix(
+            self.model, prompts, prefix, pad, max_new_tokens=config.max_tokens, eos_token_id=eos, **sampling
+        )
         return [row[: row.index(eos) + 1] if eos in row else row for row in completions]
-
-
-#: Fewer shared tokens than this are run with each prompt (a cache copy per row is not worth it).
-_MIN_SHARED_PREFIX = 32
-
-
-@dataclass(frozen=True)
-class _Prefix:
-    """Token ids every prompt of a turn starts with, and the model's cache of them (batch of one)."""
-
-    ids: list[int]
-    cache: Any
-    keyword: str  # the name generate() takes the cache by
-
-
-def _cache_keyword(model: Any) -> str:
-    """The name under which the model takes and returns its key-value cache (``cache`` since
-    transformers 5.24, ``past_key_values`` before)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _reply(parsed: dict) -> dict:

@@ -1,4 +1,4 @@
-"""Progress of the long phases inside a training step: sandbox starts and verification.
+"""Progress of the long phases of a run: sampling, sandbox starts, verification, the model's update.
 
 The library reports; an application shows. Components call :func:`report` with a phase name and
 counts; nothing happens unless a reporter was installed with :func:`set_reporter` (the
@@ -8,18 +8,23 @@ a function call when nobody listens.
 Phases reported:
 
 - ``"sandbox starts"``: ``done`` sandboxes of this burst are up, of ``total`` requested;
-- ``"verification"``: ``done`` rollouts of the batch are graded, of ``total``.
+- ``"verification"``: ``done`` rollouts of the batch are graded, of ``total``;
+- ``"generation"``: the trainer's model samples a turn of the batch (one unit, :func:`phase`);
+- ``"model update"``: the trainer's forward and backward passes of a step (one unit);
+- ``"held-out generation"``: a batch of held-out prompts sampled, of ``total`` batches;
+- ``"held-out rollouts"``: ``done`` held-out rollouts graded, of ``total``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Protocol
 
-__all__ = ["LineReporter", "Reporter", "SandboxStarts", "gather", "report", "set_reporter"]
+__all__ = ["LineReporter", "Reporter", "SandboxStarts", "gather", "phase", "report", "set_reporter"]
 
 
 class Reporter(Protocol):
@@ -62,6 +67,20 @@ def report(phase: str, done: int, total: int) -> None:
         reporter(phase, done, total)
     except Exception:  # noqa: BLE001 - showing progress must never break training
         pass
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Report a phase of one unit: begun on entry (``0/1``), ended on exit (``1/1``), even by an exception.
+
+    Args:
+        name: The phase's name.
+    """
+    report(name, 0, 1)
+    try:
+        yield
+    finally:
+        report(name, 1, 1)
 
 
 async def gather[T](phase: str, awaitables: Sequence[Awaitable[T]]) -> list[T]:
@@ -119,11 +138,16 @@ SANDBOX_STARTS = SandboxStarts()
 class LineReporter:
     """Shows progress as one line per phase: rewritten in place on a terminal, else once at its end.
 
+    On a terminal the open phase's line is also redrawn every ``heartbeat`` seconds with its
+    elapsed time, so that a long phase whose counts do not move (a model's forward and backward
+    passes) never leaves the screen silent. :meth:`close` stops that.
+
     Args:
         write: Where text goes (e.g. ``sys.stderr.write``).
         terminal: Whether ``write`` is a terminal (then the line is redrawn as counts change).
         min_seconds: Phases shorter than this are not shown.
         clock: Seconds from a monotonic clock.
+        heartbeat: Seconds between redraws of an open phase on a terminal (``None``: only on updates).
     """
 
     def __init__(
@@ -132,13 +156,19 @@ class LineReporter:
         terminal: bool,
         min_seconds: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        heartbeat: float | None = 5.0,
     ) -> None:
         self.clock = clock
         self.write = write
         self.terminal = terminal
         self.min_seconds = min_seconds
+        self.heartbeat = heartbeat
         self._started: dict[str, float] = {}
+        self._counts: dict[str, tuple[int, int]] = {}
+        self._latest: str | None = None  # the phase last updated: the one a heartbeat redraws
         self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._beating: threading.Thread | None = None
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         """Record one update (see :class:`Reporter`)."""
@@ -148,8 +178,42 @@ class LineReporter:
             elapsed = now - started
             if done >= total:
                 del self._started[phase]
+                self._counts.pop(phase, None)
+                self._latest = next(reversed(self._started), None)
                 if elapsed >= self.min_seconds:
                     end = "\r\033[K" if self.terminal else ""
-                    self.write(f"{end}  {phase}: {total}/{total} in {elapsed:.1f} s\n")
-            elif self.terminal and elapsed >= self.min_seconds:
-                self.write(f"\r\033[K  {phase}: {done}/{total} ({elapsed:.0f} s)")
+                    counts = "" if total == 1 else f": {total}/{total}"
+                    self.write(f"{end}  {phase}{counts} in {elapsed:.1f} s\n")
+                return
+            self._counts[phase] = (done, total)
+            self._latest = phase
+            if self.terminal and elapsed >= self.min_seconds:
+                self._draw(phase, now)
+            if self.terminal and self.heartbeat is not None and self._beating is None:
+                self._beating = threading.Thread(target=self._beat, name="trl-harbor-progress", daemon=True)
+                self._beating.start()
+
+    def _draw(self, phase: str, now: float) -> None:
+        done, total = self._counts[phase]
+        counts = "" if total == 1 else f": {done}/{total}"
+        self.write(f"\r\033[K  {phase}{counts} ({now - self._started[phase]:.0f} s)")
+
+    def tick(self) -> None:
+        """Redraw the open phase's line with its elapsed time (the heartbeat calls this; a terminal only)."""
+        now = self.clock()
+        with self._lock:
+            phase = self._latest
+            if self.terminal and phase in self._counts and now - self._started[phase] >= self.min_seconds:
+                self._draw(phase, now)
+
+    def _beat(self) -> None:
+        assert self.heartbeat is not None
+        while not self._closed.wait(self.heartbeat):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - showing progress must never break training
+                pass
+
+    def close(self) -> None:
+        """Stop the heartbeat (the reporter still shows updates)."""
+        self._closed.set()

@@ -28,6 +28,7 @@ curve, held-out pass rates, every trajectory) to ``<output_dir>/report.html``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -84,14 +85,19 @@ DEFAULT_RUN: dict[str, Any] = {
     "system_prompt": DEFAULT_SYSTEM_PROMPT,
     "few_shot": str(_EXAMPLES / "starter_tasks" / "few_shot.json"),
     "heldout_rollouts": 4,
-    # GRPO on CPU: one task per step, 8 samples of it, one tool call, short completions.
+    # GRPO on CPU: one task a step, 8 samples of it, one tool call, short completions. Only the top
+    # 6 of the 30 blocks train (the backward pass stops there; the optimizer keeps a sixth of the
+    # state), at a rate that suits them; no activation checkpointing (it would run the forward pass
+    # twice to save memory a 135M model does not need). docs/cli.md has the measured effect of each.
     "output_dir": "outputs/trl-harbor-default",
     "use_cpu": True,
     "bf16": False,
-    "max_steps": 15,
+    "trainable_layers": 6,
+    "gradient_checkpointing": False,
+    "max_steps": 14,
     "num_generations": 8,
     "per_device_train_batch_size": 8,
-    "learning_rate": 3e-5,
+    "learning_rate": 1e-4,
     "max_completion_length": 64,
     "max_tool_calling_iterations": 1,
     "temperature": 0.7,  # fewer malformed calls than 1.0 from a 135M model, still varied enough for GRPO
@@ -200,6 +206,10 @@ class HarborTrainArguments(option_arguments()):
         heldout_dataset: A suite to sample the model on before and after training (the embedded
             default run: the starter suite's ``heldout/``); ``None``: no held-out evaluation.
         heldout_rollouts: Samples per held-out task, before and after (0: no held-out evaluation).
+        trainable_layers: Train only the model's top N transformer blocks and its final norm; the
+            embeddings (and a head tied to them) and the blocks below stay frozen
+            (:func:`trl_harbor.freezing.train_top_layers`). The backward pass stops at the lowest
+            trained block and the optimizer holds state for those only. ``None``: the whole model.
     """
 
     model: str | None = field(
@@ -244,6 +254,9 @@ class HarborTrainArguments(option_arguments()):
         default=None, metadata={"help": "suite sampled before and after training (default run: the held-out tasks)"}
     )
     heldout_rollouts: int = field(default=4, metadata={"help": "samples per held-out task (0: no held-out eval)"})
+    trainable_layers: int | None = field(
+        default=None, metadata={"help": "train only the top N transformer blocks (the rest frozen); none: all"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the option arguments, typed
@@ -259,6 +272,11 @@ class HarborTrainArguments(option_arguments()):
         if self.heldout_rollouts < 0:
             raise ValueError(
                 f"--heldout_rollouts must be 0 (no held-out evaluation) or more; got {self.heldout_rollouts}"
+            )
+        if self.trainable_layers is not None and self.trainable_layers < 1:
+            raise ValueError(
+                f"--trainable_layers must be at least 1 (or not given: the whole model trains); "
+                f"got {self.trainable_layers}"
             )
         if self.tool_concurrency is not None and self.tool_concurrency < 1:
             raise ValueError(
@@ -648,6 +666,15 @@ def _trainer(harbor: HarborTrainArguments, config: GRPOConfig, plan: _Plan, prin
         reward_funcs=reward_funcs,
         tool_concurrency=harbor.tool_concurrency,
     )
+    if harbor.trainable_layers is not None:
+        from trl_harbor.freezing import FreezeError, train_top_layers
+
+        try:
+            trainable, total = train_top_layers(trainer.model, harbor.trainable_layers)
+        except FreezeError as exc:
+            raise TrainSetupError(str(exc)) from exc
+        print_fn(f"  model   training its top {harbor.trainable_layers} blocks: {trainable / 1e6:.1f}M of "
+                 f"{total / 1e6:.1f}M parameters (--trainable_layers)")  # fmt: skip
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(_progress_callback(max(0, trainer.args.max_steps), print_fn))
@@ -685,6 +712,7 @@ def _train(trainer, harbor: HarborTrainArguments, config: GRPOConfig, plan: _Pla
     finally:
         if reporter is not None:
             progress.set_reporter(previous)
+            reporter.close()
         close_all()
         rollout_func = getattr(plan.spec, "rollout_func", None)
         if rollout_func is not None:
@@ -724,7 +752,10 @@ def _heldout(name: str, harbor: HarborTrainArguments, config: GRPOConfig, plan: 
     )
     label = {"before": "base model", "after": "trained model"}[name]
     print_fn(f"held-out tasks, {label}: sampling {harbor.heldout_rollouts} rollouts per task ...", flush=True)
-    result = evaluate(eval_config, policy=policy)
+    graded = itertools.count(1)  # evaluate calls on_done once per graded rollout, with their total
+    result = evaluate(
+        eval_config, on_done=lambda total: progress.report("held-out rollouts", next(graded), total), policy=policy
+    )
     held = HeldoutResult(
         passed=sum(t.passed for t in result.tasks),
         scored=sum(t.n for t in result.tasks),

@@ -47,13 +47,14 @@ from typing import Any
 import trl
 from trl import GRPOTrainer
 
-from trl_harbor import trl_compat
+from trl_harbor import progress, trl_compat
 
 __all__ = [
     "SUPPORTED_TRL_VERSIONS",
     "TESTED_TRL_VERSIONS",
     "ConcurrentToolsMixin",
     "HarborGRPOTrainer",
+    "SharedPrefixMixin",
     "concurrent_tools_supported",
 ]
 
@@ -397,12 +398,195 @@ class ConcurrentToolsMixin:
             dispatcher.finish(wait=not interrupted)
 
 
-class HarborGRPOTrainer(ConcurrentToolsMixin, GRPOTrainer):
-    """TRL's ``GRPOTrainer`` with each turn's tool calls run at the same time across the batch.
+def _plain_generation(trainer: Any) -> bool:
+    """Whether the trainer generates text with ``model.generate`` on one process or under DDP.
+
+    Each attribute is TRL's; one that is missing (another release) counts against, so that an
+    unknown setup keeps TRL's own path.
+    """
+    unknown = object()
+    switches = ("use_vllm", "use_transformers_continuous_batching", "_is_vlm", "is_deepspeed_enabled",
+                "is_fsdp_enabled")  # fmt: skip
+    return all(getattr(trainer, name, unknown) is False for name in switches)
+
+
+@dataclass
+class _Split:
+    """A scoring batch as its shared prefix and each row's rest (left-padded), with their masks and positions."""
+
+    prefix: Any  # (P,) token ids
+    rest: Any  # (B, R) token ids: each row's tokens after the prefix, left-padded
+    mask: Any  # (B, P + R) attention mask over the prefix and the rest
+    positions: Any  # (B, R) each rest token's position, its prompt starting at 0 (rotary: only distances count)
+
+
+def _shared_split(input_ids: Any, attention_mask: Any, logits_to_keep: int) -> _Split | None:
+    """Split left-padded prompts and their completions at the longest beginning every row shares.
+
+    At least one prompt token of each row stays in its rest: the first completion token is
+    scored from it. ``None`` when fewer than :data:`~trl_harbor.shared_prefix.MIN_SHARED_TOKENS`
+    are shared.
+    """
+    import torch
+
+    from trl_harbor.shared_prefix import MIN_SHARED_TOKENS
+
+    rows, width = input_ids.shape
+    starts = attention_mask.int().argmax(dim=1)  # each row's left padding
+    limit = int(width - logits_to_keep - starts.max()) - 1
+    if rows < 2 or limit < MIN_SHARED_TOKENS:
+        return None
+    columns = starts[:, None] + torch.arange(limit, device=input_ids.device)[None, :]
+    aligned = input_ids.gather(1, columns)
+    differs = ((aligned != aligned[:1]) | (attention_mask.gather(1, columns) == 0)).any(dim=0)
+    shared = int(differs.int().argmax()) if bool(differs.any()) else limit
+    if shared < MIN_SHARED_TOKENS:
+        return None
+    rest_width = int(width - starts.min()) - shared
+    rest = input_ids.new_zeros((rows, rest_width))
+    mask = attention_mask.new_zeros((rows, shared + rest_width))
+    mask[:, :shared] = 1
+    positions = input_ids.new_zeros((rows, rest_width))
+    for row in range(rows):
+        begin = int(starts[row]) + shared
+        length = width - begin
+        rest[row, rest_width - length :] = input_ids[row, begin:]
+        mask[row, shared + rest_width - length :] = attention_mask[row, begin:]
+        positions[row, rest_width - length :] = torch.arange(shared, shared + length, device=input_ids.device)
+    return _Split(input_ids[0, int(starts[0]) : int(starts[0]) + shared], rest, mask, positions)
+
+
+def _score_after_prefix(
+    trainer: Any, model: Any, split: _Split, logits_to_keep: int, batch_size: int | None, compute_entropy: bool
+) -> tuple[Any, Any, None] | None:
+    """TRL's per-token log-probabilities (and entropies) of the completions, the prefix run once
+    (``None``: the model kept no cache of it)."""
+    import torch
+    from transformers import DynamicCache
+
+    from trl_harbor.shared_prefix import cache_keyword
+
+    keyword = cache_keyword(model)
+    prefix = DynamicCache(config=model.config)  # filled in place (a decoder may return no cache)
+    with trainer.accelerator.autocast():
+        model.get_decoder()(input_ids=split.prefix[None], use_cache=True, **{keyword: prefix})
+    layers = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in prefix.layers]
+    if not layers or any(keys is None or values is None for keys, values in layers):
+        return None
+    rows = split.rest.size(0)
+    batch_size = batch_size or rows
+    logps, entropies = [], []
+    for start in range(0, rows, batch_size):
+        end = min(start + batch_size, rows)
+        cache = DynamicCache(config=model.config)
+        for index, (keys, values) in enumerate(layers):  # expanded, not copied: gradients sum over the rows
+            cache.update(keys.expand(end - start, -1, -1, -1), values.expand(end - start, -1, -1, -1), index)
+        rest, mask = split.rest[start:end], split.mask[start:end]
+        labels = rest.masked_fill(mask[:, -rest.size(1) :] == 0, -100)
+        labels[:, :-logits_to_keep] = -100  # only the completion tokens are scored
+        with trainer.accelerator.autocast():
+            outputs = model(input_ids=rest, attention_mask=mask, position_ids=split.positions[start:end],
+                            labels=labels, fused_lm_head=True, **{keyword: cache})  # fmt: skip
+        logps.append(outputs.log_probs[:, -logits_to_keep:])
+        if compute_entropy:
+            entropies.append(outputs.entropy[:, -logits_to_keep:])
+    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+
+class SharedPrefixMixin:
+    """Runs the prompts' shared beginning once per batch: when generating with ``transformers``,
+    and in the forward pass that scores the completions for the loss.
+
+    The ``num_generations`` samples of a task share their whole prompt, and every task's prompt
+    begins with the same system prompt, tool schemas and example turns. TRL runs that prefix once
+    per row, in ``generate`` and again in the loss's forward pass (and backward through it); on a
+    CPU it was most of a step. Here it runs once (:mod:`trl_harbor.shared_prefix`):
+
+    - **generation** copies its key-value cache to each row and samples with the trainer's own
+      generation settings (``self.generation_config``), each row seeing exactly its prompt:
+      greedy completions are TRL's, token for token;
+    - **scoring** runs the prefix once as a batch of one, with gradients, and each row's rest of
+      the prompt and its completion attend to that cache (expanded per row: its gradients sum over
+      the rows), each token at the same distance from the others as in TRL's padded layout;
+      log-probabilities, entropies and gradients are TRL's up to float rounding. Taken for models
+      with rotary position embeddings (Llama, Qwen, Mistral, SmolLM, ...), where only those
+      distances count.
+
+    Both are taken for plain text on one process (generation also under DDP); vLLM, continuous
+    batching, vision-language inputs, DeepSpeed, FSDP and a mixture-of-experts auxiliary loss keep
+    TRL's own path, as do batches whose rows share fewer than
+    :data:`~trl_harbor.shared_prefix.MIN_SHARED_TOKENS` tokens.
+    """
+
+    def _generate_single_turn(
+        self, prompt_ids: list[list[int]], images: Any, multimodal_fields: Any, num_generations: int,
+        has_tool_images: bool = False,
+    ) -> tuple[list[list[int]], Any]:  # fmt: skip
+        parent = super()._generate_single_turn  # type: ignore[misc]
+        plain = _plain_generation(self) and not (images or multimodal_fields or has_tool_images)
+        if not plain or not prompt_ids:
+            return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        import torch
+        from trl.models import unwrap_model_for_generation
+
+        from trl_harbor.shared_prefix import generate_after_prefix, shared_prefix
+
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,  # type: ignore[attr-defined]
+                self.accelerator,  # type: ignore[attr-defined]
+                generation_kwargs=self.generation_kwargs,  # type: ignore[attr-defined]
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,  # type: ignore[attr-defined]
+            ) as model,
+            torch.no_grad(),
+        ):
+            prefix = shared_prefix(model, prompt_ids)
+            rows = None if prefix is None else generate_after_prefix(
+                model, prompt_ids, prefix, self._tokenizer.pad_token_id,  # type: ignore[attr-defined]
+                generation_config=self.generation_config,  # type: ignore[attr-defined]
+            )  # fmt: skip
+        if rows is None:  # too little shared: TRL's own path
+            return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        ends = set(self.eos_token_ids)  # type: ignore[attr-defined]
+        completions = [next((row[: i + 1] for i, t in enumerate(row) if t in ends), row) for row in rows]
+        return completions, None
+
+    def _get_per_token_logps_and_entropies(
+        self, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int, batch_size: int | None = None,
+        compute_entropy: bool = False, compute_aux_loss: bool = False, **inputs: Any,
+    ) -> Any:  # fmt: skip
+        parent = super()._get_per_token_logps_and_entropies  # type: ignore[misc]
+        plain = (
+            _plain_generation(self)
+            and getattr(getattr(self, "accelerator", None), "num_processes", 2) == 1
+            and not compute_aux_loss
+            and all(value is None for value in inputs.values())  # no images, no token types
+            and hasattr(model, "get_decoder")
+            # Rotary positions: only distances count, so the prefix's positions need not follow each
+            # row's padding as in TRL's layout (absolute position embeddings would see the difference).
+            and hasattr(model.get_decoder(), "rotary_emb")
+            # Activation checkpointing drops a cache passed in while training: the rest would not see the prefix.
+            and not any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+        )
+        split = _shared_split(input_ids, attention_mask, logits_to_keep) if plain else None
+        scored = None if split is None else _score_after_prefix(self, model, split, logits_to_keep, batch_size,
+                                                                compute_entropy)  # fmt: skip
+        if scored is None:
+            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                          compute_aux_loss, **inputs)  # fmt: skip
+        return scored
+
+
+class HarborGRPOTrainer(SharedPrefixMixin, ConcurrentToolsMixin, GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with each turn's tool calls run at the same time across the batch,
+    the prompts' shared beginning run once (in generation with ``transformers`` and in the loss's
+    forward pass), on a CPU the LM head run on the completion's positions only, and its
+    generation and model update reported as progress phases (:mod:`trl_harbor.progress`).
 
     A drop-in for ``GRPOTrainer``: same arguments, same results (tool messages, their order,
-    token ids, roll-back at ``max_completion_length``, failure counts), plus
-    ``tool_concurrency``. See :class:`ConcurrentToolsMixin`.
+    token ids, roll-back at ``max_completion_length``, failure counts; log-probabilities and
+    gradients up to float rounding), plus ``tool_concurrency``. See :class:`ConcurrentToolsMixin`,
+    :class:`SharedPrefixMixin` and :func:`trl_harbor.trl_compat.completion_only_lm_head`.
 
     Example:
         ```python
@@ -419,3 +603,23 @@ class HarborGRPOTrainer(ConcurrentToolsMixin, GRPOTrainer):
         )
         ```
     """
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        with progress.phase("generation"):
+            return super()._generate_single_turn(*args, **kwargs)
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        progress.report("model update", 0, 1)  # ends with training_step: the backward pass is in it
+        return super().compute_loss(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            progress.report("model update", 1, 1)
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        # TRL's fused LM head scores the prompt's positions too when not on Triton (most of the
+        # head's cost on a CPU); the completion's are all it returns (trl_compat explains).
+        with trl_compat.completion_only_lm_head():
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)

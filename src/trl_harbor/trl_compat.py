@@ -4,19 +4,23 @@ trl-harbor relies on a few things TRL does not promise across releases: the shap
 ``GRPOTrainer._tool_call_loop`` (which :class:`~trl_harbor.trainer.ConcurrentToolsMixin`
 hooks), and where ``AsyncGRPOTrainer``, ``AsyncGRPOConfig`` and ``RolloutSample`` live (TRL 1.18
 made the async trainer stable, importable from ``trl``; before that, and with a deprecation
-warning until TRL 2.0, it is in ``trl.experimental.async_grpo``). Each helper here checks the
+warning until TRL 2.0, it is in ``trl.experimental.async_grpo``), and the test that picks the
+fused LM head's compact path (:func:`completion_only_lm_head`). Each helper here checks the
 installed TRL for what it needs and says what is missing, so a new TRL release keeps working
 where it still can and fails with a clear message where it cannot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["async_grpo", "rollout_sample_class", "tool_loop_problem"]
+__all__ = ["async_grpo", "completion_only_lm_head", "rollout_sample_class", "tool_loop_problem"]
 
 #: The attributes of a trainer that the concurrent tool loop swaps for the duration of a loop.
 _TOOL_DICTS = ("_sync_tool_dicts", "_async_tool_dicts")
@@ -76,6 +80,43 @@ def _find_tool_loop_problem(trainer_cls: type) -> str | None:
     if missing:
         return f"`{name}` does not look tools up through {' and '.join(f'`{m}`' for m in missing)}"
     return None
+
+
+_lm_head_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def completion_only_lm_head() -> Iterator[bool]:
+    """While it holds, TRL's fused LM head scores only the positions it returns, on a CPU too.
+
+    ``GRPOTrainer`` computes log-probabilities through a fused LM head that, on devices with
+    Triton, projects only the positions whose label counts (the completion); elsewhere it projects
+    every position (the prompt too) and masks afterwards, to keep tile shapes fixed for compilers
+    such as Neuron's. On a CPU that fixed shape buys nothing and the prompt's positions were most
+    of the head's cost: with a 600-token prompt and 64-token completions, ten times the work in the
+    forward pass and again in the backward. This switches TRL's choice (the module-level
+    ``_use_triton`` test of ``trl.trainer.utils``) to its compact path for CPU tensors only; the
+    kernels themselves still run TRL's PyTorch fallback. Where that test is not found (another TRL
+    release), nothing changes.
+
+    Returns:
+        A context manager; what it yields says whether the compact path is in force.
+    """
+    try:
+        utils = importlib.import_module("trl.trainer.utils")
+    except ImportError:
+        yield False
+        return
+    original = getattr(utils, "_use_triton", None)
+    if not callable(original) or not _lm_head_lock.acquire(blocking=False):  # absent, or already switched
+        yield False
+        return
+    try:
+        utils._use_triton = lambda device: device.type == "cpu" or original(device)
+        yield True
+    finally:
+        utils._use_triton = original
+        _lm_head_lock.release()
 
 
 def async_grpo() -> tuple[type, type]:
