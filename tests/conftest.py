@@ -119,6 +119,23 @@ def no_process_left(marker: str, within: float = 5.0) -> list[int]:
     return left
 
 
+def one_step_grpo_config(tmp_path: Path, **fields):
+    """A ``GRPOConfig`` for one CPU step of two rollouts of one prompt, writing under ``tmp_path``.
+
+    Args:
+        tmp_path: Where the trainer writes (``out/``).
+        **fields: More ``GRPOConfig`` fields (completion length, turns, seed, ...).
+
+    Returns:
+        The config.
+    """
+    from trl import GRPOConfig
+
+    defaults = {"output_dir": str(tmp_path / "out"), "use_cpu": True, "max_steps": 1, "num_generations": 2,
+                "per_device_train_batch_size": 2, "report_to": "none", "logging_steps": 1, "save_strategy": "no"}  # fmt: skip
+    return GRPOConfig(**{**defaults, **fields})
+
+
 def tiny_grpo_trainer(tmp_path: Path, spec, tool_calls: list[str], prompt_suffix: str, reward_funcs: list):
     """A GRPOTrainer for one CPU step, with a tiny model rigged to emit one of ``tool_calls``.
 
@@ -133,7 +150,7 @@ def tiny_grpo_trainer(tmp_path: Path, spec, tool_calls: list[str], prompt_suffix
         The trainer (two rollouts of one prompt per step), not yet trained.
     """
     import torch
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from trl_harbor.testing import build_model, build_tokenizer, script_tool_calls
 
@@ -142,17 +159,10 @@ def tiny_grpo_trainer(tmp_path: Path, spec, tool_calls: list[str], prompt_suffix
     model = build_model(tokenizer, seed=0)
     script_tool_calls(model, tokenizer, tool_calls)
     torch.manual_seed(1)
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        max_steps=1,
-        num_generations=2,
-        per_device_train_batch_size=2,
+    args = one_step_grpo_config(
+        tmp_path,
         max_completion_length=64,
         max_tool_calling_iterations=2,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
         seed=1,  # with this seed the two rollouts end on different answers (reward std > 0)
     )
     return GRPOTrainer(

@@ -14,28 +14,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import one_step_grpo_config
 
 from trl_harbor import progress
 
 
 def _trainer(tmp_path: Path, tokenizer, model, **config):
     from datasets import Dataset
-    from trl import GRPOConfig
 
     from trl_harbor.trainer import HarborGRPOTrainer
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        max_steps=1,
-        num_generations=2,
-        per_device_train_batch_size=2,
-        max_completion_length=12,
-        report_to="none",
-        save_strategy="no",
-        seed=1,
-        **config,
-    )
+    args = one_step_grpo_config(tmp_path, max_completion_length=12, seed=1, **config)
     return HarborGRPOTrainer(
         model=model,
         processing_class=tokenizer,

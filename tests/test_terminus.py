@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import requires_local
+from conftest import one_step_grpo_config, requires_local
 from terminus_helpers import (
     ANSWER,
     RIGHT,
@@ -34,21 +34,10 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _trainer(tmp_path: Path, spec, model, tokenizer, seed: int):
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        max_steps=1,
-        num_generations=2,
-        per_device_train_batch_size=2,
-        max_completion_length=1024,
-        max_tool_calling_iterations=4,
-        learning_rate=0.05,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        seed=seed,
+    args = one_step_grpo_config(
+        tmp_path, max_completion_length=1024, max_tool_calling_iterations=4, learning_rate=0.05, seed=seed
     )
     return GRPOTrainer(
         model=model,
