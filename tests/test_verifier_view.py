@@ -125,6 +125,33 @@ def test_the_verifiers_tmp_is_its_own(task: Path, tmp_path: Path) -> None:
     run(scenario())
 
 
+def test_the_verifiers_python_runs_the_import_guard_the_images_python_compiled(task: Path, tmp_path: Path) -> None:
+    """The guard's code comes compiled by the image's interpreter (at the search-path probe): the
+    source file of it in the view is not read — replaced by one that raises, Python still starts
+    guarded — and an agent's ``json.py`` in the working directory is not what ``import json`` gets."""
+    which = (
+        "python3 -c \"import json, sys; print(json.__file__.startswith('/usr/lib/'), "
+        "[getattr(m, '__name__', '') for m in sys.meta_path].count('VerifierImportGuard'))\""
+    )
+
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(env, "echo 'raise SystemExit(\"the agent ran\")' > /workdir/json.py")
+            async with env.verifier_view() as view:
+                site = await _sh(view, "dirname $(find /usr -name 00-_trl_harbor_verifier_guard.pth)")
+                pth = await _sh(view, f"cat {site}/00-_trl_harbor_verifier_guard.pth")
+                assert pth.startswith("import sys, marshal; exec(marshal.loads(bytes.fromhex(")
+                assert await _sh(view, f"cd /workdir && {which}") == "True 1"
+                source = f"{site}/_trl_harbor_verifier_guard.py"
+                await _sh(view, f"echo 'raise SystemExit(\"the source ran\")' > {source}")
+                assert await _sh(view, f"cd /workdir && {which}") == "True 1"
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
 def test_the_verifiers_network_is_its_own_and_the_agents_services_answer_it(tmp_path: Path) -> None:
     task = make_task(tmp_path / "tasks", gold="42")
 

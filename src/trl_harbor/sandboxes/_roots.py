@@ -21,6 +21,7 @@ import re
 import secrets
 import shlex
 import stat
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from trl_harbor.sandboxes._binaries import static_binary
 from trl_harbor.sandboxes._box import SLIRP_GATEWAY_DNS, Box, BoxConfig
 from trl_harbor.sandboxes._cache import CACHE
 from trl_harbor.sandboxes._fingerprints import fingerprints
-from trl_harbor.sandboxes._guard import guard_files
+from trl_harbor.sandboxes._guard import COMPILE_GUARD, guard_files
 from trl_harbor.sandboxes._lifetime import new_box_name, state_root
 from trl_harbor.sandboxes._mounts import inode_bound, is_kernel_path, mount_bounded_tmpfs, mount_overlay
 from trl_harbor.sandboxes._userns import can_mount, in_user_namespace
@@ -49,11 +50,16 @@ from trl_harbor.sandboxes.oci import (
 logger = logging.getLogger(__name__)
 MiB = 1 << 20
 #: Prints the image's interpreters' import paths, one folder a line: Python's (``sys.path`` and the
-#: user site) after ``#python``, then perl's, ruby's and node's after ``#modules``.
+#: user site) after ``#python``, with the verifier's import guard compiled by that Python (a
+#: ``#guard`` line, see :data:`COMPILE_GUARD`), then perl's, ruby's and node's after ``#modules``.
 _SEARCH_PATH_PROBE = (
-    "echo '#python'; command -v python3 >/dev/null 2>&1 && python3 -c 'import site, sys; "
-    'print("\\n".join([p for p in sys.path if p] + [site.getusersitepackages()]))\'; '
-    "echo '#modules'; command -v perl >/dev/null 2>&1 && perl -e 'print \"$_\\n\" for @INC'; "
+    "echo '#python'; command -v python3 >/dev/null 2>&1 && python3 -c "
+    + shlex.quote(
+        "import site, sys\n"
+        "print('\\n'.join([p for p in sys.path if p] + [site.getusersitepackages()]))\n"
+        "try:\n" + textwrap.indent(COMPILE_GUARD, "    ") + "except Exception:\n    pass\n"
+    )
+    + "; echo '#modules'; command -v perl >/dev/null 2>&1 && perl -e 'print \"$_\\n\" for @INC'; "
     "command -v ruby >/dev/null 2>&1 && ruby -e 'puts $LOAD_PATH'; "
     'command -v node >/dev/null 2>&1 && node -e \'console.log(require("module").globalPaths.join("\\n"))\'; '
     "true"
@@ -247,6 +253,9 @@ class ImageRoot:
                 section = found[line]
             elif line.startswith("/"):
                 section.append(line)
+            elif line.startswith("#guard "):
+                magic, code = line.split()[1:3]
+                CACHE.remember(("guard", *key[1:]), (magic, code))
         probed = self.host.call(search_paths, self.image.rootfs, path, found["#python"], (), found["#modules"])
         CACHE.remember(key, probed)
 
@@ -258,6 +267,13 @@ class ImageRoot:
         return CACHE.recall(("search", str(self.image.rootfs), path)) or self.host.call(
             search_paths, self.image.rootfs, path, ()
         )
+
+    @property
+    def compiled_guard(self) -> tuple[str, str] | None:
+        """The verifier's import guard as the image's Python compiled it at the probe (``_guard.py``), if it could."""
+        assert self.image is not None
+        path = {**{"PATH": DOCKER_DEFAULT_PATH}, **self.image.config.env}["PATH"]
+        return CACHE.recall(("guard", str(self.image.rootfs), path))
 
     async def _start_entrypoint(self, entrypoint: list[str]) -> None:
         """Run the image's ENTRYPOINT in the background, its arguments Harbor's keep-alive command (as Docker's)."""
@@ -328,13 +344,11 @@ class VerifierRoot(ImageRoot):
                 search=self.agent.search, workdir=self.workdir, allowed=self.allowed,
                 hostname=self.task.hostname, network=self.network,
                     storage_mb=agent_box.config.storage_mb, runas=static_binary("runas"), tmpdir=self._tmpdir,
-                binds=list(agent_box.config.extra_ro_binds),
+                binds=list(agent_box.config.extra_ro_binds), guard=self.agent.compiled_guard,
             )  # fmt: skip
             # In a process apart (a batch's views, each a walk and a dozen mounts, one at a time
             # there, not contending for this interpreter's lock with its event loop).
-            maker = self.host.apart()
-            self.view = await asyncio.to_thread(maker.call, make_view, spec)
-            tree = await asyncio.to_thread(maker.call_fd, view_tree, self.dir)
+            tree, self.view = await asyncio.to_thread(self.host.apart().call_fd, make_view, spec)
             try:
                 self.box = await agent_box.open_view(
                     tree, self.task.hostname, "user" if self.network == "user" else "none"
@@ -403,6 +417,8 @@ class ViewSpec:
     #: The agent's box's read-only mounts of host files (the helper, the host's CA certificates): the
     #: view gets them too, and the snapshot skips their mount points (not the agent's changes).
     binds: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    #: The import guard's code as the image's Python compiled it (:attr:`ImageRoot.compiled_guard`).
+    guard: tuple[str, str] | None = None
 
 
 def mount_tree(box_dir: Path, image_root: Path, hostname: str, workdir: str | None) -> None:
@@ -419,14 +435,16 @@ def mount_tree(box_dir: Path, image_root: Path, hostname: str, workdir: str | No
         os.close(_hostfs._open_dir(rootfs, _hostfs._parts(workdir), create=True))
 
 
-def make_view(spec: ViewSpec) -> Snapshot:
+def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
     """Make the verifier's view of an agent's tree, mounted at ``view_dir/root`` (see :class:`VerifierRoot`).
 
     Nothing below the agent's root is resolved by path: its folders are opened one level at a time
     from a descriptor of it, never through a link (``_viewfs``), and mounted from those descriptors.
 
     Returns:
-        The snapshot (what it held back, whether the agent added libraries).
+        A detached copy of the view's mount tree (a descriptor, for its supervisor's root) — in the
+        same call, so that a batch's first views start while the workers make the rest — and the
+        snapshot (what it held back, whether the agent added libraries).
     """
     view_dir = spec.view_dir
     for name in ("snapshot", "w", "root"):
@@ -465,7 +483,7 @@ def make_view(spec: ViewSpec) -> Snapshot:
             os.close(root)
     finally:
         os.close(agent_root)
-    return view
+    return _view_tree(view_dir), view
 
 
 def _bind_live(agent_root: int, root: int, path: str) -> None:
@@ -538,7 +556,7 @@ def _own_files(spec: ViewSpec, snapshot_dir: Path) -> tuple[dict[str, str], list
         with contextlib.suppress(OSError):
             files[f"{VIEW_PLUMBING}/{name}"] = (image / "etc" / name).read_text(errors="replace")
     guarded = guarded_names(image, spec.search, spec.workdir, spec.allowed)
-    files.update(guard_files(spec.search.python, guarded))
+    files.update(guard_files(spec.search.python, guarded, spec.guard))
     binds = [(spec.runas, f"{VIEW_PLUMBING}/runas"), *((s, t) for s, t in spec.binds if t != RUNAS)]
     for _, target in binds:
         files.setdefault(target, "")  # a mount point
@@ -627,7 +645,7 @@ def _agents_local_hosts(snapshot_dir: Path, hostname: str) -> str:
     return "".join(f"{line}\n" for line in kept)
 
 
-def view_tree(view_dir: Path) -> int:
+def _view_tree(view_dir: Path) -> int:
     """A detached copy of the view's mount tree (for its supervisor's root): its descriptor."""
     fd = os.open(view_dir / "root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

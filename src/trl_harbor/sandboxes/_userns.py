@@ -173,8 +173,9 @@ class Host:
         """Run ``func(*args)`` (blocking) with root's rights over sandbox trees; its result or its exception."""
         return func(*args)
 
-    def call_fd(self, func: Callable[..., int], *args: Any) -> int:
-        """:meth:`call` for a function that returns a descriptor (a mount tree): one of this process's."""
+    def call_fd(self, func: Callable[..., tuple[int, Any]], *args: Any) -> tuple[int, Any]:
+        """:meth:`call` for a function that returns a descriptor (a mount tree) and a value: the
+        descriptor is one of this process's."""
         return func(*args)
 
     def command(self) -> list[str]:
@@ -202,8 +203,9 @@ class _Served(Host):
         """Run ``func(*args)`` there (a module-level function of this package; picklable arguments)."""
         return self._call(func, args, False)
 
-    def call_fd(self, func: Callable[..., int], *args: Any) -> int:
-        """:meth:`call` for a function that returns a descriptor: it is sent over (SCM_RIGHTS)."""
+    def call_fd(self, func: Callable[..., tuple[int, Any]], *args: Any) -> tuple[int, Any]:
+        """:meth:`call` for a function that returns a descriptor and a value: the descriptor is sent
+        over (SCM_RIGHTS), ahead of the value."""
         return self._call(func, args, True)
 
     def _call(self, func: Callable[..., Any], args: tuple, returns_fd: bool) -> Any:
@@ -217,7 +219,7 @@ class _Served(Host):
             if fd is not None:
                 os.close(fd)
             raise value
-        return fd if returns_fd else value
+        return (fd, value) if returns_fd else value
 
     def apart(self) -> Host:
         """Itself: already a process apart."""
@@ -444,12 +446,12 @@ class _Handler(socketserver.BaseRequestHandler):
         except BaseException as error:  # noqa: BLE001 - every failure goes back to the caller
             answer = (False, error)
         if returns_fd:
-            fd = answer[1] if answer[0] else None
+            fd, value = answer[1] if answer[0] else (None, None)
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))] if fd is not None else []
             self.request.sendmsg([b"f"], rights)
             if fd is not None:
                 os.close(fd)
-                answer = (True, None)
+                answer = (True, value)
         try:
             data = pickle.dumps(answer)
         except Exception as error:  # noqa: BLE001 - an exception that does not pickle
