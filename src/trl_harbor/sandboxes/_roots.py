@@ -446,37 +446,41 @@ def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
         same call, so that a batch's first views start while the workers make the rest — and the
         snapshot (what it held back, whether the agent added libraries).
     """
-    view_dir = spec.view_dir
-    for name in ("snapshot", "w", "root"):
-        (view_dir / name).mkdir(parents=True)
-    own = view_dir / "w"  # the verifier's own writes: a bounded tmpfs of its own, not the agent's tree
+    view_dir = os.fspath(spec.view_dir)  # strings, not Paths: a worker makes a batch's views, each a few ms
+    os.makedirs(f"{view_dir}/snapshot")
+    for name in ("w", "root"):
+        os.mkdir(f"{view_dir}/{name}")
+    own = f"{view_dir}/w"  # the verifier's own writes: a bounded tmpfs of its own, not the agent's tree
     bound = (spec.storage_mb or 10240) * MiB
-    mount_bounded_tmpfs(own, bound, inode_bound(spec.storage_mb or 10240))
+    mount_bounded_tmpfs(Path(own), bound, inode_bound(spec.storage_mb or 10240))
     for name in ("upper", "work", "tmp-upper", "tmp-work", "tmp-empty"):
-        (own / name).mkdir()
-    (own / "tmp-upper").chmod(0o1777)
-    (own / "tmp-upper" / spec.tmpdir).mkdir(mode=0o1777)
-    (own / "tmp-upper" / spec.tmpdir).chmod(0o1777)
-    agent_root = os.open(spec.agent_dir / "rootfs", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        os.mkdir(f"{own}/{name}")
+    os.chmod(f"{own}/tmp-upper", 0o1777)
+    os.mkdir(f"{own}/tmp-upper/{spec.tmpdir}")
+    os.chmod(f"{own}/tmp-upper/{spec.tmpdir}", 0o1777)
+    agent_dir = os.fspath(spec.agent_dir)
+    agent_root = os.open(f"{agent_dir}/rootfs", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         live = live_paths(agent_root, spec.image_root, spec.search, spec.workdir, spec.allowed)
         view = snapshot(
-            spec.agent_dir / "upper", spec.image_root, view_dir / "snapshot", spec.search, spec.workdir,
+            Path(agent_dir, "upper"), spec.image_root, Path(view_dir, "snapshot"), spec.search, spec.workdir,
             spec.allowed, live, skip=[target for _, target in spec.binds],
         )  # fmt: skip
-        files, binds = _own_files(spec, view_dir / "snapshot")
-        late = _lay_own(own / "upper", spec.image_root, files)  # before the mount: plain writes
-        mount_overlay([view_dir / "snapshot", spec.image_root], own / "upper", own / "work", view_dir / "root")
-        root = os.open(view_dir / "root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        files, binds = _own_files(spec, f"{view_dir}/snapshot")
+        late = _lay_own(f"{own}/upper", os.fspath(spec.image_root), files)  # before the mount: plain writes
+        mount_overlay(
+            [Path(view_dir, "snapshot"), spec.image_root], Path(own, "upper"), Path(own, "work"), Path(view_dir, "root")
+        )
+        root = os.open(f"{view_dir}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for path in live:
                 _bind_live(agent_root, root, path)
-            _mount_tmp(spec.agent_dir / "upper", spec.image_root, root, own)
+            _mount_tmp(f"{agent_dir}/upper", os.fspath(spec.image_root), root, own)
             for path in late:  # below a link of the image's: through the view, never following one
                 if path.endswith("/"):
-                    os.close(_hostfs._open_dir(view_dir / "root", _hostfs._parts(path), create=True))
+                    os.close(_hostfs._open_dir(Path(view_dir, "root"), _hostfs._parts(path), create=True))
                 else:
-                    _hostfs.write_text(view_dir / "root", path, files[path])
+                    _hostfs.write_text(Path(view_dir, "root"), path, files[path])
             for source, target in binds:
                 _bind_host_file(root, source, target)
         finally:
@@ -517,7 +521,7 @@ def _attach_beneath(tree: int, root: int, path: str, folder: bool = True) -> Non
         os.close(tree)
 
 
-def _mount_tmp(upper: Path, image_root: Path, root: int, own: Path) -> None:
+def _mount_tmp(upper: str, image_root: str, root: int, own: str) -> None:
     """The view's ``/tmp``: the agent's (its layer over the image's, read through) under a layer of the
     verifier's own. (Made of the agent's layer rather than its merged tree: the image's root is an
     overlay already, and the kernel stacks two at most.)"""
@@ -533,37 +537,46 @@ def _mount_tmp(upper: Path, image_root: Path, root: int, own: Path) -> None:
             except OSError:
                 continue  # none there, or not a folder (a link): that layer holds nothing of /tmp
         if not layers:
-            layers = [str(own / "tmp-empty")]
-        tree = _viewfs.overlay(layers, str(own / "tmp-upper"), str(own / "tmp-work"), userxattr=in_user_namespace())
+            layers = [f"{own}/tmp-empty"]
+        tree = _viewfs.overlay(layers, f"{own}/tmp-upper", f"{own}/tmp-work", userxattr=in_user_namespace())
     finally:
         for fd in opened:
             os.close(fd)
     _attach_beneath(tree, root, "tmp")
 
 
-def _own_files(spec: ViewSpec, snapshot_dir: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
+def _own_files(spec: ViewSpec, snapshot_dir: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
     """The view's own files (its host names, resolver, ``/logs/verifier``, the user-switching helper and
     the image's account files, Python's import guard, the mount points of the host files it gets),
     and the host files to mount on them."""
-    image = spec.image_root
     files = {
         "/etc/hosts": DOCKER_HOSTS.format(hostname=spec.hostname) + _agents_local_hosts(snapshot_dir, spec.hostname),
         "/etc/hostname": spec.hostname + "\n",
         "/etc/resolv.conf": f"nameserver {SLIRP_GATEWAY_DNS}\n" if spec.network == "user" else "",
         "/logs/verifier/": "",
+        **_image_files(spec.image_root, spec.search, spec.workdir, tuple(spec.allowed), spec.guard),
     }
-    for name in ("passwd", "group"):
-        with contextlib.suppress(OSError):
-            files[f"{VIEW_PLUMBING}/{name}"] = (image / "etc" / name).read_text(errors="replace")
-    guarded = guarded_names(image, spec.search, spec.workdir, spec.allowed)
-    files.update(guard_files(spec.search.python, guarded, spec.guard))
     binds = [(spec.runas, f"{VIEW_PLUMBING}/runas"), *((s, t) for s, t in spec.binds if t != RUNAS)]
     for _, target in binds:
         files.setdefault(target, "")  # a mount point
     return files, binds
 
 
-def _lay_own(upper: Path, image_root: Path, files: dict[str, str]) -> list[str]:
+@functools.lru_cache(maxsize=64)
+def _image_files(
+    image: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...], guard: tuple[str, str] | None
+) -> dict[str, str]:
+    """The view's own files made of the image's (its account files, Python's import guard): the same
+    for every view of the image (which never changes), made once."""
+    files = {}
+    for name in ("passwd", "group"):
+        with contextlib.suppress(OSError):
+            files[f"{VIEW_PLUMBING}/{name}"] = (image / "etc" / name).read_text(errors="replace")
+    files.update(guard_files(search.python, guarded_names(image, search, workdir, allowed), guard))
+    return files
+
+
+def _lay_own(upper: str, image_root: str, files: dict[str, str]) -> list[str]:
     """Write the view's own files into its upper layer, their folders made as the image's are (a path
     ending in ``/`` is a folder); returns the paths below a link of the image's, to be written
     through the mounted view instead (the link must stay the image's)."""
@@ -571,22 +584,19 @@ def _lay_own(upper: Path, image_root: Path, files: dict[str, str]) -> list[str]:
     for path, text in files.items():
         parts = [part for part in path.split("/") if part]
         folders = parts if path.endswith("/") else parts[:-1]
-        here, image = os.fspath(upper), os.fspath(image_root)
+        here, image = upper, image_root
         try:
             for part in folders:
                 here, image = f"{here}/{part}", f"{image}/{part}"
                 if here in made:
                     continue
-                try:
-                    info = os.lstat(image)
-                except FileNotFoundError:
-                    info = None
-                if info is not None and not stat.S_ISDIR(info.st_mode):
+                found = _image_folder(image)
+                if found is False:
                     raise NotADirectoryError(path)
-                mode = stat.S_IMODE(info.st_mode) if info is not None else 0o755
+                mode, uid, gid = found or (0o755, 0, 0)
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(here, mode)
-                    os.chown(here, info.st_uid if info else 0, info.st_gid if info else 0)
+                    os.chown(here, uid, gid)
                     os.chmod(here, mode)
                 made.add(here)
         except NotADirectoryError:
@@ -599,6 +609,19 @@ def _lay_own(upper: Path, image_root: Path, files: dict[str, str]) -> list[str]:
             finally:
                 os.close(fd)
     return late
+
+
+@functools.lru_cache(maxsize=1024)
+def _image_folder(path: str) -> tuple[int, int, int] | bool | None:
+    """An image folder's mode and owner (``None``: nothing there; ``False``: not a folder). Images
+    never change: asked once per path."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(info.st_mode):
+        return False
+    return stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid
 
 
 def _bind_host_file(root: int, source: str, target: str) -> None:
@@ -624,11 +647,11 @@ _LOCAL_NAME = re.compile(
 )
 
 
-def _agents_local_hosts(snapshot_dir: Path, hostname: str) -> str:
+def _agents_local_hosts(snapshot_dir: str | Path, hostname: str) -> str:
     """The agent's ``/etc/hosts`` lines that name local hosts only (its file, as the snapshot laid it)."""
     try:
         # Non-blocking: the agent's /etc/hosts may be a FIFO (an open for reading would wait for ever).
-        fd = os.open(snapshot_dir / "etc" / "hosts", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(f"{snapshot_dir}/etc/hosts", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return ""
     with os.fdopen(fd, "rb") as handle:
@@ -645,9 +668,9 @@ def _agents_local_hosts(snapshot_dir: Path, hostname: str) -> str:
     return "".join(f"{line}\n" for line in kept)
 
 
-def _view_tree(view_dir: Path) -> int:
+def _view_tree(view_dir: str) -> int:
     """A detached copy of the view's mount tree (for its supervisor's root): its descriptor."""
-    fd = os.open(view_dir / "root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(f"{view_dir}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         return _viewfs.clone_tree(fd, recursive=True)
     finally:

@@ -44,7 +44,7 @@ import posixpath
 import re
 import shutil
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +76,7 @@ HOOKS: tuple[str, ...] = ("*.pth", "*._pth", "pyvenv.cfg", "sitecustomize*", "us
 _HOOKS_RE = re.compile("|".join(f"(?:{fnmatch.translate(glob)})" for glob in HOOKS))
 #: The test runner's own packages: the verifier never runs the agent's version of them.
 RUNNER_PACKAGES: frozenset[str] = frozenset({"pytest", "_pytest", "pluggy", "iniconfig", "py"})
+_RUNNER_STARTS = tuple(RUNNER_PACKAGES)  # a name whose stem is one of them begins with it
 #: What a test runner or ``python -m`` picks up from a working directory and its ancestors.
 RUNNER_CONFIG: tuple[str, ...] = (
     "conftest.py", "pytest.ini", ".pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "setup.py",
@@ -257,6 +258,7 @@ class _Rule:
         self.run_dirs = {d for d in (self.workdir, "/tmp") if d != "/"}
         self.names = self._shipped_names()
         self._code_below: dict[str, bool] = {}
+        self._live_place: dict[str, str | None] = {}
 
     def _shipped_names(self) -> _Names:
         names = _Names()
@@ -303,14 +305,23 @@ class _Rule:
 
     def own_entry(self, folder: str, name: str) -> str | None:
         """Why the entry ``name`` of a folder that holds nothing named is not seen (``None``: it is)."""
-        if _HOOKS_RE.match(name):
-            return "an interpreter hook"
-        if stem(name) in RUNNER_PACKAGES:
-            return "the test runner's own package"
+        return self.own_entries(folder)(name)
+
+    def own_entries(self, folder: str) -> Callable[[str], str | None]:
+        """:meth:`own_entry` for the entries of one folder (what the folder decides, decided once)."""
         config = self._config_of_entries(folder)
-        if config is not None and config.match(f"{folder}/{name}"):
-            return "code configuration"
-        return None
+        prefix = f"{folder}/"
+
+        def judge(name: str) -> str | None:
+            if _HOOKS_RE.match(name):
+                return "an interpreter hook"
+            if name.startswith(_RUNNER_STARTS) and stem(name) in RUNNER_PACKAGES:
+                return "the test runner's own package"
+            if config is not None and config.match(prefix + name):
+                return "code configuration"
+            return None
+
+        return judge
 
     def _config_of_entries(self, folder: str) -> re.Pattern[str] | None:
         """The configuration globs an entry of ``folder`` may match: those whose literal beginning (up
@@ -370,6 +381,29 @@ class _Rule:
                 or any(g.startswith(prefix) for g in self.config)
             )
         return known
+
+    def live_place(self, path: str) -> str | None:
+        """What :func:`live_paths` does with a folder ``path`` of the agent's: ``"live"`` (no code
+        place at or below it), ``"split"`` (its folders are judged one by one: above the working
+        directory, the verifier's own places or ``/run``), ``None`` (not seen live: the snapshot's,
+        the verifier's own, the kernel's, ``/tmp``). Remembered per path (every view asks it of the
+        same folders)."""
+        known = self._live_place.get(path, False)
+        if known is not False:
+            return known
+        if len(self._live_place) > _REMEMBERED_FOLDERS:
+            self._live_place.clear()
+        place: str | None = None
+        if not (self.verifier_only(path) or path in KERNEL_PLACES or path == "/tmp" or path == PLUMBING):
+            holds_code = self.code_place(path) or self.code_below(path) or self.leads_to_verifier_only(path)
+            holds_code = holds_code or any(s.startswith(path + "/") for s in IMPLICIT_SOCKETS)
+            split = self.workdir == path or self.workdir.startswith(path + "/")
+            if not holds_code:
+                place = "live"
+            elif split or self.leads_to_verifier_only(path) or path == "/run":
+                place = "split"
+        self._live_place[path] = place
+        return place
 
     # -- the judgement ---------------------------------------------------------------
 
@@ -775,22 +809,19 @@ def live_paths(root_fd: int, lower: Path, search: SearchPaths, workdir: str, all
     while pending:
         folder, fd = pending.pop()
         try:
-            names = sorted(os.listdir(fd))
-            for name in names:
+            for name in sorted(os.listdir(fd)):
                 path = posixpath.join(folder, name)
-                if rule.verifier_only(path) or path in KERNEL_PLACES or path == "/tmp" or path == PLUMBING:
+                place = rule.live_place(path)
+                if place is None:
                     continue
                 try:
                     if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
                         continue
                 except OSError:
                     continue
-                split = rule.workdir == path or rule.workdir.startswith(path + "/")
-                holds_code = rule.code_place(path) or rule.code_below(path) or rule.leads_to_verifier_only(path)
-                holds_code = holds_code or any(s.startswith(path + "/") for s in IMPLICIT_SOCKETS)
-                if not holds_code:
+                if place == "live":
                     found.append(path)
-                elif split or rule.leads_to_verifier_only(path) or path == "/run":
+                else:
                     with contextlib.suppress(OSError):
                         pending.append((path, os.open(name, _DIR_FLAGS, dir_fd=fd)))
         finally:
@@ -943,6 +974,7 @@ class _Walker:
         here = f"{self.target}{folder}"
         metadata = posixpath.basename(folder).lower().endswith((".dist-info", ".egg-info"))
         linked: dict[str, bool] = {}  # laid by a hard link: name -> judged a link
+        judge, any_allowed = rule.own_entries(folder), bool(rule.allowed)
         for entry in entries:
             name = entry.name
             path, dest = f"{folder}/{name}", f"{here}/{name}"
@@ -951,8 +983,8 @@ class _Walker:
                 self.conceal(path, "the agent's changes to code places are too many to judge")
                 break
             try:
-                allowed = rule.is_allowed(path)
-                why = None if allowed else rule.own_entry(folder, name)
+                allowed = any_allowed and rule.is_allowed(path)
+                why = None if allowed else judge(name)
                 if entry.is_dir(follow_symlinks=False):
                     if why is not None or depth >= MAX_DEPTH:
                         self.conceal(path, why or "too deep to judge")
@@ -1106,7 +1138,7 @@ def _judged_by_content(path: str) -> bool:
 
 def _judged_by_name(name: str) -> bool:
     """Whether the rule reads a file of this name wherever it is (a ``.pth``, an editable finder)."""
-    return name.endswith(".pth") or _EDITABLE_FINDER.match(name) is not None
+    return name.endswith(".pth") or (name.startswith("__editable__") and _EDITABLE_FINDER.match(name) is not None)
 
 
 def _sparse_copy(dir_fd: int, name: str, dest: str) -> int:
