@@ -360,6 +360,34 @@ def test_views_are_made_in_a_process_apart(task: Path, tmp_path: Path, monkeypat
     asyncio.run(scenario())
 
 
+def test_the_process_that_makes_views_serves_its_owner_only() -> None:
+    """Root's worker, a user's holder: it runs any function of this package it is asked to, with
+    root's rights over sandbox trees — another process of the same user that reaches its socket
+    gets the connection closed, unanswered (``SO_PEERCRED``), and the owner is served as before."""
+    import subprocess
+    import sys
+
+    from trl_harbor.sandboxes import _userns
+
+    maker = _userns.host().apart()  # root: one of its workers; a user: the holder
+    assert isinstance(maker, _userns.Worker | _userns.Holder)
+    assert maker.call(os.getpid) == maker.proc.pid
+    stranger = (
+        "import pickle, socket, struct, sys\n"
+        "request = pickle.dumps(('posix', 'getpid', (), False))\n"
+        "conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "conn.connect(sys.argv[1])\n"
+        "conn.sendall(struct.pack('<Q', len(request)) + request)\n"
+        "try:\n    print(conn.recv(8) or 'closed')\n"
+        "except ConnectionResetError:\n    print('closed')\n"  # closed with the request unread
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", stranger, str(maker.socket_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.strip() == "closed", done.stdout + done.stderr
+    assert maker.call(os.getpid) == maker.proc.pid
+
+
 # Root's workers (a user that is not root has its holder instead: tests/test_rootless.py runs this
 # file as nobody without the tests named "root_workers").
 root_workers = pytest.mark.skipif(os.geteuid() != 0, reason="root's workers: a user has a holder instead")

@@ -347,8 +347,10 @@ class VerifierRoot(ImageRoot):
                 binds=list(agent_box.config.extra_ro_binds), guard=self.agent.compiled_guard,
             )  # fmt: skip
             # In a process apart (a batch's views, each a walk and a dozen mounts, one at a time
-            # there, not contending for this interpreter's lock with its event loop).
-            tree, self.view = await asyncio.to_thread(self.host.apart().call_fd, make_view, spec)
+            # there, not contending for this interpreter's lock with its event loop), chosen when
+            # the call starts (the least busy worker).
+            host = self.host
+            tree, self.view = await asyncio.to_thread(lambda: host.apart().call_fd(make_view, spec))
             try:
                 self.box = await agent_box.open_view(
                     tree, self.task.hostname, "user" if self.network == "user" else "none"

@@ -248,6 +248,8 @@ class Worker(_Served):
 
     def __init__(self, socket_path: Path):
         self.socket_path = socket_path
+        #: Calls it was chosen for (:func:`worker`) and has not answered yet.
+        self.busy = 0
         self.proc = _serving_process(socket_path, "serve_worker")
         assert self.proc.stdout is not None
         if self.proc.stdout.read(1) != b"r":
@@ -255,6 +257,13 @@ class Worker(_Served):
             self.proc.wait()
             err = self.proc.stderr.read().decode(errors="replace").strip() if self.proc.stderr else ""
             raise SandboxUnavailableError(f"the sandboxes' worker process did not start: {err[-800:] or 'no output'}")
+
+    def _call(self, func: Callable[..., Any], args: tuple, returns_fd: bool) -> Any:
+        try:
+            return super()._call(func, args, returns_fd)
+        finally:
+            with _LOCK:
+                self.busy = max(0, self.busy - 1)
 
 
 class Holder(_Served):
@@ -333,7 +342,6 @@ class Holder(_Served):
 _LOCK = threading.Lock()
 _HOLDER: tuple[int, Holder] | None = None
 _WORKERS: tuple[int, list[Worker | None]] | None = None
-_TURN = 0
 
 
 def worker_sockets() -> Path:
@@ -357,21 +365,25 @@ def _stop_workers(workers: tuple[int, list[Worker | None]]) -> None:
 
 
 def worker() -> Worker:
-    """One of root's workers for this process (:meth:`Host.apart`), in turn: one per CPU this process
-    may use, each started at first use and again if it died."""
-    global _WORKERS, _TURN
+    """One of root's workers for this process, for one call (:meth:`Host.apart`): the one with the
+    fewest calls under way (one per CPU this process may use, each started at first use and again
+    if it died)."""
+    global _WORKERS
     with _LOCK:
         if _WORKERS is None or _WORKERS[0] != os.getpid():
             _WORKERS = (os.getpid(), [None] * max(1, len(os.sched_getaffinity(0))))
             atexit.register(_stop_workers, _WORKERS)
         slots = _WORKERS[1]
-        _TURN = (_TURN + 1) % len(slots)
-        chosen = slots[_TURN]
+        # A view's walk grows with what the agent added: a long one must not hold the next views
+        # back while another worker idles (a slot not started yet counts as idle).
+        turn = min(range(len(slots)), key=lambda i: slots[i].busy if slots[i] is not None else 0)
+        chosen = slots[turn]
         if chosen is None or chosen.proc.poll() is not None:
-            path = worker_sockets() / f"{os.getpid()}-{_TURN}.sock"
+            path = worker_sockets() / f"{os.getpid()}-{turn}.sock"
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            chosen = slots[_TURN] = Worker(path)
+            chosen = slots[turn] = Worker(path)
+        chosen.busy += 1
         return chosen
 
 
@@ -434,8 +446,19 @@ def _receive_fd(conn: socket.socket) -> int | None:
     return None
 
 
+def _peer_pid(conn: socket.socket) -> int:
+    """The process at the other end of a Unix socket, as the kernel saw it connect (``SO_PEERCRED``)."""
+    size = struct.calcsize("3i")
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, size))[0]
+
+
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
+        # Only the owner (the process that started this one) is served: it runs any function of this
+        # package it is asked to, with root's rights over sandbox trees. The socket's folder (this
+        # user's only) keeps others out too; this holds whatever its mode becomes.
+        if _peer_pid(self.request) != os.getppid():
+            return  # closed unanswered: the caller sees the connection end
         returns_fd = False
         try:
             module, name, args, returns_fd = pickle.loads(_read_message(self.request))
