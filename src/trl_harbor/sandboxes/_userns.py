@@ -22,7 +22,10 @@ As root there is no holder: host-side work runs in the process itself, but for t
 (:meth:`Host.apart`), which *workers* of the same protocol make, in the host's namespaces — one per
 CPU, each one view at a time: a batch of views made on the trainer's threads contended for its
 interpreter's lock with its event loop (grading a batch of 16 on 2 cores cost 1.5-1.7x grading in
-place; 1.15-1.42x with the workers, ``benchmarks/grading.py``).
+place; 1.10-1.20x with the workers and the views' later savings, ``benchmarks/grading.py``).
+
+A worker or holder serves the process that started it only (``SO_PEERCRED``): it runs any function
+of this package it is asked to, with root's rights over sandbox trees.
 """
 
 from __future__ import annotations
