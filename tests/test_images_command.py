@@ -70,3 +70,40 @@ def test_load_a_base_image_from_an_archive_then_build_offline(tmp_path: Path, ca
     with pytest.raises(SystemExit, match="no such file"):
         _images("load", str(tmp_path / "missing.tar"), name, "--cache-dir", cache)
     _images("prune", "--all", "--cache-dir", cache)  # also releases the storage's mounts
+
+
+def test_images_another_process_starts_sandboxes_from_are_kept(loopback_registry, tmp_path: Path) -> None:  # noqa: F811
+    """A training run beside ``images prune`` or a test session's end (which releases the cache's
+    mounts): prune refuses, the release leaves the images mounted, until that process has exited."""
+    import subprocess
+    import sys
+
+    from trl_harbor.sandboxes.oci import ImageStore
+
+    suite, cache = tmp_path / "suite", tmp_path / "cache"
+    make_task(suite, "kept", dockerfile=f"FROM {loopback_registry.base}\nRUN echo kept > /kept\nWORKDIR /workdir\n")
+    assert _images("build", str(suite), "--cache-dir", str(cache)) == 0
+    assert ImageStore(cache).release_mounts()  # this process is done with them: detached
+    script = (
+        "import asyncio, sys\nfrom pathlib import Path\nfrom trl_harbor.sandboxes.oci import ImageStore\n"
+        "image = asyncio.run(ImageStore(Path(sys.argv[1])).get(Path(sys.argv[2]), 'kept'))\n"
+        "print(image.rootfs, flush=True)\nsys.stdin.read()\n"
+    )
+    run = subprocess.Popen(
+        [sys.executable, "-c", script, str(cache), str(suite / "kept" / "environment")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert run.stdin is not None and run.stdout is not None
+    try:
+        rootfs = Path(run.stdout.readline().strip())
+        assert (rootfs / "kept").read_text() == "kept\n"
+        with pytest.raises(SystemExit, match="another process"):
+            _images("prune", "--all", "--cache-dir", str(cache))
+        assert not ImageStore(cache).release_mounts()
+        assert (rootfs / "kept").read_text() == "kept\n"  # still mounted for the run
+    finally:
+        run.stdin.close()
+        assert run.wait(60) == 0
+    assert ImageStore(cache).release_mounts()
+    assert not (rootfs / "kept").exists()
+    assert _images("prune", "--all", "--cache-dir", str(cache)) == 0

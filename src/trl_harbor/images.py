@@ -213,6 +213,11 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 def _cmd_prune(args: argparse.Namespace) -> int:
     store = _store(args)
+    if store.used_elsewhere():
+        raise SystemExit(
+            f"{store.cache_dir}: another process (a training run, a test session) is starting sandboxes "
+            "from these images; prune them once it has stopped"
+        )
     removed, freed = 0, 0
     for image in store.images():
         source = Path(image.record.source)

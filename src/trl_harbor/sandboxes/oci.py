@@ -41,10 +41,12 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import BinaryIO
 
 from pydantic import BaseModel, Field
 
@@ -555,6 +557,7 @@ class ImageStore:
     async def _mount(self, image: BuiltImage) -> bool:
         if not image.record.container:
             return False
+        await asyncio.to_thread(_hold_mounts, self.cache_dir)
         rc, stdout, _ = await self.buildah.run("mount", image.record.container)
         path = Path(stdout.strip().splitlines()[-1]) if rc == 0 and stdout.strip() else None
         if path is None or not self.buildah.host.call(os.path.isdir, path):
@@ -701,14 +704,73 @@ class ImageStore:
         _private(self.images_dir, self.storage_dir)
         await self.buildah.load_archive(archive, ref)
 
-    def release_mounts(self) -> None:
-        """Detach what buildah's storage keeps mounted (e.g. before deleting the cache folder)."""
-        self.buildah.run_sync("umount", "--all")
-        self.buildah.host.call(unmount_under, self.storage_dir)
+    def used_elsewhere(self) -> bool:
+        """Whether another process may be starting sandboxes from this cache's images now (it mounted
+        them and has not exited or released them): removing or detaching them would break it."""
+        if not self.cache_dir.is_dir():
+            return False
+        with _IN_USE_GUARD:
+            mine = _IN_USE.get(self.cache_dir)
+            if mine is not None:  # this process's own shared lock, made exclusive if no other holds one
+                try:
+                    fcntl.flock(mine, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return True
+                fcntl.flock(mine, fcntl.LOCK_SH)
+                return False
+        with open(self.cache_dir / _IN_USE_FILE, "ab") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+        return False
+
+    def release_mounts(self) -> bool:
+        """Detach what buildah's storage keeps mounted (e.g. before deleting the cache folder), unless
+        another process may still start sandboxes from it (a training run beside ``images prune``).
+
+        This process is done with the store's images: a later use mounts them again.
+
+        Returns:
+            Whether they were detached (``False``: another process holds them, nothing was touched).
+        """
+        with _IN_USE_GUARD:
+            mine = _IN_USE.pop(self.cache_dir, None)
+        if mine is not None:
+            mine.close()
+        self._memo.clear()
+        if not self.cache_dir.is_dir():
+            return True  # nothing was ever mounted from it
+        with open(self.cache_dir / _IN_USE_FILE, "ab") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            self.buildah.run_sync("umount", "--all")
+            self.buildah.host.call(unmount_under, self.storage_dir)
+        return True
 
     async def prune_bases(self) -> None:
         """Remove base images no longer needed from buildah's storage."""
         await self.buildah.run("rmi", "--prune")
+
+
+#: A file in an image cache that every process starting sandboxes from its mounted images holds a
+#: shared lock on (from its first mount until it exits or releases them); the mounts are detached
+#: only under an exclusive one.
+_IN_USE_FILE = ".mounts-in-use"
+_IN_USE: dict[Path, BinaryIO] = {}
+_IN_USE_GUARD = threading.Lock()
+
+
+def _hold_mounts(cache_dir: Path) -> None:
+    """Take this process's shared lock on the cache's mounts, once (waits while they are being released)."""
+    with _IN_USE_GUARD:
+        if cache_dir in _IN_USE:
+            return
+        lock = open(cache_dir / _IN_USE_FILE, "ab")  # noqa: SIM115 - held until the process exits
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        _IN_USE[cache_dir] = lock
 
 
 #: Folders every image root gets, as ``docker run`` provides them: mount points, and
