@@ -167,3 +167,19 @@ def test_the_compiled_code_is_what_runs(tmp_path: Path) -> None:
 def test_the_site_folder(path: list[str], expected: str | None) -> None:
     assert site_folder(path) == expected
     assert bool(guard_files(path, ["nt"])) == (expected is not None)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("#guard a70d0d0a e300", ("a70d0d0a", "e300")),
+        ("#guard a70d0d0a", None),  # cut short
+        ("#guard a70d0d0a e3zz", None),  # not hexadecimal
+        ("#guard  ", None),
+    ],
+)
+def test_the_probes_guard_line_is_taken_only_when_well_formed(line: str, expected: tuple[str, str] | None) -> None:
+    """Else the verifier compiles the source (a code object that cannot load would leave it unguarded)."""
+    from trl_harbor.sandboxes._roots import _compiled_guard
+
+    assert _compiled_guard(line) == expected

@@ -253,9 +253,8 @@ class ImageRoot:
                 section = found[line]
             elif line.startswith("/"):
                 section.append(line)
-            elif line.startswith("#guard "):
-                magic, code = line.split()[1:3]
-                CACHE.remember(("guard", *key[1:]), (magic, code))
+            elif line.startswith("#guard ") and (compiled := _compiled_guard(line)):
+                CACHE.remember(("guard", *key[1:]), compiled)
         probed = self.host.call(search_paths, self.image.rootfs, path, found["#python"], (), found["#modules"])
         CACHE.remember(key, probed)
 
@@ -421,6 +420,17 @@ class ViewSpec:
     binds: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     #: The import guard's code as the image's Python compiled it (:attr:`ImageRoot.compiled_guard`).
     guard: tuple[str, str] | None = None
+
+
+def _compiled_guard(line: str) -> tuple[str, str] | None:
+    """The probe's ``#guard MAGIC CODE`` line, if well formed (else the verifier compiles the source)."""
+    fields = line.split()
+    try:
+        if len(fields) == 3 and bytes.fromhex(fields[1]) and bytes.fromhex(fields[2]):
+            return fields[1], fields[2]
+    except ValueError:
+        pass
+    return None
 
 
 def mount_tree(box_dir: Path, image_root: Path, hostname: str, workdir: str | None) -> None:
