@@ -108,9 +108,11 @@ def test_a_training_run_survives_chaos_and_leaves_nothing(tmp_path: Path, signum
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, "HARBOR_TELEMETRY": "0"}, preexec_fn=as_a_foreground_job)  # fmt: skip
     killed_from_outside = 0
+    networks: set[int] = set()  # the run's slirp4netns processes, seen at any poll (sandboxes come and go)
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and child.poll() is None:
+            networks |= {int(p) for p in os.listdir("/proc") if p.isdigit() and _is_slirp_of(int(p), child.pid)}
             steps = {line["step"] for line in _lines(log)}
             # Kill the sandboxes of one task from outside, as a node losing them would.
             for pid in _processes_of(child.pid):
@@ -124,7 +126,7 @@ def test_a_training_run_survives_chaos_and_leaves_nothing(tmp_path: Path, signum
                 break
             time.sleep(0.2)
         assert child.poll() is None, child.stdout.read()[-3000:]
-        networks = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_slirp_of(int(p), child.pid)]
+        networks |= {int(p) for p in os.listdir("/proc") if p.isdigit() and _is_slirp_of(int(p), child.pid)}
         child.send_signal(signum)
         output, _ = child.communicate(timeout=120)
     finally:
