@@ -241,8 +241,8 @@ class ImageRoot:
     async def _probe_search_paths(self) -> None:
         """Where the image's verifier looks code up (its ``PATH``, its Python's import path), once per image."""
         assert self.image is not None
-        path = {**{"PATH": DOCKER_DEFAULT_PATH}, **self.image.config.env}["PATH"]
-        key = ("search", str(self.image.rootfs), path)
+        rootfs, path = self._probed_as
+        key = ("search", rootfs, path)
         if CACHE.known(key):
             return
         result = await self.run(_SEARCH_PATH_PROBE, cwd="/", env=None, timeout=60, user="root")
@@ -254,25 +254,27 @@ class ImageRoot:
             elif line.startswith("/"):
                 section.append(line)
             elif line.startswith("#guard ") and (compiled := _compiled_guard(line)):
-                CACHE.remember(("guard", *key[1:]), compiled)
+                CACHE.remember(("guard", rootfs, path), compiled)
         probed = self.host.call(search_paths, self.image.rootfs, path, found["#python"], (), found["#modules"])
         CACHE.remember(key, probed)
+
+    @property
+    def _probed_as(self) -> tuple[str, str]:
+        """What the probe's facts are kept under: the image's root and the ``PATH`` it runs with."""
+        assert self.image is not None
+        return str(self.image.rootfs), {**{"PATH": DOCKER_DEFAULT_PATH}, **self.image.config.env}["PATH"]
 
     @property
     def search(self) -> SearchPaths:
         """Where the image's verifier looks code up (probed at the first start of this image)."""
         assert self.image is not None
-        path = {**{"PATH": DOCKER_DEFAULT_PATH}, **self.image.config.env}["PATH"]
-        return CACHE.recall(("search", str(self.image.rootfs), path)) or self.host.call(
-            search_paths, self.image.rootfs, path, ()
-        )
+        rootfs, path = self._probed_as
+        return CACHE.recall(("search", rootfs, path)) or self.host.call(search_paths, self.image.rootfs, path, ())
 
     @property
     def compiled_guard(self) -> tuple[str, str] | None:
         """The verifier's import guard as the image's Python compiled it at the probe (``_guard.py``), if it could."""
-        assert self.image is not None
-        path = {**{"PATH": DOCKER_DEFAULT_PATH}, **self.image.config.env}["PATH"]
-        return CACHE.recall(("guard", str(self.image.rootfs), path))
+        return CACHE.recall(("guard", *self._probed_as))
 
     async def _start_entrypoint(self, entrypoint: list[str]) -> None:
         """Run the image's ENTRYPOINT in the background, its arguments Harbor's keep-alive command (as Docker's)."""

@@ -712,18 +712,12 @@ class ImageStore:
         with _IN_USE_GUARD:
             mine = _IN_USE.get(self.cache_dir)
             if mine is not None:  # this process's own shared lock, made exclusive if no other holds one
-                try:
-                    fcntl.flock(mine, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                if not _exclusive(mine):
                     return True
                 fcntl.flock(mine, fcntl.LOCK_SH)
                 return False
         with open(self.cache_dir / _IN_USE_FILE, "ab") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-        return False
+            return not _exclusive(lock)
 
     def release_mounts(self) -> bool:
         """Detach what buildah's storage keeps mounted (e.g. before deleting the cache folder), unless
@@ -742,9 +736,7 @@ class ImageStore:
         if not self.cache_dir.is_dir():
             return True  # nothing was ever mounted from it
         with open(self.cache_dir / _IN_USE_FILE, "ab") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _exclusive(lock):
                 return False
             self.buildah.run_sync("umount", "--all")
             self.buildah.host.call(unmount_under, self.storage_dir)
@@ -761,6 +753,15 @@ class ImageStore:
 _IN_USE_FILE = ".mounts-in-use"
 _IN_USE: dict[Path, BinaryIO] = {}
 _IN_USE_GUARD = threading.Lock()
+
+
+def _exclusive(lock: BinaryIO) -> bool:
+    """Take ``lock`` exclusively if no other process holds it (``False``, untouched, if one does)."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _hold_mounts(cache_dir: Path) -> None:
