@@ -53,8 +53,8 @@ from bench_task import write_bench_task  # noqa: E402
 from trl_harbor import HarborSpec, close_all  # noqa: E402
 from trl_harbor.backends import resolve_backend  # noqa: E402
 
-LOCAL = "trl_harbor.sandboxes.local:LocalEnvironment"
-LATENCY = "trl_harbor.sandboxes.latency:LatencyLocalEnvironment"
+LOCAL = "harbor_local_sandbox.local:LocalEnvironment"
+LATENCY = "harbor_local_sandbox.latency:LatencyLocalEnvironment"
 #: Round trip added to every command in the cloud model (set by --exec-latency).
 EXEC_LATENCY = 0.05
 

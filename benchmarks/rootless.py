@@ -6,7 +6,7 @@ Run as root. The same task (``FROM debian:bookworm-slim``, from the tests' Debia
 registry needed) starts ``--runs`` times on the image root as root (this process), then as
 ``nobody`` with subordinate ids (``tests/sandbox_helpers.run_unprivileged``: a private mount
 namespace, ``/etc/subuid`` given there), where every tree operation goes through the user's holder
-(``trl_harbor.sandboxes._userns``) and bubblewrap runs under ``nsenter``; then 64 started at once.
+(``harbor_local_sandbox._userns``) and bubblewrap runs under ``nsenter``; then 64 started at once.
 Printed: medians (the 64 at once: its wall time), and the
 rootless/root ratio of each (a ratio carries across machines; absolute times do not). As root the
 box also joins its cgroups (a kernel grace period); without root it has rlimits only.
@@ -38,7 +38,7 @@ work = Path(sys.argv[1])
 sys.path.insert(0, sys.argv[2])
 runs = int(os.environ["BENCH_RUNS"])
 from sandbox_helpers import make_task, open_env
-from trl_harbor.sandboxes.oci import ImageStore
+from harbor_local_sandbox.oci import ImageStore
 
 async def main():
     archive = work / "base.oci.tar"

@@ -33,13 +33,13 @@ from bench_task import write_bench_task
 from harbor.models.task.task import Task
 from harbor.models.trial.paths import TrialPaths
 from harbor.verifier.verifier import Verifier
+from harbor_local_sandbox import _box, _cgroups, _roots
+from harbor_local_sandbox import local as _local
+from harbor_local_sandbox._binaries import SYSTEM_PATH, bwrap_path
+from harbor_local_sandbox._diagnose import _BWRAP_PROBE
+from harbor_local_sandbox.local import LocalEnvironment
 
 from trl_harbor.backends import create_environment
-from trl_harbor.sandboxes import _box, _cgroups, _roots
-from trl_harbor.sandboxes import local as _local
-from trl_harbor.sandboxes._binaries import SYSTEM_PATH, bwrap_path
-from trl_harbor.sandboxes._diagnose import _BWRAP_PROBE
-from trl_harbor.sandboxes.local import LocalEnvironment
 
 #: The phases of one start, timed by wrapping the function that does each: ``(label, owner, attribute)``.
 #: Nested phases are reported as they are (``bwrap + supervisor ready`` holds what is not listed below it).
@@ -172,7 +172,7 @@ async def measure(runs: int, concurrent: int, base: str) -> list[tuple[str, floa
         return await _measure(scratch, runs, concurrent, base)
     finally:
         if (scratch / "cache").exists():
-            from trl_harbor.sandboxes.oci import ImageStore
+            from harbor_local_sandbox.oci import ImageStore
 
             ImageStore(scratch / "cache").release_mounts()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -190,7 +190,7 @@ async def _measure(scratch: Path, runs: int, concurrent: int, base: str) -> list
     await warm.exec("true")
     cold = time.perf_counter() - t
     await warm.stop(delete=True)
-    from trl_harbor.sandboxes._cache import CACHE
+    from harbor_local_sandbox._cache import CACHE
 
     CACHE.clear()  # a new process's view: the image is on disk, nothing in memory
     again = bench.env()

@@ -161,7 +161,7 @@ def grpo_step(suite: Path, backend: str, rollouts: int) -> float:
 def harbor_run(suite: Path, backend: str, scratch: Path) -> tuple[float, str]:
     """``harbor run -a oracle -n 4`` on a suite; returns (seconds, "passed/total")."""
     harbor = shutil.which("harbor") or str(Path(sys.executable).parent / "harbor")
-    environment = "trl_harbor.sandboxes.local:LocalEnvironment" if backend == "local" else backend
+    environment = "harbor_local_sandbox.local:LocalEnvironment" if backend == "local" else backend
     jobs = scratch / f"jobs-{backend}"
     began = time.perf_counter()
     done = subprocess.run(

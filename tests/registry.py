@@ -185,7 +185,7 @@ def loopback_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop
     At the end of the session, what buildah left mounted under the session's temporary folders
     (image caches made by tests) is detached, so those folders can be deleted.
     """
-    from trl_harbor.sandboxes._mounts import unmount_under
+    from harbor_local_sandbox._mounts import unmount_under
 
     try:
         with serve_loopback_registry(tmp_path_factory.mktemp("registry")) as registry:

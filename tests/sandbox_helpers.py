@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from harbor.models.task.task import Task
 from harbor.models.trial.paths import TrialPaths
+from harbor_local_sandbox.local import LocalEnvironment
 
 from trl_harbor.backends import create_environment
-from trl_harbor.sandboxes.local import LocalEnvironment
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED_SUITE = REPO / "examples" / "tasks"
@@ -257,7 +257,7 @@ def run_unprivileged(
 def isolation_off() -> dict:
     """``backend_options`` that make the local sandbox verify in the agent's own sandbox (the generic path
     every backend without an isolated view takes: Docker, cloud sandboxes), where the option exists."""
-    from trl_harbor.sandboxes.local import LocalEnvironmentOptions
+    from harbor_local_sandbox.local import LocalEnvironmentOptions
 
     return {"verifier_isolation": False} if "verifier_isolation" in LocalEnvironmentOptions.model_fields else {}
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 from conftest import BUNDLED_SUITE, requires_local
+from harbor_local_sandbox._lifetime import state_root, sweep_stale
 
 from demo_policy import build_demo_policy
 from sandbox_helpers import as_a_foreground_job, live_processes_with
-from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
 
 BATCH = 8  # rollouts per step (4 tasks x 2 generations)
 

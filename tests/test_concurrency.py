@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, REPO, requires_local
+from harbor_local_sandbox._lifetime import state_root
+from harbor_local_sandbox.latency import LatencyLocalEnvironment
 
 from sandbox_helpers import BASE_DOCKERFILE, as_a_foreground_job, live_processes_with, wait_until
 from trl_harbor import HarborSpec, close_all
 from trl_harbor.rollout import COUNTERS
-from trl_harbor.sandboxes._lifetime import state_root
-from trl_harbor.sandboxes.latency import LatencyLocalEnvironment
 
-LATENCY = "trl_harbor.sandboxes.latency:LatencyLocalEnvironment"
+LATENCY = "harbor_local_sandbox.latency:LatencyLocalEnvironment"
 
 
 @pytest.fixture(autouse=True)
@@ -229,7 +229,7 @@ sys.exit(3)  # while the batch's sandboxes are still starting
 @requires_local
 def test_exiting_while_sandboxes_start_leaves_no_bubblewrap(tmp_path: Path) -> None:
     """A run that ends (an error, Ctrl-C) while its batch's sandboxes start leaves none of them behind."""
-    from trl_harbor.sandboxes._lifetime import _bubblewraps
+    from harbor_local_sandbox._lifetime import _bubblewraps
 
     script = tmp_path / "exit.py"
     script.write_text(EXIT_WHILE_STARTING.format(suite=str(BUNDLED_SUITE)))

@@ -150,7 +150,7 @@ def _report(done: subprocess.CompletedProcess) -> dict:
 
 def test_on_this_host_the_probe_finds_nothing() -> None:
     """Real: bubblewrap makes its namespaces here, so the preflight adds nothing (and costs one bwrap)."""
-    from trl_harbor.sandboxes._diagnose import bwrap_problem, namespace_problem, probe
+    from harbor_local_sandbox._diagnose import bwrap_problem, namespace_problem, probe
 
     assert bwrap_problem() == ""
     assert probe() == {"step": None}
@@ -158,7 +158,7 @@ def test_on_this_host_the_probe_finds_nothing() -> None:
 
 
 def test_explain_names_the_sysctl_that_turns_user_namespaces_off() -> None:
-    from trl_harbor.sandboxes._diagnose import Facts, explain
+    from harbor_local_sandbox._diagnose import Facts, explain
 
     facts = Facts(sysctls={"/proc/sys/user/max_user_namespaces": "0"}, uid=1000)
     message = explain({"step": "userns", "errno": "ENOSPC"}, "bwrap: No permissions", facts)
@@ -171,7 +171,7 @@ def test_explain_names_the_sysctl_that_turns_user_namespaces_off() -> None:
 
 
 def test_explain_in_a_pod_gives_the_security_context() -> None:
-    from trl_harbor.sandboxes._diagnose import Facts, explain
+    from harbor_local_sandbox._diagnose import Facts, explain
 
     pod = Facts(container="kubernetes", seccomp=True, masked_proc=("/proc/kcore", "/proc/sys"))
     message = explain({"step": "userns", "errno": "EPERM"}, "", pod)
@@ -182,7 +182,7 @@ def test_explain_in_a_pod_gives_the_security_context() -> None:
 
 
 def test_explain_in_podman_and_without_a_known_cause() -> None:
-    from trl_harbor.sandboxes._diagnose import Facts, explain
+    from harbor_local_sandbox._diagnose import Facts, explain
 
     podman = Facts(container="podman", seccomp=True)
     assert "podman run --security-opt seccomp=unconfined --security-opt unmask=ALL" in explain(
@@ -197,7 +197,7 @@ def test_explain_in_podman_and_without_a_known_cause() -> None:
 
 
 def test_cache_problem_only_on_an_overlay_without_fuse() -> None:
-    from trl_harbor.sandboxes._diagnose import cache_problem, file_system_of
+    from harbor_local_sandbox._diagnose import cache_problem, file_system_of
 
     mounts = "overlay / overlay rw 0 0\ntmpfs /cache tmpfs rw 0 0\n"
     assert file_system_of(Path("/cache/images/x"), mounts) == "tmpfs"

@@ -13,9 +13,8 @@ import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
 
 from trl_harbor import HarborBashEnv, HarborEnv, close_all, runtime
-from trl_harbor.backends import resolve_backend
+from trl_harbor.backends import LOCAL_ENVIRONMENT_IMPORT_PATH, resolve_backend
 from trl_harbor.rollout import RewardError, select_reward
-from trl_harbor.sandboxes import LOCAL_ENVIRONMENT_IMPORT_PATH
 
 GOLD_DIR = str(BUNDLED_SUITE / GOLD_TASK)
 
@@ -68,11 +67,15 @@ def test_never_reset_env_scores_zero_without_touching_harbor() -> None:
 def test_environment_type_mapping() -> None:
     from harbor.models.environment_type import EnvironmentType
 
+    import harbor_local_sandbox
+
     local = resolve_backend("local")
-    assert local.config.import_path == LOCAL_ENVIRONMENT_IMPORT_PATH and local.config.type is None and local.local
-    assert LOCAL_ENVIRONMENT_IMPORT_PATH == "trl_harbor.sandboxes.local:LocalEnvironment"
+    assert local.config.import_path == LOCAL_ENVIRONMENT_IMPORT_PATH == harbor_local_sandbox.IMPORT_PATH
+    assert local.config.type is None
     plugin = resolve_backend("my.pkg:MyEnvironment")
-    assert plugin.config.import_path == "my.pkg:MyEnvironment" and not plugin.local
+    assert plugin.config.import_path == "my.pkg:MyEnvironment"
+    with pytest.raises(ValueError, match="my.pkg"):  # its class loads on first use, through Harbor's factory
+        plugin.kind
     assert resolve_backend("docker").config.type == EnvironmentType.DOCKER
     assert resolve_backend("e2b").config.type == EnvironmentType.E2B
     with pytest.raises(ValueError, match="docker"):

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 from conftest import BUNDLED_SUITE, REPO, requires_local
+from harbor_local_sandbox._lifetime import state_root
 
 from demo_policy import build_demo_policy
 from trl_harbor.rollout.episode import _alive
-from trl_harbor.sandboxes._lifetime import state_root
 
 
 @requires_local

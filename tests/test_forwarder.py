@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import requires_local
-
-from trl_harbor.sandboxes._binaries import static_binary
+from harbor_local_sandbox._binaries import static_binary
 
 pytestmark = [
     requires_local,

@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from trl_harbor.sandboxes._guard import COMPILE_GUARD, GUARD_MODULE, guard_files, site_folder
+from harbor_local_sandbox._guard import COMPILE_GUARD, GUARD_MODULE, guard_files, site_folder
 
 
 def _compiled_here() -> tuple[str, str]:
@@ -180,6 +179,6 @@ def test_the_site_folder(path: list[str], expected: str | None) -> None:
 )
 def test_the_probes_guard_line_is_taken_only_when_well_formed(line: str, expected: tuple[str, str] | None) -> None:
     """Else the verifier compiles the source (a code object that cannot load would leave it unguarded)."""
-    from trl_harbor.sandboxes._roots import _compiled_guard
+    from harbor_local_sandbox._roots import _compiled_guard
 
     assert _compiled_guard(line) == expected

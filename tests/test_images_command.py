@@ -78,14 +78,14 @@ def test_images_another_process_starts_sandboxes_from_are_kept(loopback_registry
     import subprocess
     import sys
 
-    from trl_harbor.sandboxes.oci import ImageStore
+    from harbor_local_sandbox.oci import ImageStore
 
     suite, cache = tmp_path / "suite", tmp_path / "cache"
     make_task(suite, "kept", dockerfile=f"FROM {loopback_registry.base}\nRUN echo kept > /kept\nWORKDIR /workdir\n")
     assert _images("build", str(suite), "--cache-dir", str(cache)) == 0
     assert ImageStore(cache).release_mounts()  # this process is done with them: detached
     script = (
-        "import asyncio, sys\nfrom pathlib import Path\nfrom trl_harbor.sandboxes.oci import ImageStore\n"
+        "import asyncio, sys\nfrom pathlib import Path\nfrom harbor_local_sandbox.oci import ImageStore\n"
         "image = asyncio.run(ImageStore(Path(sys.argv[1])).get(Path(sys.argv[2]), 'kept'))\n"
         "print(image.rootfs, flush=True)\nsys.stdin.read()\n"
     )

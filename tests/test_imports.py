@@ -1,4 +1,4 @@
-"""The names a task image's Python code tries to import (``trl_harbor.sandboxes._imports``), found by scanning."""
+"""The names a task image's Python code tries to import (``harbor_local_sandbox._imports``), found by scanning."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from trl_harbor.sandboxes._imports import STDLIB_NAMES, attempted_imports, guard_names, imported_names
+from harbor_local_sandbox._imports import STDLIB_NAMES, attempted_imports, guard_names, imported_names
 
 HOST_PYTHON = "/usr/bin/python3"
 

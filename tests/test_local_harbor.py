@@ -60,7 +60,7 @@ def test_harbor_run_with_the_plugin_passes_the_bundled_suite(tmp_path: Path) -> 
     jobs = tmp_path / "jobs"
     completed = subprocess.run(
         [harbor, "run", "-p", str(BUNDLED_SUITE), "-a", "oracle", "-e",
-         "trl_harbor.sandboxes.local:LocalEnvironment", "-n", "4", "-o", str(jobs), "-y"],
+         "harbor_local_sandbox.local:LocalEnvironment", "-n", "4", "-o", str(jobs), "-y"],
         capture_output=True, text=True, timeout=900, env={**os.environ, "HARBOR_TELEMETRY": "0"},
     )  # fmt: skip
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harbor_local_sandbox._cache import CACHE
+from harbor_local_sandbox._fingerprints import list_image
+from harbor_local_sandbox._lifetime import state_root, sweep_stale
+from harbor_local_sandbox.oci import ImageStore
 from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import count_processes_cmd, make_task, open_env, run
-from trl_harbor.sandboxes._cache import CACHE
-from trl_harbor.sandboxes._fingerprints import list_image
-from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
-from trl_harbor.sandboxes.oci import ImageStore
 
 pytestmark = pytest.mark.local
 
@@ -377,7 +377,7 @@ def test_layered_fingerprints_see_what_a_walk_of_the_merged_root_sees(loopback_r
 
 def test_a_failed_build_is_the_local_image_build_error(loopback_registry, cache_dir, tmp_path):  # noqa: F811
     """Issue #18: ``except local.ImageBuildError`` missed buildah's failures (another class, of oci.py)."""
-    from trl_harbor.sandboxes import local
+    from harbor_local_sandbox import local
 
     task = _task(tmp_path, f"FROM {loopback_registry.base}\nRUN echo boom-marker >&2 && exit 3\n")
     env = open_env(task, tmp_path, cache_dir=cache_dir)
@@ -494,7 +494,7 @@ def test_prebuilt_docker_image_without_dockerfile(loopback_registry, cache_dir, 
 
 
 def test_preflight_checks_the_root_option():
-    from trl_harbor.sandboxes.local import LocalEnvironment
+    from harbor_local_sandbox.local import LocalEnvironment
 
     LocalEnvironment.preflight({"root": "image"})  # root, buildah and bubblewrap are here
     with pytest.raises(ValueError, match="root"):

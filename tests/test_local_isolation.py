@@ -10,9 +10,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from harbor_local_sandbox._hostfs import UnsafePathError
 
 from sandbox_helpers import REPO, make_task, open_env, run
-from trl_harbor.sandboxes._hostfs import UnsafePathError
 
 
 @pytest.fixture

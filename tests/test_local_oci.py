@@ -14,9 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harbor_local_sandbox.oci import BaseImageUnavailableError, ImageBuildError, ImageStore, base_images
 from registry import loopback_registry  # noqa: F401 - the session fixture
-
-from trl_harbor.sandboxes.oci import BaseImageUnavailableError, ImageBuildError, ImageStore, base_images
 
 pytestmark = pytest.mark.local
 
@@ -165,7 +164,7 @@ def test_unreachable_debian_base_is_bootstrapped_from_debian_packages(loopback_r
 
 
 def test_debian_suite_names():
-    from trl_harbor.sandboxes.oci import debian_suite
+    from harbor_local_sandbox.oci import debian_suite
 
     assert [debian_suite(r) for r in ("debian:bookworm", "debian:12-slim", "docker.io/library/debian:trixie")] == [
         "bookworm", "bookworm", "trixie",
@@ -205,7 +204,7 @@ def test_registry_mirror_from_registries_conf(loopback_registry, tmp_path, monke
 
 def test_with_build_args_declares_the_trust_variables_in_every_stage() -> None:
     """Each stage gets the declarations right after its FROM (continued lines too); heredoc bodies are not FROMs."""
-    from trl_harbor.sandboxes.oci import with_build_args
+    from harbor_local_sandbox.oci import with_build_args
 
     text = "# escape=`\nFROM python:3.12 AS b\nRUN <<EOF\nFROM nothing\nEOF\nfrom `\n  debian\nCOPY --from=b /x /y\n"
     assert with_build_args(text, ("A", "B")).splitlines() == [

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from harbor_local_sandbox._lifetime import state_root, sweep_stale
+from harbor_local_sandbox.local import SandboxCommandError, SandboxTimeoutError
 
 from sandbox_helpers import (
     count_processes_cmd,
@@ -21,8 +23,6 @@ from sandbox_helpers import (
     run,
     wait_until,
 )
-from trl_harbor.sandboxes._lifetime import state_root, sweep_stale
-from trl_harbor.sandboxes.local import SandboxCommandError, SandboxTimeoutError
 
 
 @pytest.fixture
@@ -412,7 +412,7 @@ def test_a_killed_owner_leaves_no_user_network_behind(tmp_path: Path) -> None:
 
 def test_the_sweep_kills_a_bubblewrap_left_holding_a_dead_owners_box(tmp_path: Path) -> None:
     """A bubblewrap process whose owner died (e.g. killed mid-start) is killed by the next run's sweep."""
-    from trl_harbor.sandboxes._binaries import bwrap_path
+    from harbor_local_sandbox._binaries import bwrap_path
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # a process that has exited: the box's owner
@@ -448,9 +448,9 @@ def test_the_sweep_kills_a_bubblewrap_left_holding_a_dead_owners_box(tmp_path: P
 def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tmp_path: Path) -> None:
     """Once a box is up, a launcher is parked in fresh cgroups; the next box's bubblewrap is that process,
     with the box's limits on those cgroups (no move, so no wait for the kernel); close_all-time release."""
-    from trl_harbor.sandboxes import _box
-    from trl_harbor.sandboxes._cgroups import ROOT
-    from trl_harbor.sandboxes.local import release_parked
+    from harbor_local_sandbox import _box
+    from harbor_local_sandbox._cgroups import ROOT
+    from harbor_local_sandbox.local import release_parked
 
     async def scenario():
         first = open_env(task, tmp_path)

@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 
 import pytest
+from harbor_local_sandbox._mounts import inode_bound
 
 from sandbox_helpers import make_task, open_env, run
-from trl_harbor.sandboxes._mounts import inode_bound
 
 BOUND_MB = 64
 

@@ -100,7 +100,7 @@ def test_the_removed_host_root_is_refused_at_spec_build_with_the_fix() -> None:
                 preflight=True,
             )
         )
-    from trl_harbor.sandboxes.local import LocalEnvironment
+    from harbor_local_sandbox.local import LocalEnvironment
 
     assert LocalEnvironment.parse_options({"root": "image", "pids_max": 64}).pids_max == 64
 

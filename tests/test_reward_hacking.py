@@ -368,7 +368,7 @@ def test_the_generic_path_by_shell_scripts_also_scores_every_exploit_zero(
 ) -> None:
     """Backends without native process kills and file fingerprints (Docker, cloud) use shell scripts
     run in the sandbox; here they run in real local sandboxes whose native forms are hidden."""
-    from trl_harbor.sandboxes.local import LocalEnvironment
+    from harbor_local_sandbox.local import LocalEnvironment
 
     monkeypatch.setattr(LocalEnvironment, "kill_processes", None)
     monkeypatch.setattr(LocalEnvironment, "list_processes", None)

@@ -40,7 +40,7 @@ shutil.copy(os.environ["TEST_BASE_ARCHIVE"], archive)
 os.environ["TRL_HARBOR_TEST_CACHE"] = str(work / "test-images")
 (work / "test-images").mkdir()
 shutil.copy(archive, work / "test-images" / Path(os.environ["TEST_BASE_ARCHIVE"]).name)
-from trl_harbor.sandboxes.oci import ImageStore
+from harbor_local_sandbox.oci import ImageStore
 asyncio.run(ImageStore().load_archive(archive, "debian:bookworm-slim"))
 """
 
@@ -97,7 +97,7 @@ _ONE_ID = """
 import json
 sys.path.insert(0, sys.argv[2])
 from sandbox_helpers import make_task, open_env, run
-from trl_harbor.sandboxes.errors import ImageBuildError
+from harbor_local_sandbox.errors import ImageBuildError
 
 found = {}
 async def main():

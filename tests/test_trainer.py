@@ -31,11 +31,11 @@ from typing import Any
 
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
+from harbor_local_sandbox._lifetime import state_root
 
 from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborBashEnv, HarborSpec, close_all
 from trl_harbor.rollout import COUNTERS
-from trl_harbor.sandboxes._lifetime import state_root
 
 EXPLOSION = "sandbox API down"
 GOOD = f"echo -n {GOLD_ANSWER} > /workdir/answer.txt"
@@ -43,7 +43,7 @@ WRONG = "echo -n 0 > /workdir/answer.txt"
 READ = "cat /workdir/answer.txt"
 LONG = "seq 1 400"  # a result far longer than max_completion_length: rolled back by TRL's loop
 #: The local sandbox, slower by a fixed delay per command (so that overlapping calls surely overlap).
-LATENCY = "trl_harbor.sandboxes.latency:LatencyLocalEnvironment"
+LATENCY = "harbor_local_sandbox.latency:LatencyLocalEnvironment"
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,7 @@ import stat
 from pathlib import Path
 
 import pytest
-
-from trl_harbor.sandboxes._view import SearchPaths, snapshot, stem
+from harbor_local_sandbox._view import SearchPaths, snapshot, stem
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts and trusted.* xattrs need root")
 
@@ -222,7 +221,7 @@ def test_an_own_folders_configuration_shortcut_judges_as_the_full_rule(tmp_path:
     """An entry of a new folder is checked against the configuration globs it can begin like only:
     the verdict must be the full rule's for every glob of CODE_CONFIG (entries that match, entries
     beside them, and below folders that are configuration themselves)."""
-    from trl_harbor.sandboxes._view import CODE_CONFIG, _Rule
+    from harbor_local_sandbox._view import CODE_CONFIG, _Rule
 
     (tmp_path / "home" / "dev").mkdir(parents=True)
     rule = _Rule(tmp_path, SEARCH, "/workdir", ())

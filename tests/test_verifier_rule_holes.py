@@ -13,8 +13,7 @@ import stat
 from pathlib import Path
 
 import pytest
-
-from trl_harbor.sandboxes._view import SearchPaths, snapshot
+from harbor_local_sandbox._view import SearchPaths, snapshot
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts and trusted.* xattrs need root")
 
@@ -454,7 +453,7 @@ def test_a_library_added_where_the_loader_looks_asks_for_a_new_loader_cache(laye
 def test_a_folder_swapped_for_a_link_during_the_walk_is_not_followed(layers, monkeypatch) -> None:
     """The agent's processes still run while the snapshot is taken: a folder it lists may be a link to the
     host's ``/`` by the time it is entered."""
-    import trl_harbor.sandboxes._view as view
+    import harbor_local_sandbox._view as view
 
     lower, upper, target = layers
     _files(upper, {"/opt/data/out.txt": "x"})
@@ -473,7 +472,7 @@ def test_a_folder_swapped_for_a_link_during_the_walk_is_not_followed(layers, mon
 
 def _swap_before(monkeypatch, call: str, name: str, swap) -> None:
     """Run ``swap`` once, just before the walk's ``os.<call>`` reaches the entry ``name`` (the agent's race)."""
-    import trl_harbor.sandboxes._view as view
+    import harbor_local_sandbox._view as view
 
     real = getattr(os, call)
     done = []
@@ -561,7 +560,7 @@ def test_a_link_swapped_for_a_file_before_its_target_is_read_is_held_back(layers
 def test_a_live_folder_without_a_mount_point_in_the_view_stays_out(tmp_path: Path) -> None:
     """A folder of the agent's removed before the snapshot and made again before it is mounted live has no
     mount point in the view: it stays out (as when the snapshot was made), not an error of grading's."""
-    from trl_harbor.sandboxes._roots import _bind_live
+    from harbor_local_sandbox._roots import _bind_live
 
     agent, view_root = tmp_path / "agent", tmp_path / "view"
     (agent / "newdir").mkdir(parents=True)
@@ -580,7 +579,7 @@ def test_an_agents_hosts_file_that_is_a_fifo_does_not_hang_the_view(tmp_path: Pa
     """``mkfifo /etc/hosts``: reading the agent's host names for the view must not wait for a writer."""
     import threading
 
-    from trl_harbor.sandboxes._roots import _agents_local_hosts
+    from harbor_local_sandbox._roots import _agents_local_hosts
 
     (tmp_path / "etc").mkdir()
     os.mkfifo(tmp_path / "etc" / "hosts")

@@ -292,7 +292,7 @@ def test_a_sandbox_stops_when_a_view_torn_down_in_the_background_has_just_finish
     it once looped on a gather of finished tasks that never yielded to the loop (a hung CI run)."""
     import threading
 
-    from trl_harbor.sandboxes._roots import ImageRoot
+    from harbor_local_sandbox._roots import ImageRoot
 
     root = ImageRoot(task=None)  # nothing started: its stop only waits for the teardowns
     stopped = threading.Event()
@@ -319,7 +319,7 @@ def test_a_view_teardown_that_fails_is_logged_and_the_sandbox_still_stops(caplog
     """A teardown runs off the grading's way; its failure must not vanish (nor stop the sandbox's stop)."""
     import logging
 
-    from trl_harbor.sandboxes._roots import ImageRoot
+    from harbor_local_sandbox._roots import ImageRoot
 
     root = ImageRoot(task=None)
 
@@ -341,7 +341,7 @@ def test_a_view_teardown_that_fails_is_logged_and_the_sandbox_still_stops(caplog
 def test_views_are_made_in_a_process_apart(task: Path, tmp_path: Path, monkeypatch) -> None:
     """A batch's views (a walk and a dozen mounts each) are made by another process — root's workers,
     a user's holder — not on the trainer's interpreter, whose lock its event loop needs."""
-    from trl_harbor.sandboxes import _roots
+    from harbor_local_sandbox import _roots
 
     def not_here(*args, **kwargs):
         raise AssertionError("a view was made in the trainer's process")
@@ -367,7 +367,7 @@ def test_the_process_that_makes_views_serves_its_owner_only() -> None:
     import subprocess
     import sys
 
-    from trl_harbor.sandboxes import _userns
+    from harbor_local_sandbox import _userns
 
     maker = _userns.host().apart()  # root: one of its workers; a user: the holder
     assert isinstance(maker, _userns.Worker | _userns.Holder)
@@ -395,7 +395,7 @@ root_workers = pytest.mark.skipif(os.geteuid() != 0, reason="root's workers: a u
 
 @root_workers
 def test_root_workers_that_died_are_started_again(task: Path, tmp_path: Path) -> None:
-    from trl_harbor.sandboxes import _userns
+    from harbor_local_sandbox import _userns
 
     async def scenario() -> None:
         env = await _started(task, tmp_path)
@@ -436,10 +436,10 @@ def test_root_workers_exit_with_their_owner(end: str) -> None:
     import subprocess
     import sys
 
-    from trl_harbor.sandboxes._userns import worker_sockets
+    from harbor_local_sandbox._userns import worker_sockets
 
     script = (
-        "import sys, time\nfrom trl_harbor.sandboxes import _userns\nprint(_userns.worker().proc.pid, flush=True)\n"
+        "import sys, time\nfrom harbor_local_sandbox import _userns\nprint(_userns.worker().proc.pid, flush=True)\n"
     )
     script += "time.sleep(60)\n" if end == "SIGKILL" else ""
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -457,8 +457,8 @@ def test_root_workers_exit_with_their_owner(end: str) -> None:
 def test_root_workers_sockets_are_swept_when_they_were_killed_with_their_owner() -> None:
     import subprocess
 
-    from trl_harbor.sandboxes._lifetime import sweep_stale
-    from trl_harbor.sandboxes._userns import worker_sockets
+    from harbor_local_sandbox._lifetime import sweep_stale
+    from harbor_local_sandbox._userns import worker_sockets
 
     child = subprocess.Popen(["true"])
     child.wait()  # a PID no process has any more

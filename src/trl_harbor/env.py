@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trl_harbor import progress, runtime
+from trl_harbor import backends, progress, runtime
 from trl_harbor.options import HarborOptions
 from trl_harbor.rollout import grading
 from trl_harbor.rollout.episode import CommandTimeoutError, Episode, Phase
@@ -121,13 +121,12 @@ def check_hooks(cls: type[HarborEnv]) -> None:
 def close_all() -> None:
     """Stop every live sandbox of this process (all environments, concurrently).
 
-    Environments stay usable: the next ``reset`` starts a fresh sandbox. Also runs at exit. The
-    local sandbox's launcher parked for the next start goes too (the next start parks another).
+    Environments stay usable: the next ``reset`` starts a fresh sandbox. Also runs at exit. What
+    backends keep warm between sandboxes goes too (the local sandbox's parked launcher: the next
+    start parks another).
     """
     runtime.close_all()
-    from trl_harbor.sandboxes.local import release_parked
-
-    release_parked()
+    backends.release_idle()
 
 
 def release(env: HarborEnv) -> None:

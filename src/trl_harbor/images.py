@@ -1,8 +1,10 @@
-"""``trl-harbor images``: the local sandbox's task images (list, build ahead of training, prune).
+"""``trl-harbor images``: a backend's task images (list, build ahead of training, prune, load).
 
-Task images are built by buildah from each task's Dockerfile and cached by content under
-``~/.cache/trl-harbor`` (see :mod:`trl_harbor.sandboxes.oci`). Building a suite's images
-before training keeps the first rollouts from waiting on pulls and builds::
+For a backend whose class keeps an image cache (:class:`trl_harbor.rollout.contract.ImageCache`;
+``-e local``, the default: the local sandbox, whose images buildah builds from each task's Dockerfile,
+cached by content under ``~/.cache/trl-harbor``). The store is the backend's own, reached through
+its class, so what is built here is what its sandboxes find. Building a suite's images before
+training keeps the first rollouts from waiting on pulls and builds::
 
     trl-harbor images build examples/tasks
     trl-harbor images list
@@ -20,8 +22,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ImagesBuilt", "add_parser", "build_images", "cache_size"]
+__all__ = ["ImagesBuilt", "add_parser", "build_images", "cache_size", "image_store"]
 
 
 def cache_size(path: Path) -> int:
@@ -70,11 +73,39 @@ def _human(size: int) -> str:
     return f"{value:.1f} TiB"
 
 
-def _store(args: argparse.Namespace):
-    from trl_harbor.sandboxes._cache import CACHE
-    from trl_harbor.sandboxes.oci import ImageStore
+def image_store(environment_type: str = "local", cache_dir: Path | str | None = None, *, host_trust: bool = True):
+    """The image cache of a backend's sandboxes for these options.
 
-    return CACHE.builder(ImageStore, args.cache_dir or None, host_trust=not args.no_host_trust)
+    Args:
+        environment_type: The backend (``"local"``, or a plug-in's import path).
+        cache_dir: The cache root (``None``: the backend's default).
+        host_trust: Forward the host's proxy settings and CA certificates to builds.
+
+    Returns:
+        The backend's store (see :class:`~trl_harbor.rollout.contract.ImageCache`).
+
+    Raises:
+        ValueError: If the backend is unknown or keeps no image cache.
+    """
+    from trl_harbor.backends import resolve_backend
+
+    options: dict[str, object] = {"host_trust": host_trust}
+    if cache_dir:
+        options["cache_dir"] = str(cache_dir)
+    store = resolve_backend(environment_type, options).image_store()
+    if store is None:
+        raise ValueError(
+            f"environment_type={environment_type!r} keeps no image cache trl-harbor can reach (it builds its "
+            "images its own way): `trl-harbor images` serves backends such as 'local'"
+        )
+    return store
+
+
+def _store(args: argparse.Namespace):
+    try:
+        return image_store(args.environment_type, args.cache_dir or None, host_trust=not args.no_host_trust)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -120,22 +151,21 @@ class ImagesBuilt:
 
 def build_images(
     task_dirs: Sequence[Path],
-    cache_dir: Path | str | None = None,
+    store: Any,
     *,
-    host_trust: bool = True,
     force: bool = False,
     concurrency: int = 2,
     on_done: Callable[[str, str], None] | None = None,
 ) -> ImagesBuilt:
-    """Build (or find cached) the local sandbox's images of some tasks, ahead of their sandboxes.
+    """Build (or find cached) a backend's images of some tasks, ahead of their sandboxes.
 
     Runs on the process's shared event loop (:mod:`trl_harbor.runtime`), with the image store the
-    local sandbox itself uses for ``cache_dir``, so what is built here is what its sandboxes find.
+    backend's sandboxes use (:func:`image_store`, :meth:`Backend.image_store`), so what is built
+    here is what they find.
 
     Args:
         task_dirs: The task folders (each with ``environment/Dockerfile``).
-        cache_dir: The cache root (``None``: ``$TRL_HARBOR_CACHE_DIR`` or ``~/.cache/trl-harbor``).
-        host_trust: Forward the host's proxy settings and CA certificates to the builds.
+        store: The backend's image store.
         force: Rebuild images that are cached.
         concurrency: Builds at once.
         on_done: Called with ``(task, status)`` as each task finishes (``status``: ``"cached"``,
@@ -145,10 +175,7 @@ def build_images(
         The counts; a failed build is reported there, never raised.
     """
     from trl_harbor import runtime
-    from trl_harbor.sandboxes._cache import CACHE
-    from trl_harbor.sandboxes.oci import ImageStore
 
-    store = CACHE.builder(ImageStore, str(cache_dir) if cache_dir else None, host_trust=host_trust)
     counts = ImagesBuilt()
     started = time.monotonic()
 
@@ -199,15 +226,15 @@ def _cmd_build(args: argparse.Namespace) -> int:
         done += 1
         print(f"[{done}/{len(tasks)}] {task}: {status}", flush=True)
 
+    store = _store(args)
     counts = build_images(
         [t.path for t in tasks],
-        args.cache_dir,
-        host_trust=not args.no_host_trust,
+        store,
         force=args.force,
         concurrency=args.concurrency,
         on_done=report,
     )
-    print(f"\n{counts.ready} of {len(tasks)} image(s) ready in {_store(args).images_dir}")
+    print(f"\n{counts.ready} of {len(tasks)} image(s) ready in {store.images_dir}")
     return 1 if counts.failed else 0
 
 
@@ -256,6 +283,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     images = commands.add_parser("images", help="task images of the local sandbox: list, build, prune")
     sub = images.add_subparsers(dest="images_command", required=True)
     common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--environment-type", "-e", default="local", help="the backend whose image cache this is (default: local)"
+    )
     common.add_argument("--cache-dir", help="cache root (default: $TRL_HARBOR_CACHE_DIR or ~/.cache/trl-harbor)")
     common.add_argument(
         "--no-host-trust", action="store_true", help="do not forward the host's proxies and CA certificates"

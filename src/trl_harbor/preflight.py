@@ -110,7 +110,7 @@ def check_backend(backend: Backend, task_dirs: Sequence[Path] | None = None) -> 
         try:
             EnvironmentFactory.run_preflight(config.type, config.import_path, kwargs=dict(config.kwargs))
         except (SystemExit, Exception) as exc:  # Harbor's preflights exit (SystemExit) on a missing daemon or key
-            raise BackendUnavailableError(_unavailable(environment_type, exc)) from None
+            raise BackendUnavailableError(_unavailable(backend, exc)) from None
         _PASSED.add(key)
     if task_dirs:
         problem = docker_network_problem(backend, task_dirs)
@@ -118,19 +118,24 @@ def check_backend(backend: Backend, task_dirs: Sequence[Path] | None = None) -> 
             raise BackendUnavailableError(problem)
 
 
-def _unavailable(environment_type: str, exc: BaseException) -> str:
+def _unavailable(backend: Backend, exc: BaseException) -> str:
+    environment_type = backend.name
+    try:
+        kind = backend.kind  # what it is by its class, whatever it was called
+    except Exception:  # noqa: BLE001 - a class that cannot load: the error below says so
+        kind = environment_type
     if isinstance(exc, ImportError):
         cause = f"its Harbor backend cannot be loaded ({type(exc).__name__}: {exc}); install the backend's SDK"
     else:
         cause = str(exc) if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
     cause = cause.strip().rstrip(".")
-    if environment_type == "local":  # the local backend's own message names the cause and the fixes
+    if kind == "local":  # the local sandbox's own message names the cause and the fixes
         return (
-            f"environment_type='local' cannot start sandboxes on this machine: {cause}. Every rollout would fail "
-            "to start. To skip this check, build the spec with HarborSpec(..., preflight=False) or set "
+            f"environment_type={environment_type!r} cannot start sandboxes on this machine: {cause}. Every rollout "
+            "would fail to start. To skip this check, build the spec with HarborSpec(..., preflight=False) or set "
             "TRL_HARBOR_PREFLIGHT=0."
         )
-    detail = _docker_info() if environment_type in ("docker", "podman") or "docker" in cause.lower() else ""
+    detail = _docker_info() if kind in ("docker", "podman") or "docker" in cause.lower() else ""
     return (
         f"environment_type={environment_type!r} cannot start sandboxes on this machine: {cause}"
         f"{detail}. Every rollout would fail to start, every reward would be None, and training "

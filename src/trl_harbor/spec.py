@@ -90,7 +90,7 @@ def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv] | None, b
                 f"`submit_step` tool, and {env_cls.__name__} has none. Fix: agent='bash_steps', or "
                 "add trl_harbor.StepsMixin to your harness."
             )
-        if task.compose and backend.local:
+        if task.compose and not backend.supports_compose:
             problems.append(
                 f"{task.path}/environment/docker-compose.yaml: the local sandbox runs one container, "
                 "not compose services (the sidecars would be silently missing). Fix: "

@@ -602,20 +602,27 @@ def _introduce(harbor: HarborTrainArguments, plan: _Plan, timings: dict[str, flo
 
 
 def _prebuild_images(plan: _Plan, print_fn) -> float | None:
-    """Build the local sandbox's task images up front, so their cost shows once, as one line."""
-    from trl_harbor.images import build_images
+    """Build the task images of backends that keep an image cache up front, so their cost shows once, as one line."""
+    from trl_harbor.images import ImagesBuilt, build_images
 
-    # A mix's backends are its specs'; backends other than the local sandbox build their own way.
+    # A mix's backends are its specs'; a backend without an image cache (Docker, cloud) builds its own way.
     specs = [*getattr(plan.spec, "specs", [plan.spec]), *([plan.heldout] if plan.heldout is not None else [])]
-    local = [s for s in specs if s.backend.local]
-    if not local:
+    stores: dict[int, tuple[object, set[Path]]] = {}
+    for spec in specs:
+        store = spec.backend.image_store()
+        if store is not None:
+            stores.setdefault(id(store), (store, set()))[1].update(t.path for t in spec.tasks)
+    if not stores:
         return None
-    backend_options = plan.options.backend_options
-    counts = build_images(
-        sorted({t.path for s in local for t in s.tasks}),
-        backend_options.get("cache_dir"),
-        host_trust=bool(backend_options.get("host_trust", True)),
-    )
+    counts = ImagesBuilt()
+    for store, task_dirs in stores.values():
+        built = build_images(sorted(task_dirs), store)
+        counts.built, counts.cached, counts.seconds = (
+            counts.built + built.built,
+            counts.cached + built.cached,
+            counts.seconds + built.seconds,
+        )
+        counts.failed.update(built.failed)
     if counts.failed:  # the sandboxes' own start reports why, task by task
         print_fn(f"  images  {len(counts.failed)} task image(s) failed to build ({counts.seconds:.0f} s); "
                  "their sandboxes will say why")  # fmt: skip

@@ -2,7 +2,7 @@
 
 Since issue #17 the verifier of a task image runs in a *sibling* of the agent's sandbox: the
 agent's processes keep running, as in Harbor's shared trial, and the verifier sees a snapshot of
-the agent's files filtered by the rule of ``trl_harbor.sandboxes._view`` (the image's code stays
+the agent's files filtered by the rule of ``harbor_local_sandbox._view`` (the image's code stays
 the image's; additions that would run instead of or beside it are hidden). Each case here is one
 rollout — a task, the tool calls of a policy, what it deserves — run twice by
 ``test_grading.py``: with the defences (it must get what it deserves, and the rest of the batch

@@ -33,11 +33,11 @@ from pathlib import Path
 import pytest
 from adv_corpus import CASES, Case, Ctx, text
 from adv_table import RESULTS, Outcome, render
+from harbor_local_sandbox.oci import ImageStore
 from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import BASE_DOCKERFILE, live_processes_with, make_task, wait_until
 from trl_harbor import HarborSpec, close_all
-from trl_harbor.sandboxes.oci import ImageStore
 
 #: Real sandboxes on the local backend (never skipped: where bubblewrap is missing they fail).
 requires_local = pytest.mark.local

@@ -4,7 +4,7 @@ On the local backend the verifier runs in a *view* started by the sandbox's keel
 namespace (it sees and signals the agent's processes), with mount, network, IPC and UTS namespaces of
 its own. It sees the agent's own folders where no code is looked up live (the working directory,
 ``/var``, ``/srv``, ...), the code places as the image's under a filtered snapshot of the agent's
-changes there (``trl_harbor.sandboxes._view``), the agent's ``/tmp`` under a private layer, an
+changes there (``harbor_local_sandbox._view``), the agent's ``/tmp`` under a private layer, an
 ``/etc/hosts`` of its own, the agent's TCP listeners mirrored on its loopback; the keel refuses
 every link of the agent's that could lead into the verifier's places; the verifier's Python imports
 a guarded name only from the image's own folders (``_guard.py``).

@@ -29,6 +29,7 @@ from trl_harbor import progress, runtime
 from trl_harbor.options import HarborOptions
 from trl_harbor.rollout import grading, steps
 from trl_harbor.rollout.outcome import COUNTERS, Cause, Failure, Verification
+from trl_harbor.rollout.policy import GradingPolicy
 from trl_harbor.rollout.seal import Baseline
 
 if TYPE_CHECKING:
@@ -36,9 +37,8 @@ if TYPE_CHECKING:
     from harbor.models.task.config import StepConfig
     from harbor.models.task.task import Task
     from harbor.models.trial.paths import TrialPaths
-    from harbor.trial.network_policy import TrialNetworkPlan
 
-    from trl_harbor.backends import Backend
+    from trl_harbor.backends import Backend, VerifierPlacement
 
 __all__ = ["COMMAND_GRACE_SEC", "CommandTimeoutError", "Episode", "Phase"]
 
@@ -94,7 +94,10 @@ class Episode:
         self.phase = Phase.STARTING
         self.failure: Failure | None = None
         self.environment: BaseEnvironment | None = None
-        self.plan: TrialNetworkPlan | None = None
+        #: What grading takes from the options and the task's ``[metadata]``, read once.
+        self.policy = GradingPolicy.resolve(task, options)
+        #: Where the current step's verifier runs, as whom, on which network (resolved when the step starts).
+        self.placement: VerifierPlacement | None = None
         #: The provisioning future, set by whoever submitted :meth:`provision` to the shared loop.
         self.ready: concurrent.futures.Future[None] | None = None
         self.verification: Verification | None = None
@@ -157,15 +160,15 @@ class Episode:
         progress.SANDBOX_STARTS.started()
         try:
             async with runtime.limit("harbor-sandbox-starts", self.options.max_concurrent_starts):
-                self.plan = plan = self.backend.plan(self.task, self.step)
-                shared = plan.verifier_env_baseline is None
+                self.placement = placement = self.backend.placement(self.task, self.step)
+                plan = placement.plan
                 self.paths.mkdir()
                 self.environment = environment = self.backend.create(
                     self.task,
                     self.paths,
                     session_id=f"{self.label}__{uuid.uuid4().hex[:8]}__env",
                     network_policy=plan.agent_env_baseline,
-                    phase_network_policies=[plan.agent_phase, plan.verifier_phase] if shared else [plan.agent_phase],
+                    phase_network_policies=placement.sandbox_phases,
                 )
                 await asyncio.wait_for(
                     environment.start(force_build=False), timeout=self.task.config.environment.build_timeout_sec
@@ -180,8 +183,8 @@ class Episode:
                 await self.baseline.take_processes(environment)
             if setup is not None:
                 await setup()
-            if shared:
-                await self.baseline.take_files(environment, grading.verifier_user(self.task, self.step))
+            if not placement.separate:
+                await self.baseline.take_files(environment, placement.user)
             if self.phase is Phase.STARTING:
                 self.phase = Phase.READY
         except asyncio.CancelledError:
@@ -276,7 +279,9 @@ class Episode:
         if self.steps and self.phase is Phase.READY:
             await self._grade_step()  # the step in progress, as if submitted
         if self.steps and self.step_outcomes:
-            verification = steps.combine(self.task, self.steps, self.step_outcomes, self.options, self.failure)
+            verification = steps.combine(
+                self.task, self.steps, self.step_outcomes, self.options, self.failure, self.policy.reward_weights
+            )
         else:
             verification = await self._grade_step()
         if self.phase is not Phase.STOPPED:
@@ -292,9 +297,11 @@ class Episode:
         if self.failure is not None:
             outcome = grading.failed(self.failure.cause, self.failure.reason, error=self.failure.error)
         else:
-            assert self.environment is not None and self.plan is not None
+            assert self.environment is not None and self.placement is not None
             self.phase = Phase.GRADING
-            context = grading.Context(self.task, self.step, self.plan, self.paths, self.backend, self.options)
+            context = grading.Context(
+                self.task, self.step, self.placement, self.policy, self.paths, self.backend, self.options
+            )
             outcome = await grading.grade(self.environment, context, self.baseline)
             if outcome.cause is Cause.INFRASTRUCTURE or outcome.cause is Cause.EXHAUSTED:
                 failure = self.fail("verify", outcome.error or outcome.reason, outcome.cause)
@@ -323,10 +330,10 @@ class Episode:
             return None
         try:
             self.step_index += 1
-            self.plan = await steps.advance(self.environment, self.task, self.step, self.backend, self.plan)
+            self.placement = await steps.advance(self.environment, self.task, self.step, self.backend, self.placement)
             await self.baseline.take_processes(self.environment)
-            if self.plan.verifier_env_baseline is None:
-                await self.baseline.take_files(self.environment, grading.verifier_user(self.task, self.step))
+            if not self.placement.separate:
+                await self.baseline.take_files(self.environment, self.placement.user)
         except Exception as exc:
             self.fail("start", f"staging step {self.step.name!r} failed: {type(exc).__name__}: {exc}")
             return None

@@ -35,21 +35,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trl_harbor import runtime
-from trl_harbor.rollout import steps
+from trl_harbor.rollout.contract import (
+    ExhaustionReport,
+    IsolatedVerification,
+    Liveness,
+    RefusedDownload,
+    VerifierView,
+    isolating,
+)
 from trl_harbor.rollout.outcome import Cause, RewardError, Verification, select_reward
-from trl_harbor.rollout.seal import Baseline, isolating
+from trl_harbor.rollout.seal import Baseline
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.config import StepConfig
     from harbor.models.task.task import Task
     from harbor.models.trial.paths import TrialPaths
-    from harbor.trial.network_policy import TrialNetworkPlan
 
-    from trl_harbor.backends import Backend
+    from trl_harbor.backends import Backend, VerifierPlacement
     from trl_harbor.options import HarborOptions
+    from trl_harbor.rollout.policy import GradingPolicy
 
-__all__ = ["Context", "alive", "exhaustion", "failed", "grade", "settle", "verifier_user"]
+__all__ = ["Context", "alive", "exhaustion", "failed", "grade", "settle"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,24 +71,20 @@ class Context:
     Attributes:
         task: Harbor's task.
         step: The step being graded (``None`` for a single-step task).
-        plan: The step's (or task's) network plan.
+        placement: Where the step's verifier runs, as whom, and its network plan.
+        policy: The allowed changes and reward weights (the options' and the task's ``[metadata]``).
         paths: The trial folder.
         backend: Where a separate verifier sandbox starts.
-        options: The reward reduction, the process policy, the allowed changes.
+        options: The reward reduction, the process policy.
     """
 
     task: Task
     step: StepConfig | None
-    plan: TrialNetworkPlan
+    placement: VerifierPlacement
+    policy: GradingPolicy
     paths: TrialPaths
     backend: Backend
     options: HarborOptions
-
-    @property
-    def allowed_changes(self) -> list[str]:
-        """The options' allowed changes and the task's ``[metadata] allowed_changes``."""
-        declared = (self.task.config.metadata or {}).get("allowed_changes") or []
-        return [*self.options.allowed_changes, *([declared] if isinstance(declared, str) else declared)]
 
 
 class _BackendFault(RuntimeError):
@@ -114,13 +117,6 @@ def _grading_fault(context: Context, what: str, exc: BaseException) -> Verificat
     return failed(Cause.INFRASTRUCTURE, reason, error=exc)
 
 
-def verifier_user(task: Task, step: StepConfig | None) -> str | int | None:
-    """The user the verifier runs as: the step's ``[verifier] user``, else the task's."""
-    if step is not None and step.verifier.user is not None:
-        return step.verifier.user
-    return task.config.verifier.user
-
-
 def failed(cause: Cause, reason: str, **details: Any) -> Verification:
     """A verification that did not grade normally (reward 0 until :func:`settle` applies the infra policy)."""
     return Verification(0.0, cause=cause, reason=reason, **details)
@@ -142,15 +138,15 @@ def settle(verification: Verification, options: HarborOptions) -> Verification:
 async def alive(environment: BaseEnvironment | None) -> bool:
     """Whether the backend still runs a sandbox.
 
-    A backend that can tell without running the sandbox's programs provides ``async alive()``
-    (the local sandbox asks its supervisor); elsewhere ``true`` must run as root.
+    A backend that can tell without running the sandbox's programs meets
+    :class:`~trl_harbor.rollout.contract.Liveness` (the local sandbox asks its supervisor);
+    elsewhere ``true`` must run as root.
     """
     if environment is None:
         return False
-    native = getattr(environment, "alive", None)
     try:
-        if callable(native):
-            return bool(await asyncio.wait_for(native(), PROBE_TIMEOUT_SEC))
+        if isinstance(environment, Liveness):
+            return bool(await asyncio.wait_for(environment.alive(), PROBE_TIMEOUT_SEC))
         result = await asyncio.wait_for(
             environment.exec("true", user="root", timeout_sec=PROBE_TIMEOUT_SEC), PROBE_TIMEOUT_SEC + 5
         )
@@ -160,12 +156,11 @@ async def alive(environment: BaseEnvironment | None) -> bool:
 
 
 async def exhaustion(environment: BaseEnvironment | None) -> str | None:
-    """Which of its limits the agent ran the sandbox into, where the backend can tell (``resource_exhaustion``)."""
-    probe = getattr(environment, "resource_exhaustion", None)
-    if not callable(probe):
+    """Which of its limits the agent ran the sandbox into, where the backend can tell (:class:`ExhaustionReport`)."""
+    if not isinstance(environment, ExhaustionReport):
         return None
     try:
-        return await probe()
+        return await environment.resource_exhaustion()
     except Exception:  # noqa: BLE001 - no answer is no evidence
         return None
 
@@ -177,7 +172,7 @@ async def grade(environment: BaseEnvironment, context: Context, baseline: Baseli
         The verification: a multi-step task's step has its rewards but no scalar yet.
     """
     try:
-        if context.plan.verifier_env_baseline is not None:
+        if context.placement.separate:
             return await _grade_separately(environment, context, baseline)
         if isolating(environment):
             return await _grade_isolated(environment, context)
@@ -194,11 +189,11 @@ async def _lost(environment: BaseEnvironment, reason: str) -> Verification:
     return failed(Cause.INFRASTRUCTURE, reason)
 
 
-async def _grade_isolated(environment: BaseEnvironment, context: Context) -> Verification:
+async def _grade_isolated(environment: IsolatedVerification, context: Context) -> Verification:
     try:
         # The view has a network of its own, the verifier's; the agent's processes keep the agent's.
-        view = environment.verifier_view(  # type: ignore[attr-defined]
-            allowed_changes=context.allowed_changes, network_policy=context.plan.verifier_phase
+        view = environment.verifier_view(
+            allowed_changes=context.policy.allowed_changes, network_policy=context.placement.plan.verifier_phase
         )
         opened = await view.__aenter__()
     except Exception as exc:
@@ -210,10 +205,10 @@ async def _grade_isolated(environment: BaseEnvironment, context: Context) -> Ver
                 f"the rollout filled its sandbox's storage; the verifier's view could not be made ({exc})",
             )
         return _grading_fault(context, "opening the verifier's view", exc)
-    concealed = tuple(getattr(opened, "concealed", ()))
+    concealed = tuple(opened.concealed) if isinstance(opened, VerifierView) else ()
     try:
         try:
-            with opened.with_default_user(verifier_user(context.task, context.step)):
+            with opened.with_default_user(context.placement.user):
                 rewards = await _run_verifier(opened, context)
         except Exception as exc:
             return await _verifier_failed(exc, opened, context, concealed=concealed)
@@ -226,7 +221,9 @@ async def _grade_in_place(environment: BaseEnvironment, context: Context, baseli
     from harbor.models.trial.paths import EnvironmentPaths
 
     try:
-        report = await baseline.apply(environment, context.options.agent_processes == "kill", context.allowed_changes)
+        report = await baseline.apply(
+            environment, context.options.agent_processes == "kill", context.policy.allowed_changes
+        )
     except Exception as exc:
         raise _BackendFault(f"sealing the sandbox failed: {type(exc).__name__}: {exc}") from exc
     if report.tampered:
@@ -239,9 +236,9 @@ async def _grade_in_place(environment: BaseEnvironment, context: Context, baseli
         )
         logger.info("trl-harbor: task %s: %s", context.task.name, reason)
         return failed(Cause.TAMPERED, reason, tampered=tuple(str(c) for c in report.tampered), killed=report.killed)
-    plan = context.plan
+    plan = context.placement.plan
     try:
-        with environment.with_default_user(verifier_user(context.task, context.step)):
+        with environment.with_default_user(context.placement.user):
             await environment.empty_dirs([EnvironmentPaths.for_os(environment.os).verifier_dir], chmod=True)
             if plan.verifier_phase != plan.agent_phase:
                 await environment.set_network_policy(plan.verifier_phase)
@@ -256,7 +253,7 @@ async def _grade_separately(environment: BaseEnvironment, context: Context, base
     from harbor.models.task.verifier_mode import resolve_verifier_environment_definition
     from harbor.models.trial.paths import EnvironmentPaths
 
-    task, step, plan = context.task, context.step, context.plan
+    task, step, plan, user = context.task, context.step, context.placement.plan, context.placement.user
     try:
         killed = await _stop_agent(environment, baseline)
     except Exception as exc:
@@ -278,7 +275,7 @@ async def _grade_separately(environment: BaseEnvironment, context: Context, base
     try:
         try:
             await verifier.start(force_build=False)
-            with verifier.with_default_user(verifier_user(task, step)):
+            with verifier.with_default_user(user):
                 await verifier.empty_dirs([EnvironmentPaths.for_os(verifier.os).verifier_dir], chmod=True)
         except Exception as exc:
             raise _BackendFault(f"preparing the verifier sandbox failed: {type(exc).__name__}: {exc}") from exc
@@ -288,7 +285,7 @@ async def _grade_separately(environment: BaseEnvironment, context: Context, base
         try:
             if plan.verifier_phase != plan.verifier_env_baseline:
                 await verifier.set_network_policy(plan.verifier_phase)
-            with verifier.with_default_user(verifier_user(task, step)):
+            with verifier.with_default_user(user):
                 rewards = await _run_verifier(verifier, context, bundled=definition.bundled_tests)
         except Exception as exc:
             return await _verifier_failed(exc, verifier, context, killed=killed)
@@ -302,7 +299,7 @@ async def _grade_separately(environment: BaseEnvironment, context: Context, base
 async def _stop_agent(environment: BaseEnvironment, baseline: Baseline) -> int:
     """Stop every process of the agent's sandbox but the backend's own, as Harbor stops the agent's container."""
     if isolating(environment):  # the local sandbox: every process of its PID namespace but its supervisor
-        return int(await environment.kill_processes(()))  # type: ignore[attr-defined]
+        return int(await environment.kill_processes(()))
     return await baseline.kill(environment)
 
 
@@ -334,7 +331,7 @@ def _scored(rewards: dict[str, float], context: Context, **details: Any) -> Veri
     if context.step is not None:  # a step's scalar is decided when the steps are combined
         return Verification(None, rewards=rewards, **details)
     try:
-        reward = select_reward(rewards, context.options.reward_key, steps.reward_weights(context.task, context.options))
+        reward = select_reward(rewards, context.options.reward_key, context.policy.reward_weights)
     except RewardError as exc:  # the task's or the user's configuration, never the policy's
         return Verification(None, rewards=rewards, cause=Cause.CONFIGURATION, reason=str(exc), error=exc, **details)
     return Verification(reward, rewards=rewards, **details)
@@ -400,7 +397,7 @@ async def _copy_artifacts(source: BaseEnvironment, target: BaseEnvironment, cont
 def _unsafe(error: BaseException) -> bool:
     """Whether a download was refused for what the rollout left (a link, a size past the bound).
 
-    Backends mark such errors with a true ``unsafe`` attribute (the local sandbox's
-    ``UnsafePathError`` and ``DownloadTooLargeError``); grading does not import a backend.
+    Backends mark such errors (:class:`~trl_harbor.rollout.contract.RefusedDownload`); grading
+    does not import a backend.
     """
-    return bool(getattr(error, "unsafe", False))
+    return isinstance(error, RefusedDownload) and bool(error.unsafe)

@@ -12,9 +12,8 @@ before grading (:meth:`Baseline.apply`):
   beside the verifier, but a task graded through a service the agent started scores 0);
 * a change that replaces or shadows what the verifier runs scores 0 without running it.
 
-Backends that can do either without running the sandbox's own programs provide
-``list_processes()``/``kill_processes(keep)`` and ``file_fingerprints(patterns)``; elsewhere shell
-scripts run in the sandbox.
+Backends that can do either without running the sandbox's own programs meet
+:class:`~trl_harbor.rollout.contract.NativeSeal`; elsewhere shell scripts run in the sandbox.
 """
 
 from __future__ import annotations
@@ -24,26 +23,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trl_harbor.rollout import integrity
+from trl_harbor.rollout.contract import NativeSeal, isolating
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
 
-__all__ = ["Baseline", "SealReport", "isolating"]
+__all__ = ["Baseline", "SealReport"]
 
 #: Prints the verifier's ``PATH`` and ``python3``'s import directories, NUL-separated.
 _SEARCH_PATHS_PROBE = (
     'printf "%s\\0" "$PATH"; command -v python3 >/dev/null 2>&1 && python3 -c '
     '\'import site, sys; print("\\0".join([p for p in sys.path if p] + [site.getusersitepackages()]), end="")\''
 )
-
-
-def isolating(environment: BaseEnvironment | None) -> bool:
-    """Whether a backend verifies in a view of the sandbox the agent cannot reach.
-
-    Such a backend has ``isolated_verification`` true, ``verifier_view(allowed_changes)`` (an async
-    context manager giving the view, a Harbor environment) and ``kill_processes(keep)``.
-    """
-    return bool(getattr(environment, "isolated_verification", False))
 
 
 @dataclass(frozen=True)
@@ -75,9 +66,8 @@ class Baseline:
         """
         if environment is None or isolating(environment):
             return
-        native = getattr(environment, "list_processes", None)
-        if callable(native):
-            self.processes = list(await native())
+        if isinstance(environment, NativeSeal):
+            self.processes = list(await environment.list_processes())
             return
         result = await environment.exec(integrity.PROCESS_SNAPSHOT_SCRIPT, user="root", timeout_sec=60)
         self.processes = (result.stdout or "").split()
@@ -103,9 +93,8 @@ class Baseline:
         Returns:
             How many were killed.
         """
-        native = getattr(environment, "kill_processes", None)
-        if callable(native):
-            return int(await native(self.processes))
+        if isinstance(environment, NativeSeal):
+            return int(await environment.kill_processes(self.processes))
         result = await environment.exec(integrity.kill_command(self.processes), user="root", timeout_sec=120)
         return int((result.stdout or "0").strip().splitlines()[-1] or 0)
 
@@ -131,8 +120,7 @@ class Baseline:
         return SealReport(killed, tuple(integrity.violations(changes, self.files, self.watches, allowed)))
 
     async def _fingerprint(self, environment: BaseEnvironment) -> dict[str, str]:
-        native = getattr(environment, "file_fingerprints", None)
-        if callable(native):
-            return await native([(w.pattern, w.depth) for w in self.watches])
+        if isinstance(environment, NativeSeal):
+            return await environment.file_fingerprints([(w.pattern, w.depth) for w in self.watches])
         result = await environment.exec(integrity.fingerprint_command(self.watches), user="root", timeout_sec=300)
         return integrity.parse_fingerprints(result.stdout or "")

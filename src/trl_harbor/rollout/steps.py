@@ -28,9 +28,8 @@ if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.config import StepConfig
     from harbor.models.task.task import Task
-    from harbor.trial.network_policy import TrialNetworkPlan
 
-    from trl_harbor.backends import Backend
+    from trl_harbor.backends import Backend, VerifierPlacement
     from trl_harbor.options import HarborOptions
 
 __all__ = ["advance", "agent_user", "combine", "meets_min_reward", "stage"]
@@ -70,12 +69,12 @@ async def advance(
     task: Task,
     step: StepConfig,
     backend: Backend,
-    previous: TrialNetworkPlan | None,
-) -> TrialNetworkPlan:
+    previous: VerifierPlacement | None,
+) -> VerifierPlacement:
     """Move the sandbox to ``step``: the previous verifier's folders emptied, the network set, the step staged.
 
     Returns:
-        The step's network plan.
+        The step's verifier placement (with its network plan).
     """
     from harbor.models.trial.paths import EnvironmentPaths
 
@@ -83,11 +82,11 @@ async def advance(
     paths = EnvironmentPaths.for_os(environment.os)
     await environment.empty_dirs([paths.verifier_dir], chmod=True)
     await environment.empty_dirs([paths.tests_dir], chmod=False)
-    plan = backend.plan(task, step)
-    if previous is None or plan.agent_phase != previous.verifier_phase:
-        await environment.set_network_policy(plan.agent_phase)
+    placement = backend.placement(task, step)
+    if previous is None or placement.plan.agent_phase != previous.plan.verifier_phase:
+        await environment.set_network_policy(placement.plan.agent_phase)
     await stage(environment, task, step)
-    return plan
+    return placement
 
 
 def meets_min_reward(rewards: dict[str, float], threshold: float | dict[str, float] | None) -> bool:
@@ -112,15 +111,17 @@ def combine(
     outcomes: Sequence[Verification],
     options: HarborOptions,
     failure: Failure | None = None,
+    weights: dict[str, float] | None = None,
 ) -> Verification:
     """One verification of a multi-step rollout from its steps' (see the module docstring).
 
     Args:
-        task: The task (its ``multi_step_reward_strategy`` and declared reward weights).
+        task: The task (its ``multi_step_reward_strategy``).
         steps: Its steps.
         outcomes: The graded steps' verifications, in order (at least one).
-        options: ``unreached_steps``, ``reward_key`` and ``reward_weights``.
+        options: ``unreached_steps`` and ``reward_key``.
         failure: Why the rollout ended early, if it did (kept in the reason).
+        weights: The weighting of the verifier's entries (:attr:`GradingPolicy.reward_weights`).
 
     Returns:
         The rollout's verification (its scalar not yet settled for ``on_infra_error``).
@@ -156,16 +157,8 @@ def combine(
     if not combined:
         return Verification(0.0, **details)
     try:
-        reward = select_reward(combined, options.reward_key, reward_weights(task, options))
+        reward = select_reward(combined, options.reward_key, weights)
     except RewardError as exc:
         details.update(cause=Cause.CONFIGURATION, reason=str(exc))
         return Verification(None, rewards=combined, error=exc, **details)
     return Verification(reward, rewards=combined, **details)
-
-
-def reward_weights(task: Task, options: HarborOptions) -> dict[str, float] | None:
-    """The weighting of the verifier's entries: the options', else the task's ``[metadata] reward_weights``."""
-    if options.reward_weights:
-        return dict(options.reward_weights)
-    declared = (task.config.metadata or {}).get("reward_weights")
-    return {str(k): float(v) for k, v in declared.items()} if isinstance(declared, dict) else None

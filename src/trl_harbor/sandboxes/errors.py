@@ -1,35 +1,8 @@
-"""The local sandbox's errors, one hierarchy: an image error is the same class whichever builder failed."""
+"""Deprecated alias of :mod:`harbor_local_sandbox.errors` (see :mod:`trl_harbor.sandboxes`)."""
 
-from __future__ import annotations
+import sys
 
+import harbor_local_sandbox.errors
 
-class SandboxError(RuntimeError):
-    """Base class of the local sandbox's errors."""
-
-
-class SandboxUnavailableError(SandboxError):
-    """bubblewrap (or another host tool the sandbox needs) is missing or unusable."""
-
-
-class SandboxStartError(SandboxError):
-    """The sandbox could not be started."""
-
-
-class SandboxCommandError(SandboxError):
-    """The sandbox's supervisor did not answer a command (the sandbox died or was stopped)."""
-
-
-class SandboxTimeoutError(SandboxError, TimeoutError):
-    """A command ran past its timeout; its whole process tree was killed."""
-
-
-class ImageError(SandboxError):
-    """Base class of the image errors."""
-
-
-class ImageBuildError(ImageError):
-    """A task's Dockerfile failed to build; the message names the Dockerfile and what went wrong."""
-
-
-class BaseImageUnavailableError(ImageBuildError):
-    """A ``FROM`` image could not be pulled; the message names the image, the registries tried and the fixes."""
+# The same module object, not a copy: one set of classes, caches and state under both names.
+sys.modules[__name__] = harbor_local_sandbox.errors

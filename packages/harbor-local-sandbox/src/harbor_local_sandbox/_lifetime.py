@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trl_harbor.sandboxes import _cgroups, _userns
-from trl_harbor.sandboxes._binaries import state_root
-from trl_harbor.sandboxes._hostfs import remove_tree
-from trl_harbor.sandboxes._mounts import unmount_under
+from harbor_local_sandbox import _cgroups, _userns
+from harbor_local_sandbox._binaries import state_root
+from harbor_local_sandbox._hostfs import remove_tree
+from harbor_local_sandbox._mounts import unmount_under
 
 
 def new_box_name(prefix: str) -> str:

@@ -48,8 +48,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trl_harbor.sandboxes._imports import guard_names
-from trl_harbor.sandboxes._userns import overlay_xattr
+from harbor_local_sandbox._imports import guard_names
+from harbor_local_sandbox._userns import overlay_xattr
 
 __all__ = [
     "CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot", "guarded_names", "live_paths", "search_paths",

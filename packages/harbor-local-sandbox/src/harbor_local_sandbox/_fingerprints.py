@@ -1,6 +1,6 @@
 """Fingerprints of an image-rooted sandbox's files, read from the host: nothing runs in the sandbox.
 
-The seal (``trl_harbor.rollout.seal``, used where the verifier is not isolated:
+A trainer's seal (trl-harbor's ``rollout.seal``, used where the verifier is not isolated:
 ``verifier_isolation=False``) compares them before and after the agent's turn. The image never
 changes, and everything the sandbox changed is in its overlay's upper folder (``redirect_dir`` and
 ``metacopy`` off: new and changed entries, whiteouts, opaque folders). So the image is listed once
@@ -17,9 +17,9 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from trl_harbor.sandboxes._cache import CACHE
-from trl_harbor.sandboxes._mounts import is_kernel_path
-from trl_harbor.sandboxes._userns import overlay_xattr
+from harbor_local_sandbox._cache import CACHE
+from harbor_local_sandbox._mounts import is_kernel_path
+from harbor_local_sandbox._userns import overlay_xattr
 
 
 def fingerprints(image_root: Path, box_dir: Path, patterns: Sequence[tuple[str, int | None]]) -> dict[str, str]:

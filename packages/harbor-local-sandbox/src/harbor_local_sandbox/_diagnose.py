@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from trl_harbor.sandboxes._binaries import SYSTEM_PATH, bwrap_path
+from harbor_local_sandbox._binaries import SYSTEM_PATH, bwrap_path
 
 #: The namespaces and mounts every box asks bubblewrap for, on the host's own root.
 _BWRAP_PROBE = (

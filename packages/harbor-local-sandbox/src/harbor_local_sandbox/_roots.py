@@ -27,18 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trl_harbor.sandboxes import _hostfs, _userns, _viewfs
-from trl_harbor.sandboxes._binaries import static_binary
-from trl_harbor.sandboxes._box import SLIRP_GATEWAY_DNS, Box, BoxConfig
-from trl_harbor.sandboxes._cache import CACHE
-from trl_harbor.sandboxes._fingerprints import fingerprints
-from trl_harbor.sandboxes._guard import COMPILE_GUARD, guard_files
-from trl_harbor.sandboxes._lifetime import new_box_name, state_root
-from trl_harbor.sandboxes._mounts import inode_bound, is_kernel_path, mount_bounded_tmpfs, mount_overlay
-from trl_harbor.sandboxes._userns import can_mount, in_user_namespace
-from trl_harbor.sandboxes._view import SearchPaths, Snapshot, guarded_names, live_paths, search_paths, snapshot
-from trl_harbor.sandboxes.errors import SandboxCommandError, SandboxStartError
-from trl_harbor.sandboxes.oci import (
+from harbor_local_sandbox import _hostfs, _userns, _viewfs
+from harbor_local_sandbox._binaries import static_binary
+from harbor_local_sandbox._box import SLIRP_GATEWAY_DNS, Box, BoxConfig
+from harbor_local_sandbox._cache import CACHE
+from harbor_local_sandbox._fingerprints import fingerprints
+from harbor_local_sandbox._guard import COMPILE_GUARD, guard_files
+from harbor_local_sandbox._lifetime import new_box_name, state_root
+from harbor_local_sandbox._mounts import inode_bound, is_kernel_path, mount_bounded_tmpfs, mount_overlay
+from harbor_local_sandbox._userns import can_mount, in_user_namespace
+from harbor_local_sandbox._view import SearchPaths, Snapshot, guarded_names, live_paths, search_paths, snapshot
+from harbor_local_sandbox.errors import SandboxCommandError, SandboxStartError
+from harbor_local_sandbox.oci import (
     BuiltImage,
     ImageStore,
     buildah_path,

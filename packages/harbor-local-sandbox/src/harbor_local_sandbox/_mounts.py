@@ -10,8 +10,8 @@ import os
 from functools import cache
 from pathlib import Path
 
-from trl_harbor.sandboxes._userns import in_user_namespace
-from trl_harbor.sandboxes.errors import SandboxStartError
+from harbor_local_sandbox._userns import in_user_namespace
+from harbor_local_sandbox.errors import SandboxStartError
 
 #: Box paths that are the kernel's, not files of any root.
 KERNEL_MOUNTS = ("/proc", "/dev", "/sys")

@@ -50,8 +50,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from trl_harbor.sandboxes._binaries import SYSTEM_PATH, state_root, which
-from trl_harbor.sandboxes.errors import SandboxUnavailableError
+from harbor_local_sandbox._binaries import SYSTEM_PATH, state_root, which
+from harbor_local_sandbox.errors import SandboxUnavailableError
 
 #: Ids a holder maps when it can (0-65535: every uid of real images; ``nobody`` is 65534).
 FULL_IDS = 65536
@@ -238,7 +238,7 @@ def _serving_process(socket_path: Path, main: str) -> subprocess.Popen:
             env[name] = os.environ[name]
     return subprocess.Popen(
         [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {src!r}); "
-         f"from trl_harbor.sandboxes._userns import {main}; {main}()", str(socket_path)],
+         f"from harbor_local_sandbox._userns import {main}; {main}()", str(socket_path)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
         start_new_session=True, cwd="/",
     )  # fmt: skip

@@ -14,7 +14,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from trl_harbor.sandboxes.errors import SandboxUnavailableError
+from harbor_local_sandbox.errors import SandboxUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def pdeathsig_prefix() -> tuple[str, ...]:
 
 def _compile(name: str, static: bool) -> tuple[str | None, str]:
     """Compile ``_<name>.c`` of this package once: ``(binary or None, why not)``."""
-    source = resources.files("trl_harbor.sandboxes").joinpath(f"_{name}.c").read_bytes()
+    source = resources.files("harbor_local_sandbox").joinpath(f"_{name}.c").read_bytes()
     bin_dir = default_cache_dir() / "bin"
     binary = bin_dir / f"{name}{'-static' if static else ''}-{hashlib.sha256(source).hexdigest()[:16]}"
     if binary.exists():

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from trl_harbor.sandboxes import _lifetime, _userns
-from trl_harbor.sandboxes._binaries import (
+from harbor_local_sandbox import _lifetime, _userns
+from harbor_local_sandbox._binaries import (
     SYSTEM_PATH,
     bwrap_path,
     launcher_binary,
@@ -45,11 +45,11 @@ from trl_harbor.sandboxes._binaries import (
     static_binary,
     which,
 )
-from trl_harbor.sandboxes._cgroups import Cgroups
-from trl_harbor.sandboxes._diagnose import namespace_problem
-from trl_harbor.sandboxes._hostfs import remove_tree
-from trl_harbor.sandboxes._mounts import kernel_fs_args, proc_hardening_items, unmount
-from trl_harbor.sandboxes.errors import SandboxCommandError, SandboxError, SandboxStartError, SandboxTimeoutError
+from harbor_local_sandbox._cgroups import Cgroups
+from harbor_local_sandbox._diagnose import namespace_problem
+from harbor_local_sandbox._hostfs import remove_tree
+from harbor_local_sandbox._mounts import kernel_fs_args, proc_hardening_items, unmount
+from harbor_local_sandbox.errors import SandboxCommandError, SandboxError, SandboxStartError, SandboxTimeoutError
 
 logger = logging.getLogger(__name__)
 NetworkMode = Literal["none", "user"]
@@ -456,7 +456,7 @@ class Box:
         """Give the box its cgroups (once): a parked launcher's, already holding the process the
         box's bubblewrap will be, else new ones, with the kernel's wait for moving into them begun.
 
-        The wait (a grace period: :func:`~trl_harbor.sandboxes._cgroups.prime_moves`) runs in the
+        The wait (a grace period: :func:`~harbor_local_sandbox._cgroups.prime_moves`) runs in the
         background: started before the box's tree is made, it is mostly over by the time
         :meth:`_settle` moves the box in."""
         if self._reserved:

@@ -1,0 +1,20 @@
+"""A Harbor environment that runs tasks in bubblewrap sandboxes on this machine, without a container engine.
+
+:class:`~harbor_local_sandbox.local.LocalEnvironment` is a Harbor ``BaseEnvironment`` plug-in: Harbor
+loads it by its import path (``harbor run -e harbor_local_sandbox.local:LocalEnvironment``), and
+trl-harbor by its alias (``environment_type="local"``). It needs Harbor and nothing else of Python;
+bubblewrap, a C compiler and (for images) buildah on the machine.
+
+Beyond Harbor's interface it offers what a trainer's grading needs (an isolated view of the sandbox
+for the verifier, liveness, resource exhaustion, the sandbox's processes and file fingerprints, read
+without running the sandbox's programs) and its image cache (:meth:`LocalEnvironment.image_store`).
+
+Importing this package imports nothing else: the environment loads with its module.
+"""
+
+#: What Harbor's ``-e``/``--environment-import-path`` (and trl-harbor's ``environment_type``) takes.
+IMPORT_PATH = "harbor_local_sandbox.local:LocalEnvironment"
+
+__version__ = "0.1.0"
+
+__all__ = ["IMPORT_PATH", "__version__"]

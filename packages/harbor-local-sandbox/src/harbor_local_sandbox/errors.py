@@ -1,0 +1,35 @@
+"""The local sandbox's errors, one hierarchy: an image error is the same class whichever builder failed."""
+
+from __future__ import annotations
+
+
+class SandboxError(RuntimeError):
+    """Base class of the local sandbox's errors."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """bubblewrap (or another host tool the sandbox needs) is missing or unusable."""
+
+
+class SandboxStartError(SandboxError):
+    """The sandbox could not be started."""
+
+
+class SandboxCommandError(SandboxError):
+    """The sandbox's supervisor did not answer a command (the sandbox died or was stopped)."""
+
+
+class SandboxTimeoutError(SandboxError, TimeoutError):
+    """A command ran past its timeout; its whole process tree was killed."""
+
+
+class ImageError(SandboxError):
+    """Base class of the image errors."""
+
+
+class ImageBuildError(ImageError):
+    """A task's Dockerfile failed to build; the message names the Dockerfile and what went wrong."""
+
+
+class BaseImageUnavailableError(ImageBuildError):
+    """A ``FROM`` image could not be pulled; the message names the image, the registries tried and the fixes."""
