@@ -51,7 +51,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from bench_task import write_bench_task  # noqa: E402
 
 from trl_harbor import HarborSpec, close_all  # noqa: E402
-from trl_harbor.backends import resolve_backend  # noqa: E402
+from trl_harbor.rollout.backends import resolve_backend  # noqa: E402
 
 LOCAL = "harbor_local_sandbox.local:LocalEnvironment"
 LATENCY = "harbor_local_sandbox.latency:LatencyLocalEnvironment"

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from terminus_helpers import RIGHT, WRONG, scripted_policy  # noqa: E402
 
 from trl_harbor import runtime  # noqa: E402
-from trl_harbor.capture import (  # noqa: E402
+from trl_harbor.loop.capture import (  # noqa: E402
     CaptureEndpoint,
     Generation,
     GenerationRequest,
@@ -105,7 +105,7 @@ class LiteLLMClient:
         from harbor.llms.chat import Chat
         from harbor.llms.lite_llm import LiteLLM
 
-        from trl_harbor.terminus import MODEL_NAME, model_info
+        from trl_harbor.loop.terminus import MODEL_NAME, model_info
 
         llm = LiteLLM(
             model_name=MODEL_NAME,

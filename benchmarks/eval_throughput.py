@@ -20,7 +20,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from trl_harbor.evaluate import EvalConfig, evaluate
+from trl_harbor.cli.evaluate import EvalConfig, evaluate
 
 SUITE = Path(__file__).resolve().parents[1] / "examples" / "tasks"
 

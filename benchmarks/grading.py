@@ -33,8 +33,8 @@ from pathlib import Path
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
 
 from trl_harbor import HarborBashEnv, HarborOptions, close_all  # noqa: E402
-from trl_harbor.env import verify_all  # noqa: E402
 from trl_harbor.rollout.seal import Baseline, SealReport  # noqa: E402
+from trl_harbor.training.env import verify_all  # noqa: E402
 
 TASK = Path(__file__).resolve().parents[1] / "examples" / "tasks" / "building_b_humidity"
 ANSWER = "51.46"

@@ -5,7 +5,7 @@ Every rollout's prompt starts with the same system prompt, tool schema and examp
 default run's: ~600 tokens) and ends with its own task. The default run's model samples its first
 turn on the held-out tasks (7 tasks × ``--rollouts``, batches of 16, greedy so both ways can be
 compared token for token) twice in one process: the baseline runs each prompt whole (left-padded),
-then :class:`~trl_harbor.evaluate.LocalPolicy` as it is (the shared part once, its cache copied
+then :class:`~trl_harbor.cli.evaluate.LocalPolicy` as it is (the shared part once, its cache copied
 per row). Prints seconds, the tokens the model ran, the ratio, and whether the completions match::
 
     .venv/bin/python benchmarks/local_generation.py [--rollouts 4] [--max-tokens 64]
@@ -26,13 +26,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
 
-    from trl_harbor.evaluate import EvalConfig, LocalPolicy
-    from trl_harbor.harnesses.bash_minimal import MinimalBashEnv
-    from trl_harbor.prompting import load_few_shot, openai_messages, prompt_prefix
-    from trl_harbor.shared_prefix import shared_prefix
-    from trl_harbor.starter_model import ensure_starter_model
-    from trl_harbor.tools import tool_schemas
-    from trl_harbor.train import DEFAULT_RUN, DEFAULT_SYSTEM_PROMPT
+    from trl_harbor.cli.evaluate import EvalConfig, LocalPolicy
+    from trl_harbor.cli.prompting import load_few_shot, openai_messages, prompt_prefix
+    from trl_harbor.cli.starter_model import ensure_starter_model
+    from trl_harbor.cli.train import DEFAULT_RUN, DEFAULT_SYSTEM_PROMPT
+    from trl_harbor.training.harnesses.bash_minimal import MinimalBashEnv
+    from trl_harbor.training.shared_prefix import shared_prefix
+    from trl_harbor.training.tools import tool_schemas
 
     policy = LocalPolicy.from_pretrained(str(ensure_starter_model()), chat_template=DEFAULT_RUN["chat_template"])
     _, tools = tool_schemas(MinimalBashEnv())

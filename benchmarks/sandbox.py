@@ -39,7 +39,7 @@ from harbor_local_sandbox._binaries import SYSTEM_PATH, bwrap_path
 from harbor_local_sandbox._diagnose import _BWRAP_PROBE
 from harbor_local_sandbox.local import LocalEnvironment
 
-from trl_harbor.backends import create_environment
+from trl_harbor.rollout.backends import create_environment
 
 #: The phases of one start, timed by wrapping the function that does each: ``(label, owner, attribute)``.
 #: Nested phases are reported as they are (``bwrap + supervisor ready`` holds what is not listed below it).

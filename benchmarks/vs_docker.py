@@ -54,7 +54,7 @@ from harbor.models.trial.paths import TrialPaths  # noqa: E402
 from registry import serve_loopback_registry  # noqa: E402
 
 from trl_harbor import HarborBashEnv, HarborSpec, close_all, runtime  # noqa: E402
-from trl_harbor.backends import create_environment  # noqa: E402
+from trl_harbor.rollout.backends import create_environment  # noqa: E402
 
 BACKENDS = ("local", "docker")
 TOOL_COMMAND = "echo 42 > /workdir/answer.txt"

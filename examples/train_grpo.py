@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_harbor import HarborSpec, close_all
-    from trl_harbor.prompting import load_few_shot, prompt_prefix, resolve_chat_template, with_prompt_prefix
-    from trl_harbor.starter_model import ensure_starter_model
-    from trl_harbor.train import DEFAULT_SYSTEM_PROMPT
+    from trl_harbor.cli.prompting import load_few_shot, prompt_prefix, resolve_chat_template, with_prompt_prefix
+    from trl_harbor.cli.starter_model import ensure_starter_model
+    from trl_harbor.cli.train import DEFAULT_SYSTEM_PROMPT
 
     spec = HarborSpec(
         args.suite,

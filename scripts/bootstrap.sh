@@ -131,7 +131,7 @@ if command -v dockerd >/dev/null; then
   docker_status="$(dockerd --version | cut -d, -f1), compose $(docker compose version --short 2>/dev/null || echo missing)"
 fi
 # --- the default run's model ------------------------------------------------------
-if ! model_dir="$(.venv/bin/python -m trl_harbor.starter_model)"; then
+if ! model_dir="$(.venv/bin/python -m trl_harbor.cli.starter_model)"; then
   say "could not prepare the default run's model (the reason is above); trl-harbor train --model ... works without it"
   exit 1
 fi

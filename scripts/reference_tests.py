@@ -5,8 +5,8 @@ TRL's test file (``tests/experimental/test_harbor.py`` in a TRL checkout; TRL's 
 its tests, so it is not available offline) is copied into a scratch package, its imports are pointed
 at trl-harbor — the public module ``trl.experimental.harbor`` becomes ``trl_harbor``, and the two
 private names it imports map to their public counterparts here (``_spec._resolve_agent`` →
-``trl_harbor.agents.resolve_agent``, ``_spec._outcome_reward_func`` →
-``trl_harbor.rewards.harbor_reward``) — and pytest runs it. Nothing else of the file changes. TRL's
+``trl_harbor.training.agents.resolve_agent``, ``_spec._outcome_reward_func`` →
+``trl_harbor.training.rewards.harbor_reward``) — and pytest runs it. Nothing else of the file changes. TRL's
 ``TrlTestCase`` (a fresh ``self.tmp_dir`` per test) is provided by a two-line stand-in.
 
 Every failure must be one of the deliberate differences that ``tests/test_reference_parity.py``
@@ -30,8 +30,8 @@ from pathlib import Path
 
 #: The private names TRL's test imports, and what they are here.
 PRIVATE_NAMES = {
-    "_resolve_agent": "from trl_harbor.agents import resolve_agent as _resolve_agent",
-    "_outcome_reward_func": "from trl_harbor.rewards import harbor_reward as _outcome_reward_func",
+    "_resolve_agent": "from trl_harbor.training.agents import resolve_agent as _resolve_agent",
+    "_outcome_reward_func": "from trl_harbor.training.rewards import harbor_reward as _outcome_reward_func",
 }
 
 _TESTING_UTILS = '''

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.abc
 import os
 import shutil
 import sys
@@ -94,6 +95,30 @@ def close_sandboxes() -> Iterator[None]:
     from trl_harbor import close_all
 
     close_all()
+
+
+class _Absent(importlib.abc.MetaPathFinder):
+    """Makes a package unimportable, as where it is not installed."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.package or name.startswith(self.package + "."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+@pytest.fixture
+def without_the_local_sandbox(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The local sandbox's package absent for the test (as in a venv without ``trl-harbor[local]``):
+    any import of it fails; the modules already loaded come back afterwards."""
+    for name in [m for m in sys.modules if m == "harbor_local_sandbox" or m.startswith("harbor_local_sandbox.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in [m for m in sys.modules if m.startswith("trl_harbor.sandboxes")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_Absent("harbor_local_sandbox"), *sys.meta_path])
+    yield
 
 
 def trl_tools(cls: type) -> list[str]:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
-    from trl_harbor.suite import TaskInfo
+    from trl_harbor.rollout.suite import TaskInfo
 
 __all__ = ["WRONG_COMMANDS", "DemoPolicy", "DemoPolicyError", "build_demo_policy", "task_title"]
 

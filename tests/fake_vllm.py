@@ -1,9 +1,9 @@
 """A stand-in for a vLLM server, for the one thing this project's CI cannot run: vLLM itself (it needs a GPU).
 
-It answers the two routes :class:`trl_harbor.capture.VLLMSampler` calls — ``GET /v1/models`` and
+It answers the two routes :class:`trl_harbor.loop.capture.VLLMSampler` calls — ``GET /v1/models`` and
 ``POST /v1/completions`` with token-id prompts, ``logprobs=0``, ``return_token_ids`` and
 ``return_tokens_as_token_ids`` — in vLLM's response shape, sampling from a CPU model with
-:class:`trl_harbor.capture.ModelSampler`. It tests the sampler's wire format and plumbing, not
+:class:`trl_harbor.loop.capture.ModelSampler`. It tests the sampler's wire format and plumbing, not
 vLLM. Every request body is kept in :attr:`FakeVLLM.requests`.
 """
 
@@ -55,7 +55,7 @@ class FakeVLLM:
 
         from aiohttp import web
 
-        from trl_harbor.capture import GenerationRequest, ModelSampler, SamplingParams
+        from trl_harbor.loop.capture import GenerationRequest, ModelSampler, SamplingParams
 
         body = await request.json()
         self.requests.append(body)

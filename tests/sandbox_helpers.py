@@ -19,7 +19,7 @@ from harbor.models.task.task import Task
 from harbor.models.trial.paths import TrialPaths
 from harbor_local_sandbox.local import LocalEnvironment
 
-from trl_harbor.backends import create_environment
+from trl_harbor.rollout.backends import create_environment
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED_SUITE = REPO / "examples" / "tasks"

@@ -134,7 +134,7 @@ def seed_for(choices: Sequence[Sequence[int]], probs, turns: int, limit: int = 5
 
     The rollout function seeds each rollout from the trainer's seed, the step, the batch, the rank
     and the rollout, and the endpoint each call from that and the call
-    (``trl_harbor.capture.derive_seed``), drawing with ``torch.multinomial``; this replays those
+    (``trl_harbor.loop.capture.derive_seed``), drawing with ``torch.multinomial``; this replays those
     draws for the scripted policy (first step, first batch, rank 0), whose distribution is the same
     every turn.
 
@@ -149,7 +149,7 @@ def seed_for(choices: Sequence[Sequence[int]], probs, turns: int, limit: int = 5
     """
     import torch
 
-    from trl_harbor.capture import derive_seed
+    from trl_harbor.loop.capture import derive_seed
 
     for seed in range(limit):
         if all(

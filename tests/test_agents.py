@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trl_harbor.agents import AGENTS, resolve_agent
-from trl_harbor.env import HarborBashEnv, HarborBashStepsEnv, HarborEnv
+from trl_harbor.training.agents import AGENTS, resolve_agent
+from trl_harbor.training.env import HarborBashEnv, HarborBashStepsEnv, HarborEnv
 
 HARNESS_SOURCE = textwrap.dedent(
     '''
@@ -60,7 +60,7 @@ def test_module_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.syspath_prepend(str(tmp_path))
     cls = resolve_agent("my_harnesses.echo:EchoEnv")
     assert cls.__name__ == "EchoEnv" and issubclass(cls, HarborEnv)
-    assert resolve_agent("trl_harbor.env:HarborBashEnv") is HarborBashEnv
+    assert resolve_agent("trl_harbor.training.env:HarborBashEnv") is HarborBashEnv
     sys.modules.pop("my_harnesses.echo", None)
     sys.modules.pop("my_harnesses", None)
 
@@ -99,7 +99,7 @@ def test_missing_module_or_attribute() -> None:
     with pytest.raises(ValueError, match="cannot import module"):
         resolve_agent("no_such_package_xyz.env:Env")
     with pytest.raises(ValueError, match="has no attribute"):
-        resolve_agent("trl_harbor.env:NoSuchEnv")
+        resolve_agent("trl_harbor.training.env:NoSuchEnv")
 
 
 def test_not_a_harbor_env_subclass(tmp_path: Path) -> None:
@@ -112,4 +112,4 @@ def test_not_a_harbor_env_subclass(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="HarborEnv subclass"):
         resolve_agent(dict)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="HarborEnv subclass"):
-        resolve_agent("trl_harbor.env:close_all")
+        resolve_agent("trl_harbor.training.env:close_all")

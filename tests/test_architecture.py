@@ -1,4 +1,10 @@
-"""The package's layering (docs/architecture.md), checked on its source: no import cycle, no forbidden import.
+"""The package's layout and layering (docs/architecture.md), checked on its source.
+
+Four folders show the architecture: ``rollout/`` (the rollout core: no trainer, no command line),
+``training/`` (the TRL surface), ``loop/`` (loop-owning agents) and ``cli/`` (the command line), beside
+the foundations every folder uses (``runtime``, ``progress``, ``options``). The checks: no import cycle,
+imports flowing down the layers, each folder's forbidden imports, and the local sandbox's package
+(``harbor_local_sandbox``) named by its backend alias alone.
 
 Every ``import`` counts, at module level or inside a function: a deferred import is still a dependency.
 """
@@ -12,22 +18,31 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trl_harbor"
 
-#: Lower layers first; a module may import only modules of its own layer or of layers below.
+#: What the package's top level holds: the foundations, the four folders, the public helpers and the
+#: deprecated alias of the local sandbox (``sandboxes/``, for one release).
+TOP_LEVEL = {
+    "__init__.py", "runtime.py", "progress.py", "options.py", "testing.py", "py.typed",
+    "rollout", "training", "loop", "cli", "sandboxes",
+}  # fmt: skip
+
+#: Lower layers first; a module may import only modules of its own layer or of layers below. A module's
+#: layer is its longest key here (``rollout.suite`` before ``rollout``).
 LAYERS: list[set[str]] = [
-    {"runtime", "progress", "options", "tools", "sandboxes", "capture", "trl_compat", "digests", "shared_prefix"},
-    {"suite", "suite_lock", "backends"},
-    {"sources", "preflight"},
+    {"runtime", "progress", "options", "sandboxes", "rollout.digests", "rollout.contract", "loop.capture",
+     "training.trl_compat", "training.shared_prefix", "training.tools", "training", "loop"},
+    {"rollout.suite", "rollout.suite_lock", "rollout.backends"},
+    {"rollout.sources", "rollout.preflight"},
     {"rollout"},
-    {"env", "terminus"},
-    {"rewards", "harnesses", "agents", "loop", "loop_async"},
-    {"mix"},
-    {"spec"},
-    {"trajectories", "trainer", "freezing"},
-    {"prompting"},
-    {"check", "evaluate", "option_flags"},
-    {"train", "report", "images", "starter_model", "testing"},
+    {"training.env", "loop.terminus"},
+    {"training.rewards", "training.harnesses", "training.agents", "loop.rollout_func", "loop.async_worker"},
+    {"training.mix"},
+    {"training.spec"},
+    {"cli.trajectories", "training.trainer", "training.freezing"},
+    {"cli.prompting"},
+    {"cli.check", "cli.evaluate", "cli.option_flags"},
+    {"cli.train", "cli.report", "cli.images", "cli.starter_model", "testing"},
     {"cli"},
-]
+]  # fmt: skip
 
 
 def _module_name(path: Path) -> str:
@@ -77,14 +92,27 @@ def _top(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+def _within(module: str, key: str) -> bool:
+    """Whether ``module`` (``trl_harbor.x.y``) is ``key`` (``x.y``, ``x``) or inside it."""
+    name = module.removeprefix("trl_harbor.")
+    return name == key or name.startswith(key + ".")
+
+
 def _layer(module: str) -> int:
     if module == "trl_harbor":
         return len(LAYERS)  # the package's public names: above everything
-    top = _top(module)
-    for index, layer in enumerate(LAYERS):
-        if top in layer:
-            return index
-    raise AssertionError(f"{module} is in no layer of tests/test_architecture.py: add it there and to the doc")
+    found = [(len(key), index) for index, layer in enumerate(LAYERS) for key in layer if _within(module, key)]
+    if not found:
+        raise AssertionError(f"{module} is in no layer of tests/test_architecture.py: add it there and to the doc")
+    return max(found)[1]
+
+
+def test_the_top_level_holds_the_foundations_and_the_four_folders() -> None:
+    found = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    assert found == TOP_LEVEL, (
+        "a new top-level module: put it in the folder of its concept (rollout, training, loop, cli), "
+        "or add it to TOP_LEVEL and docs/architecture.md with why"
+    )
 
 
 def test_every_module_has_a_layer() -> None:
@@ -139,27 +167,53 @@ def test_imports_flow_down_the_layers() -> None:
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
 
 
-@pytest.mark.parametrize(
-    ("module", "forbidden"),
-    [
-        ("sandboxes", "anything of trl_harbor outside sandboxes (it is a Harbor plug-in usable without trl-harbor)"),
-        ("rollout", "the TRL surface, the specs, the command line or a sandbox backend"),
-        ("runtime", "anything of trl_harbor"),
-        ("capture", "anything of trl_harbor outside capture (the endpoint serves any trainer and any agent)"),
-    ],
-)
-def test_forbidden_imports(module: str, forbidden: str) -> None:
-    allowed = {
-        "sandboxes": {"sandboxes"},
-        "rollout": {"rollout", "runtime", "progress", "options", "backends"},
-        "runtime": {"runtime"},
-        "capture": {"capture"},
-    }[module]
+#: Each folder's (or module's) allowed imports of trl_harbor; everything else is forbidden.
+ALLOWED = {
+    "rollout": ({"rollout", "runtime", "progress", "options"}, "the TRL surface, the loop-owning agents, the command line"),
+    "runtime": (set(), "anything of trl_harbor"),
+    "loop.capture": ({"loop.capture"}, "anything of trl_harbor outside it (the endpoint serves any trainer and any agent)"),
+    "training": ({"training", "rollout", "loop", "runtime", "progress", "options", "trl_harbor"}, "the command line"),
+    "loop": ({"loop", "training", "rollout", "runtime", "progress", "options", "trl_harbor"}, "the command line"),
+    "sandboxes": (set(), "anything of trl_harbor (it only re-exports harbor_local_sandbox)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_forbidden_imports(folder: str) -> None:
+    allowed, forbidden = ALLOWED[folder]
     offending = [
         f"{source} imports {target}"
         for source, targets in _graph().items()
-        if _top(source) == module
+        if _within(source, folder)
         for target in targets
-        if _top(target) not in allowed
+        if not any(_within(target, key) or target == key for key in allowed)
     ]
-    assert not offending, f"{module} must not import {forbidden}:\n" + "\n".join(offending)
+    assert not offending, f"{folder} must not import {forbidden}:\n" + "\n".join(offending)
+
+
+def test_only_the_backend_alias_names_the_local_sandbox_package() -> None:
+    """The integration reaches the local sandbox through Harbor's factory, by the alias of
+    ``rollout/backends.py``: no other module imports ``harbor_local_sandbox`` or names it (the deprecated
+    ``sandboxes/`` alias aside), so ``env``, ``images``, ``train`` and the rest hold no special case."""
+    offending = []
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative == "rollout/backends.py" or relative.startswith("sandboxes/"):
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {  # prose may name the package; code may not
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                names = ["harbor_local_sandbox (in a string)"] if "harbor_local_sandbox" in node.value else []
+            offending += [f"{relative}:{node.lineno}: {n}" for n in names if n.startswith("harbor_local_sandbox")]
+    assert not offending, "\n".join(offending)

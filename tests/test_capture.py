@@ -12,7 +12,7 @@ import pytest
 from terminus_helpers import RIGHT, WRONG, scripted_policy
 
 from trl_harbor import runtime
-from trl_harbor.capture import (
+from trl_harbor.loop.capture import (
     CaptureEndpoint,
     GenerationRequest,
     ModelSampler,
@@ -39,7 +39,7 @@ def _harbor_chat(url: str, **kwargs):
     from harbor.llms.chat import Chat
     from harbor.llms.lite_llm import LiteLLM
 
-    from trl_harbor.terminus import MODEL_NAME, model_info
+    from trl_harbor.loop.terminus import MODEL_NAME, model_info
 
     llm = LiteLLM(
         model_name=MODEL_NAME,
@@ -307,8 +307,8 @@ def test_endpoint_serves_concurrent_routes_through_the_vllm_sampler(policy) -> N
 
 def test_loop_rows_rewards_and_metrics_from_traces(policy) -> None:
     """What the rollout_func hands TRL, from traces alone: rows, placeholder rows, fork policies, metrics."""
-    from trl_harbor.capture import Route, Trace
-    from trl_harbor.loop import LoopRollout, LoopRolloutFunc, loop_metrics, loop_reward
+    from trl_harbor.loop.capture import Route, Trace
+    from trl_harbor.loop.rollout_func import LoopRollout, LoopRolloutFunc, loop_metrics, loop_reward
     from trl_harbor.rollout.outcome import Cause, Verification
 
     _, tokenizer = policy

@@ -18,9 +18,9 @@ import pytest
 from conftest import BUNDLED_SUITE, requires_local
 
 from trl_harbor.cli import main as cli_main
-from trl_harbor.evaluate import pass_at_k
-from trl_harbor.shared_prefix import shared_prefix
-from trl_harbor.trajectories import read_trajectories
+from trl_harbor.cli.evaluate import pass_at_k
+from trl_harbor.cli.trajectories import read_trajectories
+from trl_harbor.training.shared_prefix import shared_prefix
 
 WRONG = "echo -n 0 > /workdir/answer.txt"
 #: Per task, the first-turn command of each successive rollout ("right": the reference solution).
@@ -130,7 +130,7 @@ def test_eval_reports_known_pass_at_k(tmp_path: Path, copy_tasks, endpoint: Scri
     assert result["pass_at"]["2"] == pytest.approx((5 / 6 + 0 + 1) / 3)
     assert result["mean_reward"] == pytest.approx(0.5)
     # The tasks evaluated, pinned: names and digests, read back as a suite (docs/datasets.md).
-    from trl_harbor.suite_lock import read_lock
+    from trl_harbor.rollout.suite_lock import read_lock
 
     (locked,) = read_lock(out / "suite.lock.json")
     assert sorted(t.name for t in locked.tasks) == sorted(by_task) and all(t.digest for t in locked.tasks)
@@ -265,8 +265,8 @@ def test_eval_a_local_model_with_the_prompt_options_in_one_batch(tmp_path: Path,
 
     from demo_policy import _FIRST_TASK, build_demo_policy
     from trl_harbor import HarborSpec
-    from trl_harbor.evaluate import EvalConfig, LocalPolicy, evaluate
-    from trl_harbor.prompting import load_few_shot, resolve_chat_template
+    from trl_harbor.cli.evaluate import EvalConfig, LocalPolicy, evaluate
+    from trl_harbor.cli.prompting import load_few_shot, resolve_chat_template
     from trl_harbor.testing import tool_call_text
 
     suite = copy_tasks("http_500_count", "orders_count")
@@ -312,7 +312,7 @@ def test_a_local_model_runs_the_prompts_shared_beginning_once_and_generates_the_
     from transformers.utils import get_json_schema
 
     from trl_harbor import HarborBashEnv
-    from trl_harbor.evaluate import EvalConfig, LocalPolicy
+    from trl_harbor.cli.evaluate import EvalConfig, LocalPolicy
     from trl_harbor.testing import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()

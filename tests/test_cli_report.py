@@ -16,7 +16,7 @@ from conftest import BUNDLED_SUITE, requires_local
 
 from demo_policy import build_demo_policy
 from trl_harbor.cli import main as cli_main
-from trl_harbor.trajectories import read_trajectories
+from trl_harbor.cli.trajectories import read_trajectories
 
 
 class _Tables(HTMLParser):

@@ -21,8 +21,8 @@ from conftest import BUNDLED_SUITE, REPO, requires_local
 
 from demo_policy import build_demo_policy
 from trl_harbor.cli import main as cli_main
-from trl_harbor.train import DEFAULT_RUN, parse_train_args
-from trl_harbor.trajectories import read_trajectories
+from trl_harbor.cli.train import DEFAULT_RUN, parse_train_args
+from trl_harbor.cli.trajectories import read_trajectories
 
 STARTER = REPO / "examples" / "starter_tasks"
 
@@ -107,7 +107,7 @@ def test_backend_options_reach_the_backend(tmp_path: Path, capsys, monkeypatch, 
 
 def test_the_plan_resolves_without_changing_the_arguments() -> None:
     """What a run resolves (the default run's held-out suite, the model) is the plan's, not written back."""
-    from trl_harbor.train import _plan
+    from trl_harbor.cli.train import _plan
 
     harbor, config = parse_train_args([])
     before = dataclasses.asdict(harbor)
@@ -213,7 +213,7 @@ def test_default_run_pipeline(tmp_path: Path, capsys, close_sandboxes) -> None:
     assert "Mean reward over steps" in page and "Held-out tasks: before vs after training" in page
     assert f"<b id=heldout-before>{b['pass_rate']:.3f}</b>" in page
     # The saved model carries the chat template it was trained with (trl-harbor eval --model OUT works).
-    from trl_harbor.prompting import resolve_chat_template
+    from trl_harbor.cli.prompting import resolve_chat_template
 
     saved = json.loads((out / "tokenizer_config.json").read_text()).get("chat_template")
     if saved is None:
@@ -240,7 +240,7 @@ def test_model_from_a_local_checkpoint_trains_with_trl_defaults(tmp_path: Path, 
     The command line trains with :class:`~trl_harbor.HarborGRPOTrainer`: a turn's tool calls are
     started together (its dispatcher runs, with ``--tool_concurrency``).
     """
-    from trl_harbor import trainer as trainer_module
+    from trl_harbor.training import trainer as trainer_module
 
     dispatched: list[int | None] = []
     original = trainer_module._TurnDispatcher.__init__
@@ -317,7 +317,7 @@ def test_heldout_dataset_measures_any_run(tmp_path: Path, copy_tasks, close_sand
 def test_trajectory_log_records_what_a_rollout_did(tmp_path: Path, copy_tasks, close_sandboxes) -> None:
     """The recording harness keeps its tools; the line holds each call's arguments and real output."""
     from trl_harbor import HarborSpec
-    from trl_harbor.trajectories import TrajectoryLog
+    from trl_harbor.cli.trajectories import TrajectoryLog
 
     spec = HarborSpec(copy_tasks("orders_count"), environment_type="local")
     log = TrajectoryLog(tmp_path / "t.jsonl", environment_type="local")

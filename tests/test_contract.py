@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from sandbox_helpers import make_task, open_env, run
-from trl_harbor.backends import resolve_backend
 from trl_harbor.rollout import contract
+from trl_harbor.rollout.backends import resolve_backend
 
 PACKAGE = Path(__file__).resolve().parents[1] / "packages" / "harbor-local-sandbox" / "src" / "harbor_local_sandbox"
 INSTANCE_PROTOCOLS = [contract.IsolatedVerification, contract.Liveness, contract.ExhaustionReport, contract.NativeSeal]
@@ -90,10 +90,10 @@ def test_the_refused_download_errors_are_marked() -> None:
 
 
 def test_grading_probes_no_backend_member_by_name() -> None:
-    """No ``getattr`` probing of a backend is left in the rollout core: every extension is a protocol."""
+    """No ``getattr`` probing of a sandbox is left in the rollout core's grading: every extension is a protocol."""
     core = Path(__file__).resolve().parents[1] / "src" / "trl_harbor" / "rollout"
     probes = []
-    for path in core.glob("*.py"):
+    for path in [core / f"{name}.py" for name in ("episode", "grading", "seal", "steps", "integrity", "policy")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr"):
                 probes.append(f"{path.name}:{node.lineno}")
@@ -109,3 +109,14 @@ def test_the_package_imports_nothing_of_trl_harbor() -> None:
                 names = [node.module]
             offending += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("trl_harbor", "trl")]
     assert not offending, offending
+
+
+def test_without_the_package_local_names_it_at_spec_build_and_docker_resolves(without_the_local_sandbox) -> None:
+    from trl_harbor import HarborSpec
+
+    with pytest.raises(
+        ValueError, match=r"harbor-local-sandbox package, which is not installed: pip install 'trl-harbor\[local\]'"
+    ):
+        HarborSpec("examples/tasks", environment_type="local")
+    docker = resolve_backend("docker")
+    assert docker.kind == "docker" and docker.image_store() is None

@@ -1,11 +1,11 @@
 """What makes a GRPO step cheap on a CPU, each checked against TRL's own path on a tiny real model.
 
-- :class:`~trl_harbor.trainer.SharedPrefixMixin`: the prompts' shared beginning runs once per turn
+- :class:`~trl_harbor.training.trainer.SharedPrefixMixin`: the prompts' shared beginning runs once per turn
   (greedy completions are TRL's, token for token) and once in the loss's forward pass
   (log-probabilities, entropies and gradients are TRL's).
-- :func:`~trl_harbor.trl_compat.completion_only_lm_head`: the fused LM head scores the completion's
+- :func:`~trl_harbor.training.trl_compat.completion_only_lm_head`: the fused LM head scores the completion's
   positions only; the log-probabilities are TRL's.
-- :func:`~trl_harbor.freezing.train_top_layers`: only the top blocks get gradients.
+- :func:`~trl_harbor.training.freezing.train_top_layers`: only the top blocks get gradients.
 - The trainer reports its generation and model update as progress phases.
 """
 
@@ -22,7 +22,7 @@ from trl_harbor import progress
 def _trainer(tmp_path: Path, tokenizer, model, **config):
     from datasets import Dataset
 
-    from trl_harbor.trainer import HarborGRPOTrainer
+    from trl_harbor.training.trainer import HarborGRPOTrainer
 
     args = one_step_grpo_config(tmp_path, max_completion_length=12, seed=1, **config)
     return HarborGRPOTrainer(
@@ -144,7 +144,7 @@ def test_the_completion_only_lm_head_scores_as_trls(tmp_path: Path, tiny) -> Non
     from trl import GRPOTrainer
     from trl.trainer import utils as trl_utils
 
-    from trl_harbor.trl_compat import completion_only_lm_head
+    from trl_harbor.training.trl_compat import completion_only_lm_head
 
     tokenizer, model = tiny
     trainer = _trainer(tmp_path, tokenizer, model)
@@ -181,8 +181,8 @@ def test_the_completion_only_lm_head_scores_as_trls(tmp_path: Path, tiny) -> Non
 def test_only_the_top_blocks_train(tiny) -> None:
     import torch
 
-    from trl_harbor.freezing import FreezeError, train_top_layers
     from trl_harbor.testing import build_model
+    from trl_harbor.training.freezing import FreezeError, train_top_layers
 
     tokenizer, _ = tiny
     model = build_model(tokenizer, num_layers=4, seed=0)

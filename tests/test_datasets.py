@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local, tiny_grpo_trainer
 
-from trl_harbor.sources import SuiteSelection, parse_dataset, resolve_suite
-from trl_harbor.suite import TaskSuiteError, load_suite
-from trl_harbor.suite_lock import read_lock
+from trl_harbor.rollout.sources import SuiteSelection, parse_dataset, resolve_suite
+from trl_harbor.rollout.suite import TaskSuiteError, load_suite
+from trl_harbor.rollout.suite_lock import read_lock
 
 OTHER_TASK = "orders_count"
 
@@ -101,7 +101,7 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path,
 
     from huggingface_hub import constants
 
-    from trl_harbor.suite import cache_root
+    from trl_harbor.rollout.suite import cache_root
 
     cache = tmp_path / "hf-cache"
     commit = uuid.uuid4().hex + "0" * 8
@@ -233,7 +233,7 @@ def test_a_tampered_cached_task_is_refused(suite_repo, tmp_path: Path) -> None:
 
 def test_a_cached_copy_never_recorded_complete_is_fetched_again(suite_repo, tmp_path: Path) -> None:
     """A download cut short leaves a folder without its digest note: it is fetched again, never trusted."""
-    from trl_harbor.digests import digest_note
+    from trl_harbor.rollout.digests import digest_note
 
     selection = SuiteSelection(registry_path=suite_repo["registry"], download_dir=tmp_path / "dl")
     first = resolve_suite("demo-suite@1.0", selection, progress=lambda _: None)
@@ -338,7 +338,7 @@ def test_a_selection_is_one_frozen_value_recorded_in_a_lock_without_its_cache(tm
     flags = Namespace(registry_url="http://r", task_names=["b*"], n_tasks=3, download_dir=None, registry_path=None,
                       exclude_task_names=None)  # fmt: skip
     assert SuiteSelection.of(flags) == SuiteSelection(registry_url="http://r", task_names=("b*",))
-    from trl_harbor.evaluate import EvalConfig
+    from trl_harbor.cli.evaluate import EvalConfig
 
     config = EvalConfig(dataset="x", base_url=None, model="m", registry_path="reg.json", exclude_task_names=["c"])
     assert SuiteSelection.of(config) == SuiteSelection(registry_path="reg.json", exclude_task_names=["c"])
@@ -364,7 +364,7 @@ def test_a_count_cuts_a_local_folder_after_the_filters_and_check_slices_once() -
 
 
 def test_hub_snapshot_links_become_real_files(hub: tuple[Path, str]) -> None:
-    from trl_harbor.suite import cache_root
+    from trl_harbor.rollout.suite import cache_root
 
     resolved = resolve_suite("someorg/harbor-suite", progress=lambda _: None)
     root = resolved.root
@@ -375,7 +375,7 @@ def test_hub_snapshot_links_become_real_files(hub: tuple[Path, str]) -> None:
     origin = resolved.origins[resolved.task_dirs[0]]
     assert origin == {"repo_id": "someorg/harbor-suite", "revision": resolved.version, "path": f"tasks/{GOLD_TASK}"}
     # The copy's digest is the original task's: nothing was lost on the way out of the blob store.
-    from trl_harbor.digests import task_digest
+    from trl_harbor.rollout.digests import task_digest
 
     assert resolved.digest(resolved.task_dirs[0]) == task_digest(BUNDLED_SUITE / GOLD_TASK)
 

@@ -31,8 +31,8 @@ from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, tiny_grpo_trainer
 from docker_daemon import public_copy
 
 from trl_harbor import HarborBashEnv, HarborSpec, close_all
-from trl_harbor.check import CheckResult, check_suite
-from trl_harbor.suite import TaskSuiteError
+from trl_harbor.cli.check import CheckResult, check_suite
+from trl_harbor.rollout.suite import TaskSuiteError
 
 pytestmark = pytest.mark.docker
 
@@ -196,7 +196,9 @@ def test_task_images_score_the_same_on_docker_and_local(docker_daemon, loopback_
 def test_grpo_step_on_docker_runs_tools_in_containers_and_scores_them(
     docker_daemon,
     tmp_path: Path,
+    without_the_local_sandbox,
 ) -> None:
+    """Also shows that Docker trains without the local sandbox's package (trl-harbor without ``[local]``)."""
     import torch
 
     from trl_harbor.testing import tool_call_text
@@ -250,6 +252,7 @@ def test_grpo_step_on_docker_runs_tools_in_containers_and_scores_them(
     assert trainer.state.log_history[0]["reward"] == pytest.approx(sum(rewards) / 2)
     if len(set(rewards)) > 1:
         assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert not [m for m in sys.modules if m.startswith("harbor_local_sandbox")]
 
 
 SERVER_TEST = """#!/bin/bash

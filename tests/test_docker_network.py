@@ -5,7 +5,7 @@ egress-control sidecar; it turns it on only when its kernel probe (``alpine``, p
 digest) runs and its sidecar image (built with ``docker buildx`` from ``gogost/gost``, pinned
 by digest) exists or can be built. The tests' daemon reaches no registry and has no buildx, like
 an offline Debian host, so without the preflight every such task is refused by Harbor when its
-sandbox is created; ``trl_harbor.preflight.docker_network_problem`` says so when the first environment is built.
+sandbox is created; ``trl_harbor.rollout.preflight.docker_network_problem`` says so when the first environment is built.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from conftest import BUNDLED_SUITE, GOLD_TASK
 from docker_daemon import public_copy
 
 from trl_harbor import HarborSpec, close_all
-from trl_harbor.preflight import BackendUnavailableError
+from trl_harbor.rollout.preflight import BackendUnavailableError
 
 pytestmark = pytest.mark.docker
 
@@ -28,7 +28,7 @@ def fresh_egress_probe():
     """Harbor keeps its kernel probe's answer per process: let this test's spec ask the daemon again."""
     from harbor.environments.docker.docker import DockerEnvironment
 
-    from trl_harbor import preflight
+    from trl_harbor.rollout import preflight
 
     DockerEnvironment._egress_control_kernel_support.__func__.cache_clear()
     preflight._PASSED.clear()
@@ -76,7 +76,7 @@ def test_the_sidecar_is_named_as_harbor_names_it(docker_daemon, fresh_egress_pro
     """A sidecar image loaded under the name the error gives is the one Harbor uses (it builds nothing)."""
     from harbor.environments.docker.utils import default_docker_platform, ensure_docker_image_built
 
-    from trl_harbor.preflight import _sidecar_image
+    from trl_harbor.rollout.preflight import _sidecar_image
 
     docker_env = fresh_egress_probe
     name, base = _sidecar_image(docker_env)

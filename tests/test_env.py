@@ -13,8 +13,8 @@ import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
 
 from trl_harbor import HarborBashEnv, HarborEnv, close_all, runtime
-from trl_harbor.backends import LOCAL_ENVIRONMENT_IMPORT_PATH, resolve_backend
 from trl_harbor.rollout import RewardError, select_reward
+from trl_harbor.rollout.backends import LOCAL_ENVIRONMENT_IMPORT_PATH, resolve_backend
 
 GOLD_DIR = str(BUNDLED_SUITE / GOLD_TASK)
 
@@ -56,7 +56,7 @@ def test_never_reset_env_scores_zero_without_touching_harbor() -> None:
         env = HarborBashEnv(environment_type="no-such-backend")
         assert env.reward == 0.0
         assert env.bash("ls").startswith("Error: no sandbox")
-        assert not [m for m in sys.modules if m == "harbor" or m.startswith("harbor.")]
+        assert not [m for m in sys.modules if m == "harbor" or m.startswith(("harbor.", "harbor_local_sandbox"))]
         print("ok")
         """
     )
@@ -65,9 +65,8 @@ def test_never_reset_env_scores_zero_without_touching_harbor() -> None:
 
 
 def test_environment_type_mapping() -> None:
-    from harbor.models.environment_type import EnvironmentType
-
     import harbor_local_sandbox
+    from harbor.models.environment_type import EnvironmentType
 
     local = resolve_backend("local")
     assert local.config.import_path == LOCAL_ENVIRONMENT_IMPORT_PATH == harbor_local_sandbox.IMPORT_PATH
@@ -75,7 +74,7 @@ def test_environment_type_mapping() -> None:
     plugin = resolve_backend("my.pkg:MyEnvironment")
     assert plugin.config.import_path == "my.pkg:MyEnvironment"
     with pytest.raises(ValueError, match="my.pkg"):  # its class loads on first use, through Harbor's factory
-        plugin.kind
+        _ = plugin.kind
     assert resolve_backend("docker").config.type == EnvironmentType.DOCKER
     assert resolve_backend("e2b").config.type == EnvironmentType.E2B
     with pytest.raises(ValueError, match="docker"):
@@ -294,7 +293,7 @@ def test_multi_reward_defaults_weights_and_missing_reward(tmp_path: Path, close_
     assert weighted.reward == 0.25
     toml = task / "task.toml"
     toml.write_text(toml.read_text().replace("[metadata]", "[metadata]\nreward_weights = { b = 2.0, a = 3.0 }", 1))
-    from trl_harbor.suite import _TASKS
+    from trl_harbor.rollout.suite import _TASKS
 
     _TASKS.clear()  # task.toml changed on disk
     declared = HarborBashEnv(environment_type="local")

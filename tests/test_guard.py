@@ -1,4 +1,4 @@
-"""The verifier's import guard (``sandboxes/_guard.py``), run by a real Python interpreter, no sandbox.
+"""The verifier's import guard (``harbor_local_sandbox/_guard.py``), run by a real Python interpreter, no sandbox.
 
 A fake image's import path (a stdlib-like folder and a site folder holding the guard's ``.pth``),
 and a working directory of the agent's: the guard must make Python take every name the image has

@@ -24,9 +24,11 @@ from conftest import (
 
 from sandbox_helpers import live_processes_with, wait_until
 from trl_harbor import close_all
-from trl_harbor.agents import resolve_agent
+from trl_harbor.training.agents import resolve_agent
 
-HARNESS = REPO / "examples" / "grpo_harbor" / "harnesses" / "jupyter"  # re-exports trl_harbor.harnesses.jupyter
+HARNESS = (
+    REPO / "examples" / "grpo_harbor" / "harnesses" / "jupyter"
+)  # re-exports trl_harbor.training.harnesses.jupyter
 AGENT = f"{HARNESS / 'env.py'}:JupyterEnv"
 GOLD_DIR = str(BUNDLED_SUITE / GOLD_TASK)
 TOOLS = ["add_and_execute_code_cell", "execute_shell_command"]

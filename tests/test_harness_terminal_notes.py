@@ -22,7 +22,7 @@ from conftest import (
 
 from sandbox_helpers import count_processes_cmd, live_processes_with, wait_until
 from trl_harbor import close_all
-from trl_harbor.agents import resolve_agent
+from trl_harbor.training.agents import resolve_agent
 
 HARNESS = REPO / "examples" / "grpo_harbor" / "harnesses" / "terminal_notes"
 AGENT = f"{HARNESS / 'env.py'}:TerminalNotesEnv"

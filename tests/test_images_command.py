@@ -9,7 +9,7 @@ import pytest
 from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import make_task
-from trl_harbor import images
+from trl_harbor.cli import images
 
 pytestmark = pytest.mark.local
 
@@ -107,3 +107,10 @@ def test_images_another_process_starts_sandboxes_from_are_kept(loopback_registry
     assert ImageStore(cache).release_mounts()
     assert not (rootfs / "kept").exists()
     assert _images("prune", "--all", "--cache-dir", str(cache)) == 0
+
+
+def test_a_backend_without_an_image_cache_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="environment_type='docker' keeps no image cache"):
+        _images("list", "-e", "docker", "--cache-dir", str(tmp_path))
+    store = images.image_store("harbor_local_sandbox.local:LocalEnvironment", tmp_path / "cache", host_trust=False)
+    assert store is images.image_store("local", tmp_path / "cache", host_trust=False)  # one store, either name

@@ -27,13 +27,13 @@ import atexit, json, signal, sys
 registered = []
 atexit.register = lambda f, *a, **k: registered.append(getattr(f, "__qualname__", repr(f))) or f
 before = signal.getsignal(signal.SIGTERM)
-import trl_harbor.spec, trl_harbor.env, trl_harbor.runtime, trl_harbor.rollout.episode
-from trl_harbor.spec import HarborSpec
+import trl_harbor.training.spec, trl_harbor.training.env, trl_harbor.runtime, trl_harbor.rollout.episode
+from trl_harbor.training.spec import HarborSpec
 print(json.dumps({
     "sigterm_unchanged": signal.getsignal(signal.SIGTERM) is before,
     "atexit": registered,
     "mix": callable(getattr(HarborSpec, "mix", None)),
-    "mix_module_loaded": "trl_harbor.mix" in sys.modules,
+    "mix_module_loaded": "trl_harbor.training.mix" in sys.modules,
 }))
 """
 
@@ -106,7 +106,7 @@ def test_the_reference_tests_harness_points_every_import_at_trl_harbor() -> None
     namespace: dict = {}
     exec(out, namespace)
     from trl_harbor import HarborBashEnv
-    from trl_harbor.rewards import harbor_reward
+    from trl_harbor.training.rewards import harbor_reward
 
     assert namespace["x"] is HarborBashEnv and namespace["_outcome_reward_func"] is harbor_reward
     with pytest.raises(ValueError, match="_new_private"):

@@ -416,7 +416,7 @@ def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_regi
 def test_harbor_oracle_and_verifier_with_task_users(loopback_registry, cache_dir, tmp_path):  # noqa: F811
     """Harbor's own OracleAgent and Verifier on an image root, with [agent]/[verifier] user= set."""
     from trl_harbor import HarborOptions
-    from trl_harbor.check import check_suite
+    from trl_harbor.cli.check import check_suite
 
     task = _task(
         tmp_path,

@@ -18,7 +18,7 @@ from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local, trl_
 
 from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborBashEnv, HarborMix, HarborMixError, HarborSpec
-from trl_harbor.mix import harbor_mix_reward
+from trl_harbor.training.mix import harbor_mix_reward
 
 NAMES = sorted(p.name for p in BUNDLED_SUITE.iterdir() if (p / "task.toml").is_file())
 
@@ -144,7 +144,7 @@ def test_clashing_column_types_name_the_column_and_both_suites(tmp_path: Path) -
 
 
 def test_one_environment_per_combination_with_stable_names() -> None:
-    from trl_harbor.harnesses.terminal_notes.env import TerminalNotesEnv
+    from trl_harbor.training.harnesses.terminal_notes.env import TerminalNotesEnv
 
     specs = [
         HarborSpec(BUNDLED_SUITE, agent="bash", environment_type="local"),
@@ -272,7 +272,7 @@ def test_importing_the_package_stays_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-    assert HarborMix.__module__ == "trl_harbor.mix"
+    assert HarborMix.__module__ == "trl_harbor.training.mix"
 
 
 # ── a real GRPOTrainer step over two suites with two harnesses ───────────────────────────
@@ -295,8 +295,8 @@ def test_grpo_step_routes_rows_to_their_harness_and_sandbox(
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_harbor import HarborGRPOTrainer
-    from trl_harbor.harnesses.terminal_notes.env import TerminalNotesEnv
     from trl_harbor.testing import build_model, build_tokenizer, script_tool_calls, tool_call_text
+    from trl_harbor.training.harnesses.terminal_notes.env import TerminalNotesEnv
 
     resets: dict[int, str] = {}  # env id -> task_dir of its last reset
     ran: list[tuple[int, str, str]] = []  # (env id, command, output): every command run in a sandbox

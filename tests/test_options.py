@@ -39,7 +39,7 @@ TRAIN_FLAGS = [
 
 def _option_dests(parser) -> set[str]:
     """The dests of a parser's flags that are option flags (by the generated table)."""
-    from trl_harbor.option_flags import OPTION_FLAGS
+    from trl_harbor.cli.option_flags import OPTION_FLAGS
 
     dests = {action.dest for action in parser._actions}
     return {option.field for option in OPTION_FLAGS if option.dest in dests}
@@ -47,7 +47,7 @@ def _option_dests(parser) -> set[str]:
 
 def test_every_option_has_a_flag_and_the_flags_reach_the_options() -> None:
     """Every command that runs rollouts (check, eval, train) takes every option, generated from the dataclass."""
-    from trl_harbor.train import _parser, parse_train_args
+    from trl_harbor.cli.train import _parser, parse_train_args
 
     assert set(EXPECTED.changed()) == set(OPTION_NAMES), "EVERY_FLAG must set every HarborOptions field"
     commands = build_parser()._subparsers._group_actions[0].choices
@@ -67,7 +67,7 @@ def test_every_option_has_a_flag_and_the_flags_reach_the_options() -> None:
 
 def test_none_is_a_value_where_the_option_takes_it() -> None:
     """``none`` turns a limit off (``max_concurrent_starts``, ``infra_stop_fraction``), in every command."""
-    from trl_harbor.train import parse_train_args
+    from trl_harbor.cli.train import parse_train_args
 
     flags = ["--max-concurrent-starts", "none", "--infra-stop-fraction", "None"]
     expected = HarborOptions(max_concurrent_starts=None, infra_stop_fraction=None)
@@ -80,7 +80,7 @@ def test_none_is_a_value_where_the_option_takes_it() -> None:
 
 
 def test_option_flags_help_is_the_dataclass_docstring() -> None:
-    from trl_harbor.option_flags import OPTION_FLAGS
+    from trl_harbor.cli.option_flags import OPTION_FLAGS
 
     for option in OPTION_FLAGS:
         assert option.help and option.help != option.field, option
@@ -90,7 +90,7 @@ def test_option_flags_help_is_the_dataclass_docstring() -> None:
 
 def test_eval_hands_every_option_to_its_environments(monkeypatch: pytest.MonkeyPatch) -> None:
     """The regression: eval's environments get the whole options object, not four fields of it."""
-    from trl_harbor.evaluate import EvalConfig, evaluate
+    from trl_harbor.cli.evaluate import EvalConfig, evaluate
 
     seen: list[HarborOptions] = []
 

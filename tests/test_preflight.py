@@ -19,15 +19,15 @@ from conftest import BUNDLED_SUITE, GOLD_TASK, requires_local, tiny_grpo_trainer
 
 from sandbox_helpers import BASE_DOCKERFILE, run_unprivileged, unprivileged_test
 from trl_harbor import HarborOptions, HarborSpec, close_all
-from trl_harbor.env import HarborBashEnv
-from trl_harbor.preflight import BackendUnavailableError, InfrastructureFailureError, check_batch
-from trl_harbor.suite import TaskSuiteError
+from trl_harbor.rollout.preflight import BackendUnavailableError, InfrastructureFailureError, check_batch
+from trl_harbor.rollout.suite import TaskSuiteError
+from trl_harbor.training.env import HarborBashEnv
 
 
 @pytest.fixture
 def no_docker_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No Docker daemon, on any machine: the CLI is pointed at a socket that does not exist."""
-    from trl_harbor import preflight
+    from trl_harbor.rollout import preflight
 
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-such-docker.sock")
     monkeypatch.setattr(preflight, "_PASSED", set())

@@ -19,7 +19,7 @@ import pytest
 from conftest import GOLD_ANSWER, GOLD_TASK, requires_local
 
 from trl_harbor import HarborBashEnv, HarborEnv, HarborSpec
-from trl_harbor.env import REFERENCE_HOOKS, overrides
+from trl_harbor.training.env import REFERENCE_HOOKS, overrides
 
 pytestmark = requires_local
 

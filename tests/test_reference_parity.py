@@ -13,7 +13,7 @@ Deliberate differences, each for a reason:
 - a task without ``tests/test.sh``, or whose ``[task] name`` Harbor's model rejects, is refused when
   the spec is built (the reference fails at the rollout's first ``reset``);
 - ``_resolve_agent`` and ``_outcome_reward_func`` are private there; here they are
-  ``trl_harbor.agents.resolve_agent`` and ``trl_harbor.rewards.harbor_reward`` (same behaviour);
+  ``trl_harbor.training.agents.resolve_agent`` and ``trl_harbor.training.rewards.harbor_reward`` (same behaviour);
 - ``task_dir`` is always absolute, and every ``[metadata]`` key becomes a column (a superset of the
   reference's four);
 - a command's output past ``max_output_chars`` keeps its start *and its end* (where an error is),
@@ -49,8 +49,8 @@ import pytest
 from trl.experimental import harbor as ref  # noqa: E402
 
 import trl_harbor as ours  # noqa: E402
-from trl_harbor.agents import resolve_agent  # noqa: E402
-from trl_harbor.rewards import harbor_reward  # noqa: E402
+from trl_harbor.training.agents import resolve_agent  # noqa: E402
+from trl_harbor.training.rewards import harbor_reward  # noqa: E402
 
 REF_COLUMNS = ["prompt", "task_dir", "task_index", "gold_answer", "reward_mode", "difficulty_level", "kaggle_dataset"]
 

@@ -17,7 +17,7 @@ from conftest import requires_local, tiny_grpo_trainer
 
 from sandbox_helpers import make_task
 from trl_harbor import HarborBashEnv, HarborSpec, close_all
-from trl_harbor.check import check_suite
+from trl_harbor.cli.check import check_suite
 
 pytestmark = requires_local
 

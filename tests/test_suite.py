@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_TASK
 
-from trl_harbor.suite import (
+from trl_harbor.rollout.suite import (
     TaskInfo,
     TaskSuiteError,
     find_suite_root,
@@ -187,7 +187,7 @@ def test_hub_dataset_from_offline_cache(tmp_path: Path) -> None:
         cache,
         f"""
         import json
-        from trl_harbor.suite import load_suite
+        from trl_harbor.rollout.suite import load_suite
         suite = load_suite("someorg/harbor-suite")
         pinned = load_suite("someorg/harbor-suite", revision="{SHA}")
         print(json.dumps({{"root": str(suite.root), "names": [t.name for t in suite.tasks],
@@ -209,7 +209,7 @@ def test_hub_dataset_not_in_cache_offline_fails_clearly(tmp_path: Path) -> None:
     result = _run_offline(
         cache,
         """
-        from trl_harbor.suite import TaskSuiteError, load_suite
+        from trl_harbor.rollout.suite import TaskSuiteError, load_suite
         try:
             load_suite("someorg/missing-suite")
         except TaskSuiteError as exc:
@@ -228,7 +228,7 @@ def test_hub_dataset_without_tasks_folder(tmp_path: Path) -> None:
     result = _run_offline(
         cache,
         """
-        from trl_harbor.suite import TaskSuiteError, load_suite
+        from trl_harbor.rollout.suite import TaskSuiteError, load_suite
         try:
             load_suite("someorg/no-tasks")
         except TaskSuiteError as exc:

@@ -15,8 +15,8 @@ from conftest import requires_local, tiny_grpo_trainer
 
 from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborSpec
-from trl_harbor.env import HarborBashStepsEnv
-from trl_harbor.suite import TaskSuiteError
+from trl_harbor.rollout.suite import TaskSuiteError
+from trl_harbor.training.env import HarborBashStepsEnv
 
 STEP_TEST = """#!/bin/bash
 mkdir -p /logs/verifier
@@ -226,7 +226,7 @@ def test_check_grades_like_training_and_reports_every_task_even_broken_ones(tmp_
 
     from conftest import GOLD_TASK
 
-    from trl_harbor.check import check_suite
+    from trl_harbor.cli.check import check_suite
 
     suite = copy_tasks(GOLD_TASK)
     steps = make_steps_task(suite, "two_steps")

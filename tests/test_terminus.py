@@ -55,7 +55,7 @@ def test_terminus_grpo_step_captures_every_token(suite: Path, tmp_path: Path) ->
     import torch
 
     from trl_harbor import HarborSpec
-    from trl_harbor.trajectories import TrajectoryLog, read_trajectories
+    from trl_harbor.cli.trajectories import TrajectoryLog, read_trajectories
 
     model, tokenizer = scripted_policy([RIGHT, WRONG])
     right, wrong = (tokenizer.convert_tokens_to_ids(r) for r in (RIGHT, WRONG))
@@ -145,7 +145,7 @@ def test_terminus_grpo_step_captures_every_token(suite: Path, tmp_path: Path) ->
 @pytest.mark.slow
 def test_terminus_tampering_scores_zero(suite: Path) -> None:
     from trl_harbor import HarborSpec, runtime
-    from trl_harbor.capture import CaptureEndpoint, ModelSampler, Renderer, SamplingParams
+    from trl_harbor.loop.capture import CaptureEndpoint, ModelSampler, Renderer, SamplingParams
 
     model, tokenizer = scripted_policy([TAMPER])
     spec = HarborSpec(suite, agent="terminus-2", environment_type="local", env_kwargs={"pane_height": 8})
@@ -164,7 +164,7 @@ def test_terminus_tampering_scores_zero(suite: Path) -> None:
 
 def test_terminus_without_tmux_is_a_configuration_error(bundled_suite: Path) -> None:
     from trl_harbor import HarborSpec, runtime
-    from trl_harbor.capture import CaptureEndpoint, ModelSampler, Renderer, SamplingParams
+    from trl_harbor.loop.capture import CaptureEndpoint, ModelSampler, Renderer, SamplingParams
 
     model, tokenizer = scripted_policy([RIGHT])
     spec = HarborSpec(bundled_suite, agent="terminus-2", environment_type="local", indices=[0])
@@ -185,7 +185,7 @@ def test_trl_harbor_train_runs_terminus(suite: Path, tmp_path: Path) -> None:
     import json
 
     from trl_harbor.cli import main as cli_main
-    from trl_harbor.trajectories import read_trajectories
+    from trl_harbor.cli.trajectories import read_trajectories
 
     model, tokenizer = scripted_policy([RIGHT, WRONG])
     checkpoint = tmp_path / "policy"
@@ -209,10 +209,10 @@ def test_trl_harbor_train_runs_terminus(suite: Path, tmp_path: Path) -> None:
 
 def test_spec_selects_terminus_and_refuses_what_it_cannot_run(copy_tasks, tmp_path: Path) -> None:
     from trl_harbor import HarborSpec
-    from trl_harbor.agents import resolve_agent
-    from trl_harbor.loop import loop_reward
-    from trl_harbor.mix import HarborMixError
-    from trl_harbor.suite import TaskSuiteError
+    from trl_harbor.loop.rollout_func import loop_reward
+    from trl_harbor.rollout.suite import TaskSuiteError
+    from trl_harbor.training.agents import resolve_agent
+    from trl_harbor.training.mix import HarborMixError
 
     suite = copy_tasks(TASK)
     spec = HarborSpec(suite, agent="Terminus-2", environment_type="local", env_kwargs={"max_turns": 5})
@@ -221,9 +221,9 @@ def test_spec_selects_terminus_and_refuses_what_it_cannot_run(copy_tasks, tmp_pa
     [prompt] = spec.train_dataset["prompt"]
     assert prompt[0]["task_dir"] == str(suite / TASK) and prompt[0]["content"].startswith("# March humidity")
     assert HarborSpec(suite, environment_type="local").rollout_func is None
-    from trl_harbor.capture import VLLMSampler
-    from trl_harbor.loop_async import HarborRolloutWorker
-    from trl_harbor.trl_compat import async_grpo
+    from trl_harbor.loop.async_worker import HarborRolloutWorker
+    from trl_harbor.loop.capture import VLLMSampler
+    from trl_harbor.training.trl_compat import async_grpo
 
     _, AsyncGRPOConfig = async_grpo()
 
@@ -259,9 +259,9 @@ def test_spec_selects_terminus_and_refuses_what_it_cannot_run(copy_tasks, tmp_pa
 def test_async_grpo_worker_puts_scored_rows_on_its_buffer(suite: Path) -> None:
     """The AsyncGRPO rollout worker (``AsyncGRPOTrainer`` itself needs a GPU: FlashAttention-3 tree attention)."""
     from trl_harbor import HarborSpec
-    from trl_harbor.capture import ModelSampler, SamplingParams
-    from trl_harbor.loop_async import HarborRolloutWorker
-    from trl_harbor.trl_compat import rollout_sample_class
+    from trl_harbor.loop.async_worker import HarborRolloutWorker
+    from trl_harbor.loop.capture import ModelSampler, SamplingParams
+    from trl_harbor.training.trl_compat import rollout_sample_class
 
     RolloutSample = rollout_sample_class()
 

@@ -239,7 +239,7 @@ def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(
     for trainer_cls in (GRPOTrainer, HarborGRPOTrainer):
         logs[trainer_cls] = log = _Log()
         spec = _gold_spec(_probe_env(log), tmp_path, exec_latency=0.3)
-        with caplog.at_level(logging.WARNING, logger="trl_harbor.trainer"):
+        with caplog.at_level(logging.WARNING, logger="trl_harbor.training.trainer"):
             trainer = _train(trainer_cls, tmp_path, spec, scripted, batch=8, turns=3)
         assert sorted(t.__name__ for t in trainer.tools) == ["abash", "bash"]
         outcomes[trainer_cls] = _outcome(trainer)
@@ -271,7 +271,7 @@ def test_same_results_as_trls_loop_with_the_calls_of_a_turn_at_once(
     assert sorted(c[1:3] for c in logs[HarborGRPOTrainer].calls) == sorted(c[1:3] for c in logs[GRPOTrainer].calls)
 
     # every call was started ahead and collected by TRL's loop: none ran twice, none was missed
-    assert not [r for r in caplog.records if r.name == "trl_harbor.trainer"]
+    assert not [r for r in caplog.records if r.name == "trl_harbor.training.trainer"]
 
     # TRL's loop runs one rollout's call after another; ours runs them together
     assert logs[GRPOTrainer].most_in_flight == 1
@@ -348,10 +348,10 @@ def test_a_loop_the_mixin_cannot_hook_runs_trls_loop_after_one_warning(tmp_path:
     behind ``*args``): one warning, then TRL's own loop, one rollout's calls after another."""
     from trl import GRPOTrainer
 
-    import trl_harbor.trainer as trainer_module
+    import trl_harbor.training.trainer as trainer_module
     from trl_harbor import HarborGRPOTrainer
     from trl_harbor.testing import tool_call_text
-    from trl_harbor.trainer import ConcurrentToolsMixin
+    from trl_harbor.training.trainer import ConcurrentToolsMixin
 
     class OpaqueLoopTrainer(GRPOTrainer):
         def _tool_call_loop(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,4 +1,4 @@
-"""What trl-harbor needs of TRL's internals, detected (``trl_harbor.trl_compat``), and what it does without it.
+"""What trl-harbor needs of TRL's internals, detected (``trl_harbor.training.trl_compat``), and what it does without it.
 
 Two kinds of test: the installed TRL (1.16 here) is checked for real — its ``GRPOTrainer`` loop can
 be hooked, its ``AsyncGRPOTrainer`` is found on the experimental path. Other TRL releases cannot be
@@ -21,10 +21,10 @@ import pytest
 import trl
 from trl import GRPOTrainer
 
-import trl_harbor.trainer as trainer_module
-from trl_harbor import trl_compat
-from trl_harbor.trainer import ConcurrentToolsMixin, HarborGRPOTrainer, concurrent_tools_supported
-from trl_harbor.trl_compat import async_grpo, rollout_sample_class, tool_loop_problem
+import trl_harbor.training.trainer as trainer_module
+from trl_harbor.training import trl_compat
+from trl_harbor.training.trainer import ConcurrentToolsMixin, HarborGRPOTrainer, concurrent_tools_supported
+from trl_harbor.training.trl_compat import async_grpo, rollout_sample_class, tool_loop_problem
 
 EXPERIMENTAL = "trl.experimental.async_grpo"
 

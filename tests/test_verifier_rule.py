@@ -1,4 +1,4 @@
-"""The rule of the verifier's view (``sandboxes/_view.py``), on a synthetic image and agent layer.
+"""The rule of the verifier's view (``harbor_local_sandbox/_view.py``), on a synthetic image and agent layer.
 
 No sandbox here: an image root and an overlay upper layer are made by hand (whiteouts are 0:0
 character devices, as overlayfs makes them; opaque folders carry ``trusted.overlay.opaque``), and

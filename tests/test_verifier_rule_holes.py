@@ -1,4 +1,4 @@
-"""Holes in the rule of the verifier's view (``sandboxes/_view.py``), found by the red team (issue #17).
+"""Holes in the rule of the verifier's view (``harbor_local_sandbox/_view.py``), found by the red team (issue #17).
 
 Each test is one thing the rule's design does not name, on a synthetic image and agent layer (as
 in ``tests/test_verifier_rule.py``): the agent's entry must not reach the verifier's view — or,

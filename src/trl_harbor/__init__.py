@@ -16,13 +16,13 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trl_harbor.agents import AGENTS
-    from trl_harbor.env import HarborBashEnv, HarborBashStepsEnv, HarborEnv, StepsMixin, close_all, release
-    from trl_harbor.mix import HarborMix, HarborMixError
     from trl_harbor.options import HarborOptions
-    from trl_harbor.spec import HarborSpec
-    from trl_harbor.suite import TaskSuiteError
-    from trl_harbor.trainer import ConcurrentToolsMixin, HarborGRPOTrainer
+    from trl_harbor.rollout.suite import TaskSuiteError
+    from trl_harbor.training.agents import AGENTS
+    from trl_harbor.training.env import HarborBashEnv, HarborBashStepsEnv, HarborEnv, StepsMixin, close_all, release
+    from trl_harbor.training.mix import HarborMix, HarborMixError
+    from trl_harbor.training.spec import HarborSpec
+    from trl_harbor.training.trainer import ConcurrentToolsMixin, HarborGRPOTrainer
 
 __all__ = [
     "AGENTS",
@@ -42,20 +42,20 @@ __all__ = [
 ]
 
 _LAZY = {
-    "AGENTS": "trl_harbor.agents",
+    "AGENTS": "trl_harbor.training.agents",
     "HarborOptions": "trl_harbor.options",
-    "HarborSpec": "trl_harbor.spec",
-    "HarborMix": "trl_harbor.mix",
-    "HarborMixError": "trl_harbor.mix",
-    "HarborEnv": "trl_harbor.env",
-    "HarborBashEnv": "trl_harbor.env",
-    "HarborBashStepsEnv": "trl_harbor.env",
-    "StepsMixin": "trl_harbor.env",
-    "close_all": "trl_harbor.env",
-    "release": "trl_harbor.env",
-    "TaskSuiteError": "trl_harbor.suite",
-    "HarborGRPOTrainer": "trl_harbor.trainer",
-    "ConcurrentToolsMixin": "trl_harbor.trainer",
+    "HarborSpec": "trl_harbor.training.spec",
+    "HarborMix": "trl_harbor.training.mix",
+    "HarborMixError": "trl_harbor.training.mix",
+    "HarborEnv": "trl_harbor.training.env",
+    "HarborBashEnv": "trl_harbor.training.env",
+    "HarborBashStepsEnv": "trl_harbor.training.env",
+    "StepsMixin": "trl_harbor.training.env",
+    "close_all": "trl_harbor.training.env",
+    "release": "trl_harbor.training.env",
+    "TaskSuiteError": "trl_harbor.rollout.suite",
+    "HarborGRPOTrainer": "trl_harbor.training.trainer",
+    "ConcurrentToolsMixin": "trl_harbor.training.trainer",
 }
 
 

@@ -148,7 +148,7 @@ def test_a_programming_error_in_grading_skips_the_rollout_and_stops_a_lost_batch
     batch guard stops a batch lost that way — or, with ``infra_stop_fraction=None``, only skips them."""
     from harbor.verifier import verifier as verifier_module
 
-    from trl_harbor.preflight import InfrastructureFailureError
+    from trl_harbor.rollout.preflight import InfrastructureFailureError
 
     def broken(self, *args, **kwargs):  # noqa: ANN001, ARG001
         raise TypeError("unexpected keyword argument 'step_name'")

@@ -2,7 +2,7 @@
 
 Two kinds of breakage. What can be seen on disk — a missing file, bad TOML, an unknown or
 mistyped key, a value of the wrong type, a link out of the suite — is refused by ``HarborSpec``
-(``trl_harbor.suite.load_suite`` and the spec's own checks) with a message naming the file, the
+(``trl_harbor.rollout.suite.load_suite`` and the spec's own checks) with a message naming the file, the
 field and the fix. What only shows when the task runs — a ``test.sh`` that writes no reward, a
 NaN or infinite reward, a ``reward.json`` that is a bare number, a verifier that hangs, a
 Dockerfile step that fails — costs its one rollout: scored 0 with the reason (the verification
@@ -25,7 +25,7 @@ import pytest
 
 from sandbox_helpers import BASE_DOCKERFILE
 from trl_harbor import HarborSpec, close_all
-from trl_harbor.suite import TaskSuiteError
+from trl_harbor.rollout.suite import TaskSuiteError
 
 GOLD = "42"
 TASK_TOML = """\

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from harbor.models.task.task import Task
     from harbor.models.trial.paths import TrialPaths
 
-    from trl_harbor.backends import Backend, VerifierPlacement
+    from trl_harbor.rollout.backends import Backend, VerifierPlacement
 
 __all__ = ["COMMAND_GRACE_SEC", "CommandTimeoutError", "Episode", "Phase"]
 

@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     from harbor.models.task.task import Task
     from harbor.models.trial.paths import TrialPaths
 
-    from trl_harbor.backends import Backend, VerifierPlacement
     from trl_harbor.options import HarborOptions
+    from trl_harbor.rollout.backends import Backend, VerifierPlacement
     from trl_harbor.rollout.policy import GradingPolicy
 
 __all__ = ["Context", "alive", "exhaustion", "failed", "grade", "settle"]

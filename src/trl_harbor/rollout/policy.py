@@ -2,7 +2,7 @@
 
 The episode resolves a :class:`GradingPolicy` when it is made and hands it to grading, the seal and
 the combination of steps, so no later code reads the task's tables again (where a step's verifier
-runs and as whom is resolved with the step's network plan: :class:`trl_harbor.backends.VerifierPlacement`).
+runs and as whom is resolved with the step's network plan: :class:`trl_harbor.rollout.backends.VerifierPlacement`).
 """
 
 from __future__ import annotations

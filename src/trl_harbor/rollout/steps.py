@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from harbor.models.task.config import StepConfig
     from harbor.models.task.task import Task
 
-    from trl_harbor.backends import Backend, VerifierPlacement
     from trl_harbor.options import HarborOptions
+    from trl_harbor.rollout.backends import Backend, VerifierPlacement
 
 __all__ = ["advance", "agent_user", "combine", "meets_min_reward", "stage"]
 

@@ -2,9 +2,9 @@
 
 ``HarborSpec(agent="examples/grpo_harbor/harnesses/jupyter/env.py:JupyterEnv")`` and
 ``HarborSpec(agent="jupyter")`` give the same class; it lives in
-:mod:`trl_harbor.harnesses.jupyter.env` (see the README beside this file).
+:mod:`trl_harbor.training.harnesses.jupyter.env` (see the README beside this file).
 """
 
-from trl_harbor.harnesses.jupyter.env import JupyterEnv
+from trl_harbor.training.harnesses.jupyter.env import JupyterEnv
 
 __all__ = ["JupyterEnv"]
