@@ -262,6 +262,26 @@ def isolation_off() -> dict:
     return {"verifier_isolation": False} if "verifier_isolation" in LocalEnvironmentOptions.model_fields else {}
 
 
+def without_members(monkeypatch: pytest.MonkeyPatch, cls: type, *names: str) -> None:
+    """Make ``cls`` lack ``names`` for the test, as a backend that does not offer them.
+
+    The rollout core finds a backend's extensions with ``isinstance`` against the protocols of
+    ``trl_harbor.rollout.contract``, which remember their answer per class (``abc``'s caches): for the
+    test they answer from fresh caches, and the originals (computed on the class as it is) come back
+    with the members.
+    """
+    import abc
+
+    from trl_harbor.rollout import contract
+
+    for protocol in [getattr(contract, name) for name in contract.__all__]:
+        if isinstance(protocol, type):
+            monkeypatch.setattr(protocol, "_abc_impl", protocol._abc_impl)  # restored at the test's end
+            abc._abc_init(protocol)  # a fresh cache meanwhile
+    for name in names:
+        monkeypatch.setattr(cls, name, None)  # None: "not offered", as a subclass would say it
+
+
 def defences_off(monkeypatch: pytest.MonkeyPatch) -> dict:
     """Switch off every defence of grading, to show an attack is real; return the ``env_kwargs`` for the rest.
 
@@ -283,8 +303,6 @@ def defences_off(monkeypatch: pytest.MonkeyPatch) -> dict:
         return SealReport(0)
 
     monkeypatch.setattr(Baseline, "apply", refuse_nothing)
-    owner = next((cls for cls in LocalEnvironment.__mro__ if "alive" in vars(cls)), None)
-    if owner is not None:  # defined by a base of it (its grading support): removed there
-        monkeypatch.delattr(owner, "alive")
+    without_members(monkeypatch, LocalEnvironment, "alive")
     monkeypatch.setattr(grading, "_unsafe", lambda error: False)
     return {"agent_processes": "keep", "backend_options": isolation_off()}

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from conftest import requires_local
 
-from sandbox_helpers import BASE_DOCKERFILE, defences_off, isolation_off
+from sandbox_helpers import BASE_DOCKERFILE, defences_off, isolation_off, without_members
 from trl_harbor import HarborSpec
 from trl_harbor.rollout import COUNTERS
 
@@ -370,9 +370,7 @@ def test_the_generic_path_by_shell_scripts_also_scores_every_exploit_zero(
     run in the sandbox; here they run in real local sandboxes whose native forms are hidden."""
     from harbor_local_sandbox.local import LocalEnvironment
 
-    monkeypatch.setattr(LocalEnvironment, "kill_processes", None)
-    monkeypatch.setattr(LocalEnvironment, "list_processes", None)
-    monkeypatch.setattr(LocalEnvironment, "file_fingerprints", None)
+    without_members(monkeypatch, LocalEnvironment, "kill_processes", "list_processes", "file_fingerprints")
     outcome, _ = _rollouts(
         suite, "bash", {**EXPLOITS, "honest": HONEST}, {"agent_processes": "kill", "backend_options": isolation_off()}
     )
