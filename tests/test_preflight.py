@@ -210,3 +210,12 @@ def test_training_on_docker_without_a_daemon_stops_at_the_first_step(tmp_path: P
     finally:
         close_all()
     assert trainer.state.global_step == 0
+
+
+def test_check_resolves_the_backend_once_and_an_unknown_one_stops_it(tmp_path: Path, capsys) -> None:
+    from sandbox_helpers import make_task
+    from trl_harbor.cli import main as cli_main
+
+    make_task(tmp_path / "suite", name="one")
+    assert cli_main(["check", str(tmp_path / "suite"), "-e", "dockr"]) == 2
+    assert "unknown environment_type 'dockr'" in capsys.readouterr().err

@@ -70,18 +70,19 @@ def _cmd_check(args: argparse.Namespace) -> int:
     except ValueError as error:  # a TaskSuiteError too
         console.print(f"[red]{error}")
         return 2
-    if preflight_enabled(None):
-        # A backend that cannot start sandboxes here fails once, with its cause and fix, not as one row per task.
-        try:
-            check_backend(resolve_backend(args.environment_type, dict(options.backend_options)))
-        except (BackendUnavailableError, ValueError) as error:
-            print(f"trl-harbor check: {error}", file=sys.stderr)
-            return 2
+    try:
+        backend = resolve_backend(args.environment_type, dict(options.backend_options))
+        if preflight_enabled(None):
+            # A backend that cannot start sandboxes here fails once, with its cause and fix, not as one row per task.
+            check_backend(backend)
+    except (BackendUnavailableError, ValueError) as error:
+        print(f"trl-harbor check: {error}", file=sys.stderr)
+        return 2
     with _progress(console, "checking", args.json or (not console.is_terminal and not args.progress)) as progress:
         bar = progress.add_task("check", total=len(task_dirs))
         results = check_suite(
             task_dirs,
-            args.environment_type,
+            backend,
             concurrency=args.concurrency,
             options=options,
             on_done=lambda _: progress.advance(bar),

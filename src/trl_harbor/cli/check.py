@@ -151,7 +151,7 @@ async def _episode(task: Any, backend: Backend, options: HarborOptions, workdir:
 
 async def check_task(
     task_dir: Path,
-    environment_type: str = "local",
+    environment_type: str | Backend = "local",
     *,
     options: HarborOptions | None = None,
     workdir: Path | None = None,
@@ -160,7 +160,8 @@ async def check_task(
 
     Args:
         task_dir: The task folder.
-        environment_type: Where the sandboxes run (see :mod:`trl_harbor.rollout.backends`).
+        environment_type: Where the sandboxes run (see :mod:`trl_harbor.rollout.backends`), or the
+            backend it resolved to (:func:`check_suite` resolves it once for every task).
         options: How the episodes run and are graded (reward reduction, backend options, ...).
         workdir: Where the episodes keep their files (default: a temporary folder).
 
@@ -180,7 +181,11 @@ async def check_task(
     if info is None:
         return CheckResult(task_dir.name, task_dir, failed, failed, problem="; ".join(problems))
     try:
-        backend = resolve_backend(environment_type, dict(options.backend_options))
+        backend = (
+            resolve_backend(environment_type, dict(options.backend_options))
+            if isinstance(environment_type, str)
+            else environment_type
+        )
         check_runnable([info], HarborBashStepsEnv, backend)
         problem = docker_network_problem(backend, [task_dir])  # Docker that cannot enforce its network
     except (TaskSuiteError, ValueError) as error:
@@ -203,7 +208,7 @@ async def check_task(
 
 def check_suite(
     task_dirs: Sequence[Path],
-    environment_type: str = "local",
+    environment_type: str | Backend = "local",
     *,
     concurrency: int = 8,
     options: HarborOptions | None = None,
@@ -213,7 +218,8 @@ def check_suite(
 
     Args:
         task_dirs: The task folders.
-        environment_type: Where the sandboxes run (see :mod:`trl_harbor.rollout.backends`).
+        environment_type: Where the sandboxes run (see :mod:`trl_harbor.rollout.backends`), or the
+            backend it resolved to; resolved once for every task.
         concurrency: How many tasks are checked at once.
         options: How the episodes run and are graded.
         on_done: Called with each task's result as it finishes (e.g. a progress bar).
@@ -221,7 +227,14 @@ def check_suite(
     Returns:
         One result per task, in the order given; a broken task is a failed result.
     """
+    from trl_harbor.rollout.backends import resolve_backend
+
     semaphore = asyncio.Semaphore(max(1, concurrency))
+    if isinstance(environment_type, str):
+        try:
+            environment_type = resolve_backend(environment_type, dict((options or HarborOptions()).backend_options))
+        except ValueError:
+            pass  # an unknown backend: each task's row says why
 
     async def one(task_dir: Path, workdir: Path) -> CheckResult:
         async with semaphore:
