@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from enum import Enum
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from trl_harbor.rollout.contract import ComposeDeclaration, IdleResources, ImageCache
 
 if TYPE_CHECKING:  # Harbor is imported when a backend is first resolved, not with trl_harbor
     from harbor.environments.base import BaseEnvironment
@@ -111,22 +114,18 @@ class Backend:
     @cached_property
     def kind(self) -> str:
         """What the backend is, by its class's ``type()`` (``"docker"``, ``"local"``, ...), whatever it was called."""
-        kind = self.environment_class.type()
-        return str(getattr(kind, "value", kind))
+        kind = self.environment_class.type()  # Harbor's: an EnvironmentType (a str Enum); a plug-in's: a str
+        return kind.value if isinstance(kind, Enum) else str(kind)
 
     @property
     def supports_compose(self) -> bool:
         """Whether it runs a task's ``docker-compose.yaml`` services (a backend that does not say: yes)."""
-        from trl_harbor.rollout.contract import ComposeDeclaration
-
         cls = self.environment_class
         return bool(cls.supports_compose) if isinstance(cls, ComposeDeclaration) else True
 
     def image_store(self) -> Any | None:
         """The backend's image cache for its options (:class:`~trl_harbor.rollout.contract.ImageCache`),
         or ``None`` for a backend that builds its own way."""
-        from trl_harbor.rollout.contract import ImageCache
-
         cls = self.environment_class
         if not isinstance(cls, ImageCache):
             return None
@@ -222,8 +221,6 @@ def resolve_backend(environment_type: str, options: dict[str, Any] | None = None
 def release_idle() -> None:
     """Let every backend this process resolved release what it keeps warm between sandboxes
     (:class:`~trl_harbor.rollout.contract.IdleResources`: the local sandbox's parked launcher)."""
-    from trl_harbor.rollout.contract import IdleResources
-
     for cls in list(_RESOLVED_CLASSES.values()):
         if isinstance(cls, IdleResources):
             cls.release_idle()

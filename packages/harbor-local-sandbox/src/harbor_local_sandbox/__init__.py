@@ -9,12 +9,17 @@ Beyond Harbor's interface it offers what a trainer's grading needs (an isolated 
 for the verifier, liveness, resource exhaustion, the sandbox's processes and file fingerprints, read
 without running the sandbox's programs) and its image cache (:meth:`LocalEnvironment.image_store`).
 
-Importing this package imports nothing else: the environment loads with its module.
+Importing this package imports nothing of Harbor: the environment loads with its module.
 """
+
+from importlib.metadata import PackageNotFoundError, version
 
 #: What Harbor's ``-e``/``--environment-import-path`` (and trl-harbor's ``environment_type``) takes.
 IMPORT_PATH = "harbor_local_sandbox.local:LocalEnvironment"
 
-__version__ = "0.1.0"
+try:  # the version is written once, in pyproject.toml
+    __version__ = version("harbor-local-sandbox")
+except PackageNotFoundError:  # run from a source tree that is not installed
+    __version__ = "0+unknown"
 
 __all__ = ["IMPORT_PATH", "__version__"]
