@@ -15,7 +15,10 @@ checks it with ``isinstance``:
   (whether it runs a task's compose services).
 
 Every check here is an ``isinstance`` against a runtime-checkable protocol: a backend that lacks a
-member simply does not meet it, and the core takes the path Harbor's interface alone allows.
+member (or sets it to ``None`` in a subclass) does not meet it, and the core takes the path Harbor's
+interface alone allows. Python remembers a protocol's answer per class, so a backend that offers a
+member only sometimes says so through a value, as ``isolated_verification`` does, not by adding or
+removing methods while it runs.
 """
 
 from __future__ import annotations
