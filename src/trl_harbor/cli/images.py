@@ -148,6 +148,14 @@ class ImagesBuilt:
         """Images ready to use (built now or cached)."""
         return self.built + self.cached
 
+    def __iadd__(self, other: ImagesBuilt) -> ImagesBuilt:
+        """Count another store's builds in (a run whose backends keep several caches)."""
+        self.built += other.built
+        self.cached += other.cached
+        self.failed.update(other.failed)
+        self.seconds += other.seconds
+        return self
+
 
 def build_images(
     task_dirs: Sequence[Path],

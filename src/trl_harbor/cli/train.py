@@ -622,13 +622,7 @@ def _prebuild_images(plan: _Plan, print_fn) -> float | None:
         return None
     counts = ImagesBuilt()
     for store, task_dirs in stores.values():
-        built = build_images(sorted(task_dirs), store)
-        counts.built, counts.cached, counts.seconds = (
-            counts.built + built.built,
-            counts.cached + built.cached,
-            counts.seconds + built.seconds,
-        )
-        counts.failed.update(built.failed)
+        counts += build_images(sorted(task_dirs), store)
     if counts.failed:  # the sandboxes' own start reports why, task by task
         print_fn(f"  images  {len(counts.failed)} task image(s) failed to build ({counts.seconds:.0f} s); "
                  "their sandboxes will say why")  # fmt: skip

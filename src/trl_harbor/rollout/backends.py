@@ -45,10 +45,10 @@ LOCAL_ENVIRONMENT_IMPORT_PATH = "harbor_local_sandbox.local:LocalEnvironment"
 #: Short names trl-harbor adds to Harbor's own environment types.
 BUILTIN_ALIASES = {"local": LOCAL_ENVIRONMENT_IMPORT_PATH}
 
-#: What each alias needs installed, for the error when it is not.
-_ALIAS_PACKAGES = {"local": ("harbor_local_sandbox", "pip install 'trl-harbor[local]'")}
+#: How to install each alias's package (its import path's top module), for the error when it is missing.
+_ALIAS_INSTALL = {"local": "pip install 'trl-harbor[local]'"}
 
-#: The backend classes this process resolved or created sandboxes of (what :func:`release_idle` asks).
+#: The backend classes this process created sandboxes of (what :func:`release_idle` asks).
 _RESOLVED_CLASSES: dict[str, type] = {}
 
 
@@ -107,9 +107,7 @@ class Backend:
         """
         from harbor.environments.factory import EnvironmentFactory
 
-        cls = EnvironmentFactory.get_environment_class(self.config.type, self.config.import_path)
-        _RESOLVED_CLASSES[f"{cls.__module__}:{cls.__qualname__}"] = cls
-        return cls
+        return EnvironmentFactory.get_environment_class(self.config.type, self.config.import_path)
 
     @cached_property
     def kind(self) -> str:
@@ -192,10 +190,10 @@ def resolve_backend(environment_type: str, options: dict[str, Any] | None = None
     from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
 
     value = BUILTIN_ALIASES.get(environment_type, environment_type)
-    if environment_type in _ALIAS_PACKAGES:
+    if environment_type in _ALIAS_INSTALL:
         import importlib.util
 
-        module, install = _ALIAS_PACKAGES[environment_type]
+        module, install = value.split(".", 1)[0], _ALIAS_INSTALL[environment_type]
         try:
             installed = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):  # a finder that refuses it, a broken install
@@ -219,7 +217,7 @@ def resolve_backend(environment_type: str, options: dict[str, Any] | None = None
 
 
 def release_idle() -> None:
-    """Let every backend this process resolved release what it keeps warm between sandboxes
+    """Let every backend this process created sandboxes of release what it keeps warm between sandboxes
     (:class:`~trl_harbor.rollout.contract.IdleResources`: the local sandbox's parked launcher)."""
     for cls in list(_RESOLVED_CLASSES.values()):
         if isinstance(cls, IdleResources):
