@@ -171,6 +171,8 @@ class BoxConfig:
         mediate_links: Every symbolic link the agent makes goes through the keel, which refuses one
             that could lead into a verifier's own places (``_supervisor.c``): what its verifier's view
             needs, since it follows the agent's links live.
+        link_policy: The keel's items for that judgement (``_links.keel_items``: the forbidden
+            places of ``code_places.py`` and the image's own links that lead there).
     """
 
     rootfs: Path
@@ -183,6 +185,7 @@ class BoxConfig:
     network_switchable: bool = False
     storage_mb: int | None = None
     mediate_links: bool = True
+    link_policy: tuple[str, ...] = ()
 
 
 def _bwrap_command(c: BoxConfig, state_dir: Path, info_fd: int, block_fd: int) -> list[str]:
@@ -486,10 +489,11 @@ class Box:
             listener.listen(128)
             listeners.append(listener)
         limits = _rlimits(self.config, bool(self._cgroups.paths))
+        links = ["links", *self.config.link_policy] if self.config.mediate_links else []
         bwrap = [
             *_bwrap_command(self.config, self.state_dir, info_w, block_r), f"/proc/self/fd/{exe_fd}",
             *(str(listener.fileno()) for listener in listeners), *map(str, limits),
-            capability_mask(SANDBOX_CAPS), *proc_hardening_items(), *(["links"] if self.config.mediate_links else []),
+            capability_mask(SANDBOX_CAPS), *proc_hardening_items(), *links,
         ]  # fmt: skip
         private = _private_mounts(self.owned_dir)
         fds = [*(listener.fileno() for listener in listeners), info_w, exe_fd, block_r]

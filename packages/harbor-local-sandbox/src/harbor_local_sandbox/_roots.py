@@ -34,6 +34,7 @@ from harbor_local_sandbox._cache import CACHE
 from harbor_local_sandbox._fingerprints import fingerprints
 from harbor_local_sandbox._guard import COMPILE_GUARD, guard_files
 from harbor_local_sandbox._lifetime import new_box_name, state_root
+from harbor_local_sandbox._links import LinkPolicy, image_hazards, keel_items
 from harbor_local_sandbox._mounts import inode_bound, is_kernel_path, mount_bounded_tmpfs, mount_overlay
 from harbor_local_sandbox._userns import can_mount, in_user_namespace
 from harbor_local_sandbox._view import SearchPaths, Snapshot, guarded_names, live_paths, search_paths, snapshot
@@ -150,8 +151,12 @@ class ImageRoot:
         ``box`` holds the :class:`BoxConfig` fields the environment sets (network, limits).
         """
         binds = await self._prepare(force_build)
+        hazards = await asyncio.to_thread(self.link_hazards)
         self.dir = state_root() / new_box_name(self.task.box_name)
-        config = BoxConfig(rootfs=self.rootfs, hostname=self.task.hostname, extra_ro_binds=binds, **box)
+        config = BoxConfig(
+            rootfs=self.rootfs, hostname=self.task.hostname, extra_ro_binds=binds,
+            link_policy=tuple(keel_items(LinkPolicy(hazards=hazards))), **box,
+        )  # fmt: skip
         self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
         try:
             self.box.reserve()  # its cgroups: the kernel's wait to move into them overlaps making the tree
@@ -271,6 +276,14 @@ class ImageRoot:
         rootfs, path = self._probed_as
         return CACHE.recall(("search", rootfs, path)) or self.host.call(search_paths, self.image.rootfs, path, ())
 
+    def link_hazards(self) -> dict[str, str]:
+        """The image's own links that lead where no link of the agent's may (``_links.py``), found once per image."""
+        assert self.image is not None
+        key = ("link-hazards", str(self.image.rootfs))
+        if not CACHE.known(key):
+            CACHE.remember(key, self.host.call(image_hazards, self.image.rootfs))
+        return CACHE.recall(key)
+
     @property
     def compiled_guard(self) -> tuple[str, str] | None:
         """The verifier's import guard as the image's Python compiled it at the probe (``_guard.py``), if it could."""
@@ -346,6 +359,7 @@ class VerifierRoot(ImageRoot):
                 hostname=self.task.hostname, network=self.network,
                     storage_mb=agent_box.config.storage_mb, runas=static_binary("runas"), tmpdir=self._tmpdir,
                 binds=list(agent_box.config.extra_ro_binds), guard=self.agent.compiled_guard,
+                hazards=self.agent.link_hazards(),
             )  # fmt: skip
             # In a process apart (a batch's views, each a walk and a dozen mounts, one at a time
             # there, not contending for this interpreter's lock with its event loop), chosen when
@@ -422,6 +436,8 @@ class ViewSpec:
     binds: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     #: The import guard's code as the image's Python compiled it (:attr:`ImageRoot.compiled_guard`).
     guard: tuple[str, str] | None = None
+    #: The image's own links that lead where no link of the agent's may (:meth:`ImageRoot.link_hazards`).
+    hazards: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _compiled_guard(line: str) -> tuple[str, str] | None:
@@ -478,7 +494,7 @@ def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
         live = live_paths(agent_root, spec.image_root, spec.search, spec.workdir, spec.allowed)
         view = snapshot(
             Path(agent_dir, "upper"), spec.image_root, Path(view_dir, "snapshot"), spec.search, spec.workdir,
-            spec.allowed, live, skip=[target for _, target in spec.binds],
+            spec.allowed, live, skip=[target for _, target in spec.binds], hazards=spec.hazards,
         )  # fmt: skip
         files, binds = _own_files(spec, f"{view_dir}/snapshot")
         late = _lay_own(f"{own}/upper", os.fspath(spec.image_root), files)  # before the mount: plain writes

@@ -6,7 +6,9 @@
  * bubblewrap as an open file descriptor, so it appears nowhere in the sandbox's file system, and
  * it needs nothing of the image (which may have no C library at all).
  *
- *   usage: supervisor CONTROL_FD AGENT_FD AS_LIMIT_BYTES NPROC_LIMIT CAPS_HEX [ro:N|file:N|dir:N|links]...
+ *   usage: supervisor CONTROL_FD AGENT_FD AS_LIMIT_BYTES NPROC_LIMIT CAPS_HEX
+ *              [ro:N|file:N|dir:N|links|link-forbidden:PATH|link-hazard:KIND:PATH]...
+ *          supervisor judge-link [link-forbidden:PATH|link-hazard:KIND:PATH]...   (targets on stdin)
  *
  * It starts as the init of the sandbox's outer PID namespace (bubblewrap --as-pid-1): the *keel*.
  * The keel forks the *agent's supervisor* into a PID and mount namespace of its own, nested in the
@@ -489,57 +491,150 @@ static int receive_fd(int s) {
 #define SECCOMP_RET_USER_NOTIF 0x7fc00000U
 #endif
 
-/* The verifier's own places, as the words of a path from /: its inputs and outputs, its /proc, and
- * where its own temporary files are (its /tmp and /dev/shm are layers of its own; /dev/fd and
- * /dev/std* lead to its /proc/self). Keep in step with _view.py's VERIFIER_PLACES. */
-static const char *const VERIFIER_PLACES[] = {"tests", "solution", "logs/verifier", "proc", ".trl-harbor",
-                                              "run/trl-harbor", "tmp", "dev/shm", "dev/fd", "dev/stdin",
-                                              "dev/stdout", "dev/stderr", NULL};
+/* The link policy: the places no link of the agent's may lead into (link-forbidden:PATH items),
+ * the folders above them (computed), and the image's own links that lead into one or to such a
+ * folder (link-hazard:into:PATH, link-hazard:ancestor:PATH) — from the command line, made by
+ * _links.py from the one table of code_places.py. judge_link walks a target as _links.LinkPolicy
+ * does (see there why): 0 (made), 1 (it can lead into a forbidden place), 2 (it can end at a
+ * folder above one). */
+#define MAX_LINK_PLACES 64
+static const char *forbidden[MAX_LINK_PLACES];
+static char ancestors[MAX_LINK_PLACES * 8][PATH_MAX / 16];
+static int n_forbidden, n_ancestors;
+static const char **hazard_paths;
+static char *hazard_kinds; /* 'i' (into) or 'a' (ancestor) */
+static int n_hazards;
 
-/* Whether the absolute, normalised path p (no "." or ".." left) is one of the verifier's places. */
-static int verifiers_place(const char *p) {
-    while (*p == '/') p++;
-    for (int i = 0; VERIFIER_PLACES[i]; i++) {
-        size_t n = strlen(VERIFIER_PLACES[i]);
-        if (strncmp(p, VERIFIER_PLACES[i], n) == 0 && (p[n] == 0 || p[n] == '/')) return 1;
-    }
+static int is_ancestor(const char *path) {
+    for (int i = 0; i < n_ancestors; i++)
+        if (strcmp(ancestors[i], path) == 0) return 1;
     return 0;
 }
 
-/* Normalises the words words[from..n) as a path from / into out ("." dropped, ".." climbs). */
-static void normalise(char **words, int from, int n, char *out, size_t size) {
-    int kept[PATH_MAX / 2], depth = 0;
-    for (int i = from; i < n; i++) {
-        if (strcmp(words[i], ".") == 0 || words[i][0] == 0) continue;
-        if (strcmp(words[i], "..") == 0) {
-            if (depth) depth--;
-        } else if (depth < (int)(sizeof kept / sizeof kept[0])) {
-            kept[depth++] = i;
+static void add_ancestors(const char *place) {
+    char parent[PATH_MAX / 16];
+    snprintf(parent, sizeof parent, "%s", place);
+    for (;;) {
+        char *slash = strrchr(parent, '/');
+        if (!slash) return;
+        if (slash == parent) slash[1] = 0;
+        else *slash = 0;
+        if (!is_ancestor(parent) && n_ancestors < (int)(sizeof ancestors / sizeof ancestors[0]))
+            snprintf(ancestors[n_ancestors++], sizeof ancestors[0], "%s", parent);
+        if (strcmp(parent, "/") == 0) return;
+    }
+}
+
+/* Reads the link-forbidden: and link-hazard: items of the command line. */
+static void read_link_policy(char **items, int n) {
+    hazard_paths = calloc((size_t)n + 1, sizeof *hazard_paths);
+    hazard_kinds = calloc((size_t)n + 1, 1);
+    for (int i = 0; i < n; i++) {
+        const char *item = items[i];
+        if (strncmp(item, "link-forbidden:/", 16) == 0 && n_forbidden < MAX_LINK_PLACES &&
+            strlen(item + 15) < sizeof ancestors[0]) {
+            forbidden[n_forbidden++] = item + 15;
+            add_ancestors(item + 15);
+        } else if (hazard_paths && strncmp(item, "link-hazard:into:/", 18) == 0) {
+            hazard_kinds[n_hazards] = 'i';
+            hazard_paths[n_hazards++] = item + 17;
+        } else if (hazard_paths && strncmp(item, "link-hazard:ancestor:/", 22) == 0) {
+            hazard_kinds[n_hazards] = 'a';
+            hazard_paths[n_hazards++] = item + 21;
         }
     }
-    size_t len = 0;
-    out[0] = 0;
-    for (int d = 0; d < depth && len + 2 < size; d++) len += (size_t)snprintf(out + len, size - len, "/%s", words[kept[d]]);
-    if (!depth) snprintf(out, size, "/");
+    if (!is_ancestor("/") && n_ancestors < (int)(sizeof ancestors / sizeof ancestors[0]))
+        snprintf(ancestors[n_ancestors++], sizeof ancestors[0], "/");
 }
 
-/* Whether a link to target could lead into the verifier's places, wherever it is or goes: the
- * target read from / (an absolute one; a relative one as if the link were in /), and, after each
- * "..", what follows it read from / (a ".." can climb to / from anywhere, through a link too). */
-static int link_into_verifier(const char *target) {
-    char copy[PATH_MAX + 1], *words[PATH_MAX / 2 + 1], path[PATH_MAX + 1];
-    snprintf(copy, sizeof copy, "%s", target);
-    int n = 0;
-    for (char *word = strtok(copy, "/"); word && n < (int)(sizeof words / sizeof words[0]); word = strtok(NULL, "/"))
-        words[n++] = word;
-    normalise(words, 0, n, path, sizeof path);
-    if (verifiers_place(path)) return 1;
+/* Whether name is the last component of one of the n paths. */
+static int base_name_of(const char *name, const char *const *paths, int n) {
     for (int i = 0; i < n; i++) {
-        if (strcmp(words[i], "..") != 0) continue;
-        normalise(words, i + 1, n, path, sizeof path);
-        if (verifiers_place(path)) return 1;
+        const char *slash = strrchr(paths[i], '/');
+        if (slash && strcmp(slash + 1, name) == 0) return 1;
     }
     return 0;
+}
+
+/* Whether path's parent folder is a folder above a forbidden place. */
+static int parent_is_ancestor(const char *path) {
+    char parent[PATH_MAX + 1];
+    snprintf(parent, sizeof parent, "%s", path);
+    char *slash = strrchr(parent, '/');
+    if (!slash) return 0;
+    if (slash == parent) slash[1] = 0;
+    else *slash = 0;
+    return is_ancestor(parent);
+}
+
+/* The kind of the image's link at path ('i', 'a'), or of any named name (whose parent is an
+ * ancestor when below is 1, is not when below is 0, either when below is -1); 0 if none. */
+static char hazard(const char *path, const char *name, int below) {
+    char found = 0;
+    for (int i = 0; i < n_hazards; i++) {
+        if (path) {
+            if (strcmp(hazard_paths[i], path) != 0) continue;
+        } else {
+            const char *slash = strrchr(hazard_paths[i], '/');
+            if (!slash || strcmp(slash + 1, name) != 0) continue;
+            if (below >= 0 && parent_is_ancestor(hazard_paths[i]) != below) continue;
+        }
+        if (hazard_kinds[i] == 'i') return 'i';
+        found = 'a';
+    }
+    return found;
+}
+
+enum { AT_KNOWN, AT_SOMEWHERE, AT_ELSEWHERE };
+
+static int judge_link(const char *target) {
+    size_t len = strlen(target);
+    if (len == 0 || len > PATH_MAX) return 1;
+    const char *ancestor_list[MAX_LINK_PLACES * 8];
+    for (int i = 0; i < n_ancestors; i++) ancestor_list[i] = ancestors[i];
+    char known[PATH_MAX + 2] = "/", name[PATH_MAX + 1];
+    int at = target[0] == '/' ? AT_KNOWN : AT_ELSEWHERE;
+    for (const char *p = target; *p;) {
+        while (*p == '/') p++;
+        size_t n = strcspn(p, "/");
+        if (n == 0) break;
+        memcpy(name, p, n);
+        name[n] = 0;
+        p += n;
+        if (strcmp(name, ".") == 0) continue;
+        if (strcmp(name, "..") == 0) {
+            if (at == AT_KNOWN) {
+                char *slash = strrchr(known, '/');
+                if (slash == known) known[1] = 0;
+                else *slash = 0;
+            } else {
+                at = AT_SOMEWHERE;
+            }
+            continue;
+        }
+        char kind;
+        if (at == AT_KNOWN) {
+            char path[PATH_MAX + 2];
+            if (snprintf(path, sizeof path, "%s%s%s", known, strcmp(known, "/") ? "/" : "", name) >= (int)sizeof path)
+                return 1;
+            for (int i = 0; i < n_forbidden; i++)
+                if (strcmp(forbidden[i], path) == 0) return 1;
+            if (is_ancestor(path)) {
+                snprintf(known, sizeof known, "%s", path);
+                continue;
+            }
+            kind = hazard(path, NULL, 0);
+        } else if (at == AT_SOMEWHERE) {
+            if (base_name_of(name, forbidden, n_forbidden)) return 1;
+            if (base_name_of(name, ancestor_list, n_ancestors)) continue;
+            kind = hazard(NULL, name, -1);
+        } else {
+            kind = hazard(NULL, name, 0);
+        }
+        if (kind == 'i') return 1;
+        at = kind == 'a' ? AT_SOMEWHERE : AT_ELSEWHERE;
+    }
+    return at == AT_ELSEWHERE ? 0 : 2;
 }
 
 /* Installs the link filter on this process (inherited by all it starts); its listener, or -1 where
@@ -725,7 +820,7 @@ static void answer_link_request(int notify) {
     if (!error) error = read_string(mem, link_at, linkpath);
     if (mem >= 0) close(mem);
     if (ioctl(notify, SECCOMP_IOCTL_NOTIF_ID_VALID, &req->id) != 0) goto done; /* the caller is gone */
-    if (!error && link_into_verifier(target)) error = EPERM;
+    if (!error && judge_link(target)) error = EPERM;
     if (!error) error = make_link_as((pid_t)req->pid, dirfd, target, linkpath);
     resp->error = -error;
     ioctl(notify, SECCOMP_IOCTL_NOTIF_SEND, resp);
@@ -768,7 +863,7 @@ static int harden_proc(void) {
     const unsigned long locked = MS_NOSUID | MS_NODEV | MS_NOEXEC;
     for (int i = 0; i < n_hardening; i++) {
         const char *item = hardening[i], *colon = strchr(item, ':');
-        if (!colon) continue; /* a flag ("links") */
+        if (!colon || strncmp(item, "link-", 5) == 0) continue; /* a flag ("links"), the link policy */
         char path[300];
         snprintf(path, sizeof path, "/proc/%s", colon + 1);
         if (access(path, F_OK) != 0) continue;
@@ -1290,7 +1385,23 @@ static void serve_keel(int listener, int notify) {
     }
 }
 
+/* "judge-link ITEM...": the link policy's verdict (0, 1, 2) for each target read from standard input, a
+ * line each, as the keel would judge it (the tests compare it with _links.py's). */
+static int judge_links_main(int argc, char **argv) {
+    read_link_policy(argv + 2, argc - 2);
+    char *line = NULL;
+    size_t size = 0;
+    ssize_t n;
+    while ((n = getline(&line, &size, stdin)) > 0) {
+        if (line[n - 1] == '\n') line[n - 1] = 0;
+        printf("%d\n", judge_link(line));
+    }
+    free(line);
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc >= 2 && strcmp(argv[1], "judge-link") == 0) return judge_links_main(argc, argv);
     if (argc < 6) return 2;
     int control = atoi(argv[1]), agent = atoi(argv[2]);
     as_limit = strtoull(argv[3], NULL, 10);
@@ -1299,6 +1410,7 @@ int main(int argc, char **argv) {
     hardening = argv + 6;
     n_hardening = argc - 6;
     for (int i = 0; i < n_hardening; i++) mediate_links |= strcmp(hardening[i], "links") == 0;
+    read_link_policy(hardening, n_hardening);
     fcntl(control, F_SETFD, FD_CLOEXEC);
     fcntl(agent, F_SETFD, FD_CLOEXEC);
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);

@@ -49,54 +49,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harbor_local_sandbox._imports import guard_names
+from harbor_local_sandbox._links import LinkPolicy
 from harbor_local_sandbox._userns import overlay_xattr
+from harbor_local_sandbox.code_places import (
+    CODE_CONFIG,
+    HOOKS,
+    IMPLICIT_SOCKETS,
+    KERNEL_PLACES,
+    PLUMBING,
+    RUNNER_CONFIG,
+    RUNNER_PACKAGES,
+    VERIFIER_ONLY,
+)
 
 __all__ = [
     "CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot", "guarded_names", "live_paths", "search_paths",
     "snapshot", "stem",
 ]  # fmt: skip
 
-#: Configuration that decides how code starts (globs; ``~`` is every home folder).
-CODE_CONFIG: tuple[str, ...] = (
-    "/etc/ld.so.*", "/etc/ld.so.conf.d", "/etc/nsswitch.conf", "/etc/profile",
-    "/etc/profile.d", "/etc/bash.bashrc", "/etc/environment", "/etc/python3*", "/etc/pip.conf", "/etc/uv",
-    # OpenSSL's configuration can load engines and providers (shared objects); its certificates are
-    # data (the verifier's network is its own: a certificate the agent added intercepts nothing).
-    "/etc/ssl/*.cnf", "/etc/ssl/*.cnf.d", "/usr/lib/ssl/*.cnf", "/etc/gitconfig", "/usr/lib/*/gconv/gconv-modules*",
-    "/etc/apt", "/etc/dpkg", "/etc/xdg", "*/pip.conf", "/etc/npmrc", "/usr/etc",
-    "~/.bash_profile", "~/.bash_login", "~/.profile", "~/.pydistutils.cfg", "~/.pip",
-    "~/.config/pip", "~/.config/uv", "~/.local/share/uv", "~/.cache", "~/.npmrc", "~/.curlrc", "~/.wgetrc",
-    "~/.gitconfig", "~/.netrc", "~/.pypirc", "/etc/java*",
-    # Where verifiers get tools and test dependencies at verify time (uv's installer, maven, gradle,
-    # npm, cargo, go): a planted one would be the verifier's test runner or library.
-    "~/.local/bin", "~/.m2", "~/.gradle", "~/.ivy2", "~/.npm", "~/.cargo/registry", "~/go/pkg",
-)  # fmt: skip
-#: Files interpreters load from a directory without being asked.
-HOOKS: tuple[str, ...] = ("*.pth", "*._pth", "pyvenv.cfg", "sitecustomize*", "usercustomize*")
 _HOOKS_RE = re.compile("|".join(f"(?:{fnmatch.translate(glob)})" for glob in HOOKS))
-#: The test runner's own packages: the verifier never runs the agent's version of them.
-RUNNER_PACKAGES: frozenset[str] = frozenset({"pytest", "_pytest", "pluggy", "iniconfig", "py"})
 _RUNNER_STARTS = tuple(RUNNER_PACKAGES)  # a name whose stem is one of them begins with it
-#: What a test runner or ``python -m`` picks up from a working directory and its ancestors.
-RUNNER_CONFIG: tuple[str, ...] = (
-    "conftest.py", "pytest.ini", ".pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "setup.py",
-    "*.py", "*.pyc", "*.pth", "*.so", "__pycache__", "node_modules", "package.json", "uv.toml",
-    ".python-version", ".nvmrc", ".tool-versions", ".npmrc",
-)  # fmt: skip
-#: Paths that are the verifier's alone.
-VERIFIER_ONLY: tuple[str, ...] = ("/tests", "/solution", "/logs/verifier", "/run/trl-harbor", "/.trl-harbor")
-#: The kernel's places in the verifier's root (its own, mounted by its supervisor).
-KERNEL_PLACES: tuple[str, ...] = ("/proc", "/dev", "/sys")
-#: Where no link of the agent's may lead: the verifier's own places, its ``/proc``, and where its own
-#: temporary files are (``/tmp`` and ``/dev/shm`` are layers of the verifier's; ``/dev/fd`` and
-#: ``/dev/std*`` lead to its ``/proc/self``). The keel refuses such links (``_supervisor.c``, in step).
-VERIFIER_PLACES: tuple[str, ...] = (
-    *VERIFIER_ONLY, "/proc", "/tmp", "/dev/shm", "/dev/fd", "/dev/stdin", "/dev/stdout", "/dev/stderr",
-)  # fmt: skip
-#: Where the C library looks for daemons to answer its lookups (users, hosts) without being configured to.
-IMPLICIT_SOCKETS: tuple[str, ...] = ("/run/nscd/", "/var/run/nscd/", "/run/systemd/userdb/", "/var/run/systemd/userdb/")
-#: The sandbox's own plumbing (mount points of the helpers bound in): never the agent's, never reported.
-PLUMBING = "/run/trl-harbor"
 #: Bytes of the files the rule reads (judged by content) copied into a snapshot at most; beyond, they are not seen.
 COPY_BUDGET = 64 << 20
 #: Folders deeper than this below ``/``, in code places, are not judged (not seen).
@@ -216,8 +188,12 @@ class Snapshot:
 class _Rule:
     """The rule of the module docstring, for one image and one verifier working directory."""
 
-    def __init__(self, lower: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...]) -> None:
+    def __init__(
+        self, lower: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...],
+        hazards: tuple[tuple[str, str], ...] = (),
+    ) -> None:  # fmt: skip
         self.lower = os.fspath(lower)
+        self.links = LinkPolicy(hazards=dict(hazards))
         self.workdir = posixpath.normpath(workdir or "/")
         self.allowed = list(allowed)
         self.path_dirs = [posixpath.normpath(d) for d in search.path if d.startswith("/")]
@@ -443,24 +419,10 @@ class _Rule:
         return None
 
     def concealed_link(self, path: str, target: str) -> str | None:
-        """Why a link the agent made at ``path`` is not seen: it leads into the verifier's own places
-        (:data:`VERIFIER_PLACES`), where the agent's world has nothing of the verifier's.
-
-        Judged on the words of the target: a ``..`` after a named step could climb anywhere once that
-        step is a link, so what follows it is judged from ``/`` too."""
-        base = "/" if target.startswith("/") else posixpath.dirname(path)
-        candidates = [posixpath.normpath(posixpath.join(base, target))]
-        parts = [part for part in target.split("/") if part not in ("", ".")]
-        named = False
-        for index, part in enumerate(parts):
-            if part == ".." and named:
-                candidates.append(posixpath.normpath("/" + "/".join(p for p in parts[index + 1 :] if p != "..")))
-            elif part != "..":
-                named = True
-        for candidate in candidates:
-            if any(candidate == place or candidate.startswith(place + "/") for place in VERIFIER_PLACES):
-                return "a link into the verifier's own places"
-        return None
+        """Why a link the agent made at ``path`` is not seen: it can lead into the verifier's own places,
+        or to a folder above them, wherever it is moved and whatever other links it passes through
+        (:mod:`._links`; its place is known when it is an entry of such a folder, which the view freezes)."""
+        return self.links.judge(target, posixpath.dirname(path))
 
     def concealed_content(self, path: str, laid: str) -> str | None:
         """Why the verifier does not see an entry the rule judges by what it holds, once laid at ``laid``
@@ -678,9 +640,11 @@ def guarded_names(lower: Path, search: SearchPaths, workdir: str, allowed: Seque
 
 
 @functools.lru_cache(maxsize=256)
-def _rule(lower: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...]) -> _Rule:
+def _rule(
+    lower: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...], hazards: tuple[tuple[str, str], ...] = ()
+) -> _Rule:
     """The rule for an image (which never changes), made once: listing what it ships is the costly part."""
-    return _Rule(lower, search, workdir, allowed)
+    return _Rule(lower, search, workdir, allowed, hazards)
 
 
 def _declares_runner_plugin(metadata: Path) -> bool:
@@ -751,6 +715,7 @@ def snapshot(
     live: Iterable[str] = (),
     copy_budget: int = COPY_BUDGET,
     skip: Iterable[str] = (),
+    hazards: dict[str, str] | None = None,
 ) -> Snapshot:
     """Fill ``target`` (an empty folder on ``upper``'s file system) with the verifier's view of ``upper``'s
     code places.
@@ -771,11 +736,14 @@ def snapshot(
         live: Folders the verifier sees live (:func:`live_paths`): not walked.
         copy_budget: Bytes of judged files copied at most (beyond, they are not seen).
         skip: The agent's box's own mount points (not the agent's changes): not laid.
+        hazards: The image's own links that lead where the agent's may not (``_links.image_hazards``).
 
     Returns:
         What was concealed, how much was copied.
     """
-    rule = _rule(lower, search, posixpath.normpath(workdir or "/"), tuple(allowed))
+    rule = _rule(
+        lower, search, posixpath.normpath(workdir or "/"), tuple(allowed), tuple(sorted((hazards or {}).items()))
+    )
     walker = _Walker(rule, os.fspath(target), copy_budget, frozenset(live), frozenset(skip))
     fd = os.open(upper, _DIR_FLAGS)
     try:
