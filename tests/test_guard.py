@@ -1,23 +1,26 @@
 """The verifier's import guard (``harbor_local_sandbox/_guard.py``), run by a real Python interpreter, no sandbox.
 
-A fake image's import path (a stdlib-like folder and a site folder holding the guard's ``.pth``),
-and a working directory of the agent's: the guard must make Python take every name the image has
-from the image's folders, refuse a guarded name the image lacks wherever else it is, and leave the
-agent's own modules importable. ``-S`` keeps the host's site folders out; the ``.pth`` is read by
-``site.addsitedir``, as ``site`` reads an image's site folder at start-up. Each behaviour is checked
-with the guard's source compiled at start-up and with its code compiled once by the interpreter
+Who placed a file is told by where it is, as in a view: each test runs in a private mount namespace
+(``unshare``) with the agent's tree on a tmpfs of its own (its live folders: their device), a ``/tmp``
+that is an overlay of the agent's layer under the verifier's own (the layers' devices), and the
+image's folders on the host's file system. The guard is run as the view's ``encodings`` line runs it
+(``guard_files``), before anything is imported from a folder; then the test sets ``sys.path`` as
+``python -m``, ``PYTHONPATH`` or pytest would, and imports. Each behaviour is checked with the
+guard's source compiled at start-up and with its code compiled once by the interpreter
 (``COMPILE_GUARD``, as the image's Python does at the search-path probe).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from harbor_local_sandbox._guard import COMPILE_GUARD, GUARD_MODULE, guard_files, site_folder
+from harbor_local_sandbox._guard import COMPILE_GUARD, GUARD_SOURCE, guard_files, stdlib_folder
 
 
 def _compiled_here() -> tuple[str, str]:
@@ -36,136 +39,257 @@ def compiled(request: pytest.FixtureRequest) -> tuple[str, str] | None:
     return _compiled_here() if request.param == "compiled" else None
 
 
-def _image(tmp_path: Path, guarded: list[str], compiled: tuple[str, str] | None = None) -> tuple[Path, Path]:
-    """A fake image's import folders (with the guard written into its site folder), and a working directory."""
-    lib, site = tmp_path / "image" / "lib", tmp_path / "image" / "site-packages"
-    lib.mkdir(parents=True)
-    site.mkdir()
-    (lib / "shipped.py").write_text("WHERE = 'image'\n")
-    files = guard_files([str(lib), str(site)], guarded, compiled)
-    for path, text in files.items():
-        Path(path).write_text(text)
-    work = tmp_path / "work"
-    work.mkdir()
-    return site, work
+#: An overlay in a user namespace of its own (without root) keeps its metadata in user xattrs.
+_USERXATTR = "" if os.geteuid() == 0 else ",userxattr"
 
 
-def _python(site: Path, work: Path, code: str) -> dict:
-    """Run ``code`` as ``python -m`` would see it from ``work`` (the working directory first on the path)."""
-    prelude = (
-        "import sys, site, json\n"
-        f"site.addsitedir({str(site)!r})\n"
-        f"sys.path.insert(0, {str(work)!r})\n"
-        f"sys.path.insert(1, {str(site.parent / 'lib')!r})\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-S", "-c", prelude + code], cwd=work, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+class World:
+    """The folders of a test: the image's (``lib``, ``site``), the tests' (``tests``), the agent's tree
+    (``agent``, a tmpfs when mounted) with its working directory (``work``), and ``/tmp``'s layers (the
+    agent's ``tmp_agent`` under the verifier's ``tmp_own``, merged at ``tmp``)."""
+
+    def __init__(self, root: Path, guarded: list[str], compiled: tuple[str, str] | None):
+        self.root = root
+        for name in ("lib", "site", "tests", "agent", "tmp_own", "tmp", "plumbing", "python"):
+            (root / name).mkdir(parents=True, exist_ok=True)
+        self.lib, self.site, self.tests = root / "lib", root / "site", root / "tests"
+        self.agent, self.tmp = root / "agent", root / "tmp"
+        self.work, self.tmp_agent = self.agent / "work", self.agent / "tmp"
+        (self.lib / "encodings").mkdir(exist_ok=True)
+        (self.lib / "encodings" / "__init__.py").write_text('"""The image\'s encodings."""\n')
+        (self.lib / "shipped.py").write_text("WHERE = 'image'\n")
+        self.guard_file = root / "plumbing" / "guard.py"
+        self.provenance_file = root / "plumbing" / "provenance"
+        files = guard_files(
+            str(self.lib), '"""The image\'s encodings."""\n', guarded, compiled,
+            guard_file=str(self.guard_file), provenance_file=str(self.provenance_file),
+        )  # fmt: skip
+        for path, text in files.items():
+            Path(path).write_text(text)
+        self.encodings = files[str(self.lib / "encodings" / "__init__.py")]
+
+    def run(self, code: str, python: str = sys.executable, cwd: Path | None = None, pythonpath: str = "") -> dict:
+        """Mount the agent's tree and ``/tmp``, write the view's provenance, then run the image's ``encodings``
+        (which runs the guard) and ``code`` under ``python -S`` from ``cwd`` (default: the working directory)."""
+        layers = self.root / "tmp_layers"
+        setup = "\n".join(
+            [
+                "set -e",
+                f"mkdir -p {layers}",
+                f"mount -t tmpfs agent {self.agent}",
+                f"mkdir -p {self.work} {self.tmp_agent}",
+                f"mount -t tmpfs own {self.root / 'tmp_own'}",
+                f"mkdir -p {self.root / 'tmp_own/upper'} {self.root / 'tmp_own/work'}",
+                f"mount -t overlay tmp -o lowerdir={self.tmp_agent},upperdir={self.root / 'tmp_own/upper'},"
+                f"workdir={self.root / 'tmp_own/work'},xino=off,metacopy=off,redirect_dir=off{_USERXATTR} {self.tmp}",
+                # the test's own files, written once the mounts are there
+                f"{shlex.quote(sys.executable)} {shlex.quote(str(self.root / 'files.py'))}",
+                f"cd {shlex.quote(str(cwd or self.root))}",
+                f"exec env PYTHONPATH={shlex.quote(pythonpath)} {shlex.quote(python)} -S -c "
+                f"{shlex.quote(self._prelude() + code)}",
+            ]
+        )
+        result = subprocess.run(
+            ["unshare", "-m" if os.geteuid() == 0 else "-rm", "sh", "-c", setup],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    def files(self, placed: dict[str, str]) -> None:
+        """Files to write once the mounts are there (paths in the world), and the provenance."""
+        script = (
+            "import os, json\n"
+            f"for path, text in json.loads({json.dumps(json.dumps(placed))}).items():\n"
+            "    os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+            "    open(path, 'w').write(text)\n"
+            f"probe = {str(self.tmp / '.probe')!r}\n"
+            "open(probe, 'w').close()\n"
+            "own = os.stat(probe).st_dev\n"
+            "os.unlink(probe)\n"
+            "from harbor_local_sandbox._guard import provenance\n"
+            f"open({str(self.provenance_file)!r}, 'w').write(provenance(os.stat({str(self.agent)!r}).st_dev, "
+            f"os.stat({str(self.tmp)!r}).st_dev, [own]))\n"
+        )
+        (self.root / "files.py").write_text(script)
+
+    def _prelude(self) -> str:
+        return (
+            "import sys, json\n"
+            # what the interpreter does at start-up: the image's encodings, with the view's line
+            f"exec(compile({self.encodings!r}, 'encodings/__init__.py', 'exec'), {{'__name__': 'encodings'}})\n"
+        )
 
 
-def test_the_image_name_comes_from_the_image_even_with_the_agents_first_on_the_path(
+def _imports(world_paths: list[str], code: str) -> str:
+    """``code`` after setting ``sys.path`` to ``world_paths`` (as ``-m``, pytest or ``PYTHONPATH`` would)."""
+    return f"sys.path[:0] = {world_paths!r}\n" + code
+
+
+def test_the_tests_own_helper_wins_over_a_name_of_the_agents_in_site_packages(
     tmp_path: Path, compiled: tuple[str, str] | None
 ) -> None:
-    site, work = _image(tmp_path, ["shipped"], compiled)
-    (work / "shipped.py").write_text("WHERE = 'agent'\n")
-    seen = _python(site, work, "import shipped; print(json.dumps({'where': shipped.WHERE}))")
-    assert seen == {"where": "image"}
+    """Python's own order: pytest puts the tests' folder first, and their ``helpers`` is imported, not the
+    agent's package of that name in site-packages (guarded or not)."""
+    world = World(tmp_path, ["helpers", "shipped"], compiled)
+    (world.tests / "helpers.py").write_text("WHERE = 'tests'\n")
+    (world.site / "helpers.py").write_text("WHERE = 'site'\n")
+    world.files({})
+    code = _imports(
+        [str(world.tests), str(world.lib), str(world.site)], "import helpers\nprint(json.dumps(helpers.WHERE))"
+    )
+    assert world.run(code) == "tests"
 
 
-def test_a_guarded_name_the_image_lacks_is_refused_wherever_it_is(
+def test_a_guarded_name_the_agent_placed_is_passed_over_for_the_images(
     tmp_path: Path, compiled: tuple[str, str] | None
 ) -> None:
+    """``python -m`` puts the working directory (the agent's, live) first: its ``shipped.py`` is passed over."""
+    world = World(tmp_path, ["shipped"], compiled)
+    world.files({str(world.work / "shipped.py"): "WHERE = 'agent'\nopen('ran', 'w').close()\n"})
+    code = _imports(
+        [str(world.work), str(world.lib)],
+        "import shipped, os\nprint(json.dumps([shipped.WHERE, os.path.exists('ran')]))",
+    )
+    assert world.run(code, cwd=None) == ["image", False]
+
+
+def test_the_working_directory_as_python_m_puts_it_first(tmp_path: Path, compiled: tuple[str, str] | None) -> None:
+    """``python -m`` (and ``-c``) put ``''`` first: the working directory, the agent's; its ``shipped.py`` is passed
+    over for the image's, and its own module is imported from there."""
+    world = World(tmp_path, ["shipped"], compiled)
+    world.files({str(world.work / "shipped.py"): "WHERE = 'agent'\n", str(world.work / "mine.py"): "WHERE = 'mine'\n"})
+    code = _imports(["", str(world.lib)], "import shipped, mine\nprint(json.dumps([shipped.WHERE, mine.WHERE]))")
+    assert world.run(code, cwd=world.work) == ["image", "mine"]
+
+
+def test_a_guarded_name_only_the_agent_has_is_refused(tmp_path: Path, compiled: tuple[str, str] | None) -> None:
     """``nt`` on Linux: CPython's ``ntpath`` imports it inside ``try``; the agent's ``nt.py`` must not run."""
-    site, work = _image(tmp_path, ["nt", "msvcrt"], compiled)
-    (work / "nt.py").write_text("open('ran', 'w').write('yes')\n")
-    code = (
-        "try:\n    import nt\n    got = 'imported'\nexcept ImportError:\n    got = 'refused'\n"
-        "import os\nprint(json.dumps({'got': got, 'ran': os.path.exists('ran')}))"
+    world = World(tmp_path, ["nt", "msvcrt"], compiled)
+    world.files({str(world.work / "nt.py"): "raise SystemExit('the agent ran')\n"})
+    code = _imports(
+        [str(world.work), str(world.lib)],
+        "try:\n    import nt\n    got = 'imported'\nexcept ImportError:\n    got = 'refused'\nprint(json.dumps(got))",
     )
-    assert _python(site, work, code) == {"got": "refused", "ran": False}
+    assert world.run(code) == "refused"
 
 
 def test_the_agents_own_modules_are_imported(tmp_path: Path, compiled: tuple[str, str] | None) -> None:
-    site, work = _image(tmp_path, ["nt"], compiled)
-    (work / "solution.py").write_text("ANSWER = 42\n")
-    assert _python(site, work, "import solution; print(json.dumps({'answer': solution.ANSWER}))") == {"answer": 42}
+    world = World(tmp_path, ["nt"], compiled)
+    world.files({str(world.work / "solution.py"): "ANSWER = 42\n"})
+    code = _imports([str(world.work), str(world.lib)], "import solution\nprint(json.dumps(solution.ANSWER))")
+    assert world.run(code) == 42
 
 
-def test_without_the_guard_the_agents_module_would_win(tmp_path: Path, compiled: tuple[str, str] | None) -> None:
-    """The tests above can fail: with the ``.pth`` removed, the working directory's module is imported."""
-    site, work = _image(tmp_path, ["shipped", "nt"], compiled)
-    for pth in site.glob("*.pth"):
-        pth.unlink()
-    (work / "shipped.py").write_text("WHERE = 'agent'\n")
-    (work / "nt.py").write_text("X = 1\n")
-    code = "import shipped, nt; print(json.dumps({'where': shipped.WHERE, 'nt': nt.X}))"
-    assert _python(site, work, code) == {"where": "agent", "nt": 1}
+def test_without_the_guard_the_agents_module_would_win(tmp_path: Path) -> None:
+    """The tests above can fail: with the view's line taken out of ``encodings``, the agent's module is imported."""
+    world = World(tmp_path, ["shipped", "nt"], None)
+    world.encodings = '"""The image\'s encodings."""\n'
+    world.files({str(world.work / "shipped.py"): "WHERE = 'agent'\n", str(world.work / "nt.py"): "X = 1\n"})
+    code = _imports([str(world.work), str(world.lib)], "import shipped, nt\nprint(json.dumps([shipped.WHERE, nt.X]))")
+    assert world.run(code) == ["agent", 1]
 
 
-def test_distribution_metadata_is_read_from_the_image_only(tmp_path: Path, compiled: tuple[str, str] | None) -> None:
-    """A ``pytest11`` plug-in registered by a dist-info in the working directory is not found."""
-    site, work = _image(tmp_path, [], compiled)
-    for where, name in ((site, "shipped_dist"), (work, "planted")):
-        info = where / f"{name}-1.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text(f"[pytest11]\n{name} = {name}\n")
-    code = (
-        "from importlib.metadata import entry_points\n"
-        "names = sorted(e.name for e in entry_points(group='pytest11'))\n"
-        "print(json.dumps({'plugins': names}))"
+def test_the_tests_own_start_up_hook_runs_and_the_agents_does_not(
+    tmp_path: Path, compiled: tuple[str, str] | None
+) -> None:
+    """A ``sitecustomize`` the tests write into a temporary folder (the verifier's ``/tmp`` layer) and put on
+    ``PYTHONPATH`` runs; the same file the agent placed in its own ``/tmp`` layer, or in its working
+    directory, does not (issue #48)."""
+    world = World(tmp_path, ["sitecustomize", "usercustomize"], compiled)
+    hook = "import builtins\nbuiltins.HOOKED = __file__\n"
+    show = "import sitecustomize\nimport builtins\nprint(json.dumps(getattr(builtins, 'HOOKED', None)))"
+    planted_tmp = world.tmp_agent / "guard"
+    world.files({str(world.tmp / "tests-own" / "sitecustomize.py"): hook, str(planted_tmp / "sitecustomize.py"): hook})
+    ours = world.run(_imports([str(world.tmp / "tests-own"), str(world.lib)], show))
+    assert ours == str(world.tmp / "tests-own" / "sitecustomize.py")
+    planted = (
+        "try:\n    import sitecustomize\n    print(json.dumps(sitecustomize.__file__))\n"
+        "except ImportError:\n    print(json.dumps('refused'))"
     )
-    assert _python(site, work, code) == {"plugins": ["shipped_dist"]}
+    assert world.run(_imports([str(world.tmp / "guard"), str(world.lib)], planted)) == "refused"
+    world.files({str(world.work / "sitecustomize.py"): hook})
+    assert world.run(_imports([str(world.work), str(world.lib)], planted)) == "refused"
 
 
-def test_the_hook_runs_by_its_path_not_by_its_name(tmp_path: Path, compiled: tuple[str, str] | None) -> None:
-    """A folder before the site folder (``PYTHONPATH``, the agent's) cannot replace the guard by its name."""
-    site, work = _image(tmp_path, ["nt"], compiled)
-    pth = next(site.glob("*.pth")).read_text()
-    assert pth.startswith("import ") and str(site / f"{GUARD_MODULE}.py") in pth and f"import {GUARD_MODULE}" not in pth
+def test_the_running_virtual_environments_own_packages_are_used(
+    tmp_path: Path, compiled: tuple[str, str] | None
+) -> None:
+    """A venv in the agent's tree (one the tests made in the working directory, or the agent's own that they
+    run): its site-packages are the environment the tests chose, a guarded name there is imported; the same
+    name in the working directory is still passed over."""
+    world = World(tmp_path, ["pytest"], compiled)
+    venv = world.work / "venv"
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    home = Path(sys.base_prefix) / "bin"
+    world.files(
+        {
+            str(venv / "pyvenv.cfg"): f"home = {home}\ninclude-system-site-packages = false\n",
+            str(site / "pytest.py"): "WHERE = 'venv'\n",
+            str(world.work / "pytest.py"): "WHERE = 'planted'\n",
+        }
+    )
+    (world.root / "files.py").write_text(
+        (world.root / "files.py").read_text()
+        + f"os.makedirs({str(venv / 'bin')!r}, exist_ok=True)\n"
+        + f"os.symlink({os.path.realpath(sys.executable)!r}, {str(venv / 'bin' / 'python')!r})\n"
+    )
+    code = _imports(
+        [str(world.work), str(site)],
+        # what site does for a venv (-S leaves it out): sys.prefix becomes the venv's
+        "import site\nsite.venv(set())\nimport pytest\nprint(json.dumps([sys.prefix != sys.base_prefix, pytest.WHERE]))",
+    )
+    assert world.run(code, python=str(venv / "bin" / "python")) == [True, "venv"]
+
+
+def test_distribution_metadata_the_agent_placed_is_not_found(tmp_path: Path, compiled: tuple[str, str] | None) -> None:
+    """A ``pytest11`` plug-in registered by a dist-info in the working directory is not found; the image's is."""
+    world = World(tmp_path, [], compiled)
+    placed = {}
+    for where, name in ((world.site, "shipped_dist"), (world.work, "planted")):
+        info = where / f"{name}-1.0.dist-info"
+        placed[str(info / "METADATA")] = f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+        placed[str(info / "entry_points.txt")] = f"[pytest11]\n{name} = {name}\n"
+    world.files(placed)
+    code = _imports(
+        [str(world.work), str(world.lib), str(world.site)],
+        "from importlib.metadata import entry_points\n"
+        "print(json.dumps(sorted(e.name for e in entry_points(group='pytest11'))))",
+    )
+    assert world.run(code) == ["shipped_dist"]
 
 
 def test_the_compiled_code_is_what_runs(tmp_path: Path) -> None:
-    """With the code compiled by this interpreter, the source file is not read (a broken one changes
-    nothing); with a magic number of another interpreter's, the source is compiled instead."""
+    """With the code compiled by this interpreter, the source file is not read (a broken one changes nothing);
+    with a magic number of another interpreter's, the source is compiled instead."""
     magic, code = _compiled_here()
-    site, work = _image(tmp_path, ["nt"], (magic, code))
-    (site / f"{GUARD_MODULE}.py").write_text("raise SystemExit('the source ran')\n")
-    (work / "nt.py").write_text("X = 1\n")
-    probe = "try:\n    import nt\n    got = 'imported'\nexcept ImportError:\n    got = 'refused'\nprint(json.dumps({'got': got}))"
-    assert _python(site, work, probe) == {"got": "refused"}
-
-    other = tmp_path / "other"
-    other.mkdir()
-    site, work = _image(other, ["nt"], ("00" * 4, code))
-    (work / "nt.py").write_text("X = 1\n")
-    assert _python(site, work, probe) == {"got": "refused"}  # the source, compiled: still guarded
-    (site / f"{GUARD_MODULE}.py").write_text("raise SystemExit('the source ran')\n")
-    result = subprocess.run(
-        [sys.executable, "-S", "-c", f"import site; site.addsitedir({str(site)!r})"], capture_output=True, text=True
+    probe = _imports(
+        [],
+        "try:\n    import nt\n    got = 'imported'\nexcept ImportError:\n    got = 'refused'\nprint(json.dumps(got))",
     )
-    assert "the source ran" in result.stderr + result.stdout
+    world = World(tmp_path / "a", ["nt"], (magic, code))
+    world.guard_file.write_text("raise SystemExit('the source ran')\n")
+    world.files({str(world.work / "nt.py"): "X = 1\n"})
+    assert world.run(probe.replace("sys.path[:0] = []", f"sys.path[:0] = [{str(world.work)!r}]")) == "refused"
+
+    other = World(tmp_path / "b", ["nt"], ("00" * 4, code))
+    other.files({str(other.work / "nt.py"): "X = 1\n"})
+    assert other.run(probe.replace("sys.path[:0] = []", f"sys.path[:0] = [{str(other.work)!r}]")) == "refused"
+    assert GUARD_SOURCE in other.guard_file.read_text()
 
 
-@pytest.mark.parametrize(
-    ("path", "expected"),
-    [
-        (
-            ["/usr/lib/python311.zip", "/usr/lib/python3.11", "/usr/lib/python3/dist-packages"],
-            "/usr/lib/python3/dist-packages",
-        ),
-        (
-            ["/usr/local/lib/python312.zip", "/usr/local/lib/python3.12/site-packages"],
-            "/usr/local/lib/python3.12/site-packages",
-        ),
-        (["/usr/lib/python3.11"], None),
-    ],
-)
-def test_the_site_folder(path: list[str], expected: str | None) -> None:
-    assert site_folder(path) == expected
-    assert bool(guard_files(path, ["nt"])) == (expected is not None)
+def test_the_standard_library_folder_is_the_one_with_encodings() -> None:
+    have = {"/usr/lib/python3.11/encodings/__init__.py"}
+    assert (
+        stdlib_folder(
+            ["/usr/lib/python311.zip", "/usr/lib/python3.11", "/usr/lib/python3/dist-packages"], have.__contains__
+        )
+        == "/usr/lib/python3.11"
+    )
+    assert stdlib_folder(["/usr/lib/python3/dist-packages"], have.__contains__) is None
+    assert guard_files(None, "", ["nt"]) == {}
 
 
 @pytest.mark.parametrize(

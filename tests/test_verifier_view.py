@@ -126,11 +126,14 @@ def test_the_verifiers_tmp_is_its_own(task: Path, tmp_path: Path) -> None:
 
 
 def test_the_verifiers_python_runs_the_import_guard_the_images_python_compiled(task: Path, tmp_path: Path) -> None:
-    """The guard's code comes compiled by the image's interpreter (at the search-path probe): the
-    source file of it in the view is not read — replaced by one that raises, Python still starts
-    guarded — and an agent's ``json.py`` in the working directory is not what ``import json`` gets."""
+    """Every Python the verifier starts runs the guard, from the view's copy of the image's ``encodings``
+    (imported before anything else): its code comes compiled by the image's interpreter (at the
+    search-path probe), so the guard's source file is not read — replaced by one that raises, Python still
+    starts guarded — and an agent's ``json.py`` in the working directory is not what ``import json`` gets,
+    in the image's Python and in a virtual environment the verifier makes (no site folder of the image's
+    is read there). The agent's own sandbox has none of it."""
     which = (
-        "python3 -c \"import json, sys; print(json.__file__.startswith('/usr/lib/'), "
+        "-c \"import json, sys; print(json.__file__.startswith('/usr/lib/'), "
         "[getattr(m, '__name__', '') for m in sys.meta_path].count('VerifierImportGuard'))\""
     )
 
@@ -139,13 +142,16 @@ def test_the_verifiers_python_runs_the_import_guard_the_images_python_compiled(t
         try:
             await _sh(env, "echo 'raise SystemExit(\"the agent ran\")' > /workdir/json.py")
             async with env.verifier_view() as view:
-                site = await _sh(view, "dirname $(find /usr -name 00-_trl_harbor_verifier_guard.pth)")
-                pth = await _sh(view, f"cat {site}/00-_trl_harbor_verifier_guard.pth")
-                assert pth.startswith("import sys, marshal; exec(marshal.loads(bytes.fromhex(")
-                assert await _sh(view, f"cd /workdir && {which}") == "True 1"
-                source = f"{site}/_trl_harbor_verifier_guard.py"
-                await _sh(view, f"echo 'raise SystemExit(\"the source ran\")' > {source}")
-                assert await _sh(view, f"cd /workdir && {which}") == "True 1"
+                encodings = await _sh(view, "python3 -c 'import encodings; print(encodings.__file__)'")
+                line = await _sh(view, f"grep -A1 '^try:' {encodings} | tail -1")
+                assert line.strip().startswith("exec(__import__('marshal').loads(bytes.fromhex("), line
+                assert await _sh(view, f"cd /workdir && python3 {which}") == "True 1"
+                await _sh(view, "echo 'raise SystemExit(\"the source ran\")' > /.trl-harbor/guard.py")
+                assert await _sh(view, f"cd /workdir && python3 {which}") == "True 1"
+                await _sh(view, "python3 -m venv --without-pip /tmp/v")
+                assert await _sh(view, f"cd /workdir && /tmp/v/bin/python {which}") == "True 1"
+            assert "trl-harbor" not in await _sh(env, f"tail -3 {encodings}")
+            assert await _sh(env, "cd /workdir && python3 -c 'import json' 2>&1") == "the agent ran"
         finally:
             await env.stop(delete=True)
 
@@ -211,12 +217,19 @@ def test_every_link_of_the_agents_goes_through_its_keel(task: Path, tmp_path: Pa
         try:
             refused = {
                 "/tests/expected.txt", "/proc/self/environ", "/tmp/expected.txt", "/dev/fd/3", "/logs/verifier/x",
-                "../../tests/x", "d/../tests/x", "tests/x", "/solution/solve.sh", "/dev/shm/x",
+                "../../tests/x", "d/../tests/x", "/solution/solve.sh", "/dev/shm/x",
+                # to a folder above the verifier's places, where one more name would enter them
+                "/", "..", "../..", "/logs", "/dev", "a/../..", "/usr/..",
             }  # fmt: skip
-            made = {"/usr/bin/python3", "answer.txt", "../lib/x", "/dev/null", "/workdir/tests/x"}
+            # a relative "tests/x" leads to /tests only from /, whose entries the view judges where they are
+            made = {"/usr/bin/python3", "answer.txt", "../lib/x", "/dev/null", "/workdir/tests/x", "tests/x", "."}
             for index, target in enumerate(sorted(refused | made)):
                 out = await _sh(env, f"cd /workdir && ln -s '{target}' l{index} && echo made")
                 assert (out == "made") == (target in made), (target, out)
+            # moved into /, such a link is not in the view (it would lead to the verifier's /tests there)
+            await _sh(env, "ln -s tests/expected.txt /workdir/up && mv /workdir/up /up && ln -s . /dot")
+            async with env.verifier_view() as view:
+                assert await _sh(view, "ls -l /up /dot 2>&1 | grep -c 'No such file'") == "2"
             # made with the caller's credentials: a user that may not write /root cannot link there
             await _sh(env, "useradd -m someone")
             out = await _sh(
@@ -377,9 +390,11 @@ def test_the_process_that_makes_views_serves_its_owner_only() -> None:
         "request = pickle.dumps(('posix', 'getpid', (), False))\n"
         "conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
         "conn.connect(sys.argv[1])\n"
-        "conn.sendall(struct.pack('<Q', len(request)) + request)\n"
-        "try:\n    print(conn.recv(8) or 'closed')\n"
-        "except ConnectionResetError:\n    print('closed')\n"  # closed with the request unread
+        "try:\n"
+        "    conn.sendall(struct.pack('<Q', len(request)) + request)\n"
+        "    print(conn.recv(8) or 'closed')\n"
+        # closed with the request unread: before it was sent whole (a broken pipe), or after (a reset)
+        "except (BrokenPipeError, ConnectionResetError):\n    print('closed')\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", stranger, str(maker.socket_path)], capture_output=True, text=True, timeout=60

@@ -1,60 +1,150 @@
-"""The verifier's Python imports what the image ships from where the image ships it.
+"""The verifier's Python never imports a guarded name the agent placed: Python's own order, decided by who wrote it.
 
-The verifier's view shows the agent's working directory (and ``/tmp``) live, so no snapshot can hold
-back a module the agent writes there after grading begins — and ``python -m pytest`` puts its
-working directory first on the import path, where a ``json.py`` (or a ``nt.py``, which CPython's
-``ntpath`` imports if it exists) would run inside the verifier. This module writes a start-up hook
-into the view's copy of the image's site folder (a ``.pth`` line running our code — compiled once
-per image by the image's own interpreter, else our file by its path; the agent's sandbox never has
-it): in every Python process of the verifier's that runs the image's interpreter, an import finder
-placed before the path finder looks each top-level module up in the image's own import folders first
-(the frozen part of the view, the agent's judged additions included), and refuses a *guarded* name —
-the standard library's, the names the image's code imports, the test runner's — that is not there,
-wherever else it might be. Distribution metadata (``pytest11`` plug-ins, entry points) is read from
-those folders only. Other names — the agent's own modules, which tests may import — are found as
-before.
+The verifier's view shows the agent's own folders live (the working directory, ``/var``, an output
+folder...) and ``/tmp`` as the agent's under a layer of the verifier's, so no snapshot can hold back a
+module the agent writes there — and ``python -m pytest`` puts its working directory first on the
+import path, where a ``json.py`` (or an ``nt.py``, which CPython's ``ntpath`` imports if it exists)
+would run inside the verifier. This module makes an import finder that every Python process of the
+verifier's runs before anything is imported from a folder:
+
+* **Where it is installed.** The view's copy of the image's standard library ``encodings`` package
+  (imported by every CPython at start-up, before ``site``, ``.pth`` files and ``sitecustomize``; by
+  virtual environments of that interpreter too, whoever makes them, and with ``-S``, ``-I`` or ``-E``)
+  ends with a line that runs the guard's code — compiled once per image by the image's own
+  interpreter (:data:`COMPILE_GUARD`), else this source from the view's plumbing. The agent's
+  sandbox never has it.
+* **What it decides.** Imports keep Python's own order (the tests' own folders first, as pytest, a
+  script's folder or ``-m`` put them). Only a *guarded* top-level name — the standard library's, the
+  names the image's code imports, the test runner's, the start-up hooks ``sitecustomize`` and
+  ``usercustomize`` — is looked at: if the first module of that name is one *the agent placed*, the
+  search goes on past it (the image's own module, if any, is found instead) and never imports it.
+  Every other name — the agent's own modules, which tests may import — is found as Python finds it.
+* **Who placed it.** Decided by where the file is, which the kernel reports and the agent cannot
+  forge: a file in one of the agent's live folders (a mount of the agent's own tree: its device),
+  or in the agent's layer of ``/tmp`` (the layer's device), is the agent's; a file of the image, of
+  the snapshot of the agent's judged changes, or one the verifier wrote (the view's own layers: its
+  ``/tmp`` layer, ``/tests``, what it installs) is not. So a hook the tests write into a temporary
+  folder and put on ``PYTHONPATH`` runs, and the same file planted by the agent does not. The
+  site folders of the virtual environment the verifier runs (``sys.prefix``'s) are the environment
+  the tests chose — a venv they made in the working directory, or the agent's own — and are used as
+  they are. The view tells the guard its devices in a file of its plumbing (:func:`provenance`).
+* **Distribution metadata** (``pytest11`` plug-ins, entry points) of a distribution the agent placed
+  the same way is not found.
 """
 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-__all__ = ["GUARD_MODULE", "GUARD_SOURCE", "COMPILE_GUARD", "guard_files", "site_folder"]
+__all__ = [
+    "COMPILE_GUARD",
+    "GUARD_FILE",
+    "GUARD_SOURCE",
+    "PROVENANCE_FILE",
+    "guard_files",
+    "provenance",
+    "stdlib_folder",
+]
 
-#: The hook's module name (also its file's stem); a ``.pth`` of that stem imports it.
-GUARD_MODULE = "_trl_harbor_verifier_guard"
+#: Where the view keeps the guard's source, and the devices that tell who placed a file (its plumbing).
+GUARD_FILE = "/.trl-harbor/guard.py"
+PROVENANCE_FILE = "/.trl-harbor/provenance"
 
-# Comments, not docstrings, and no import. Its data (TRUSTED, GUARDED) come from the ``.pth`` line
-# that runs it, so the code is the same for every image: compiled once per image by the image's own
-# interpreter (:data:`COMPILE_GUARD`), the line runs that code object — compiling this source at
-# every Python start of the verifier's cost it 1.3 ms (measured in a view: 9.5 ms a start without
-# the guard, 10.8 ms compiling it, 9.2-9.8 ms running its compiled code).
+# Comments, not docstrings; no import but sys and posix (the line runs while ``encodings`` is being
+# imported: ``open`` and ``os`` may not be there yet). Its data (GUARDED, PROVENANCE) come from the
+# line that runs it, so the code is the same for every image: compiled once per image by the image's
+# own interpreter (:data:`COMPILE_GUARD`).
 GUARD_SOURCE = """# trl-harbor's import guard in the verifier's view of a sandbox (not a file of the task's image):
-# modules the image ships, imports, or the test runner needs are imported from the image's own
-# folders only; distribution metadata is read from those folders only. TRUSTED (the image's import
-# folders) and GUARDED (the names taken from them only) are given by the .pth line that runs it.
+# a guarded module name (GUARDED) is never imported from a file the agent placed; imports keep
+# Python's own order. Who placed a file is told by the devices in PROVENANCE (written by the view).
 import sys
 
 
 def _install():
-    # The path finder already loaded (importing importlib.machinery costs a start ~0.7 ms).
+    if getattr(sys, "_trl_harbor_guard", None) is not None:
+        return
     for position, PathFinder in enumerate(sys.meta_path):
         if getattr(PathFinder, "__name__", "") == "PathFinder":
             break
     else:  # no path finder: nothing to guard
         return
+    import posix
+
+    fd = posix.open(PROVENANCE, posix.O_RDONLY)
+    try:
+        fields = posix.read(fd, 4096).split()
+    finally:
+        posix.close(fd)
+    agent_dev, tmp_dev = int(fields[0]), int(fields[1])
+    tmp_own = frozenset(int(field) for field in fields[2:])
+    stat = posix.stat
+
+    def parent(path):
+        cut = path.rstrip("/").rfind("/")
+        return path[:cut] or "/"
+
+    def agents(path, folder=False):
+        # Whether the file (or folder) at path is one the agent placed.
+        prefix = sys.prefix  # a venv's once site has read its pyvenv.cfg
+        if prefix != sys.base_prefix and path.startswith(prefix.rstrip("/") + "/"):
+            if "/site-packages/" in path or "/dist-packages/" in path:
+                return False  # the site folders of the virtual environment the verifier runs
+        try:
+            if not folder:
+                try:
+                    stat(path)
+                except OSError:  # inside an archive (a zip on the path): judge the archive
+                    while path != "/":
+                        path = parent(path)
+                        try:
+                            folder = stat(path).st_mode & 0o170000 == 0o040000
+                            break
+                        except OSError:
+                            pass
+            where = stat(path if folder else parent(path)).st_dev
+            if where == agent_dev:
+                return True
+            return where == tmp_dev and (folder or stat(path).st_dev not in tmp_own)
+        except OSError:
+            return True
+
+    def absolute(entry):
+        if entry.startswith("/"):
+            return entry.rstrip("/") or "/"
+        here = posix.getcwd()
+        return here if entry in ("", ".") else (here.rstrip("/") + "/" + entry).rstrip("/")
+
+    def past(entries, found):
+        # The entries after the one that held ``found`` (a module file, a package's, a folder).
+        places = (parent(found), parent(parent(found)), found.rstrip("/"))
+        for index, entry in enumerate(entries):
+            if absolute(entry) in places:
+                return entries[index + 1 :]
+        return []
 
     class VerifierImportGuard(object):
-        # Top-level imports: the image's folders first; a guarded name nowhere else.
+        # A guarded top-level name: the first module found that the agent did not place.
 
         @classmethod
         def find_spec(cls, name, path=None, target=None):
-            if path is not None or "." in name:
+            if path is not None or name not in GUARDED:
                 return None
-            spec = PathFinder.find_spec(name, TRUSTED)
-            if spec is not None or name not in GUARDED:
-                return spec
+            entries = list(sys.path)
+            while entries:
+                spec = PathFinder.find_spec(name, entries)
+                if spec is None:
+                    break
+                if spec.origin and spec.has_location:
+                    found, folder = spec.origin, False
+                else:
+                    locations = list(spec.submodule_search_locations or ())
+                    if not locations:
+                        return spec
+                    found, folder = locations[0], True
+                if not agents(found, folder):
+                    return spec
+                entries = past(entries, found)
             raise ModuleNotFoundError("No module named %r" % name, name=name)
 
         @classmethod
@@ -62,6 +152,7 @@ def _install():
             pass
 
     sys.meta_path.insert(position, VerifierImportGuard)
+    sys._trl_harbor_guard = VerifierImportGuard
 
     original = getattr(PathFinder, "find_distributions", None)
     if original is None:
@@ -72,8 +163,10 @@ def _install():
 
         if context is None:
             context = DistributionFinder.Context(**kwargs)
-        trusted = [entry for entry in context.path if entry in TRUSTED]
-        return original(DistributionFinder.Context(name=context.name, path=trusted))
+        for distribution in original(context):
+            found = getattr(distribution, "_path", None)
+            if found is None or not agents(str(found), True):
+                yield distribution
 
     PathFinder.find_distributions = staticmethod(find_distributions)
 
@@ -91,51 +184,75 @@ COMPILE_GUARD = (
     "import marshal, sys\n"
     "magic = getattr(sys.modules.get('_frozen_importlib_external'), 'MAGIC_NUMBER', None)\n"
     "if magic:\n"
-    f"    code = compile(bytes.fromhex('{GUARD_SOURCE.encode().hex()}'), '<{GUARD_MODULE}>', 'exec')\n"
+    f"    code = compile(bytes.fromhex('{GUARD_SOURCE.encode().hex()}'), '<trl-harbor guard>', 'exec')\n"
     "    print('#guard', magic.hex(), marshal.dumps(code).hex())\n"
 )
 
 
-def site_folder(python_path: Iterable[str]) -> str | None:
-    """The image's first site folder (where ``site`` reads ``.pth`` files) on its import path, if any."""
+def stdlib_folder(python_path: Iterable[str], has_encodings: Callable[[str], bool]) -> str | None:
+    """The image's standard-library folder on its import path: the first that holds ``encodings/__init__.py``.
+
+    Args:
+        python_path: The image's Python import path (probed), in order.
+        has_encodings: Whether a sandbox path holds ``encodings/__init__.py`` in the image.
+    """
     for folder in python_path:
-        name = posixpath.basename(folder.rstrip("/"))
-        if name in ("site-packages", "dist-packages"):
+        if folder.startswith("/") and has_encodings(posixpath.join(folder, "encodings", "__init__.py")):
             return folder
     return None
 
 
 def guard_files(
-    python_path: Iterable[str], guarded: Iterable[str], compiled: tuple[str, str] | None = None
+    stdlib: str | None,
+    encodings: str,
+    guarded: Iterable[str],
+    compiled: tuple[str, str] | None = None,
+    *,
+    guard_file: str = GUARD_FILE,
+    provenance_file: str = PROVENANCE_FILE,
 ) -> dict[str, str]:
-    """The files of the hook, by sandbox path (empty when the image has no Python site folder).
+    """The view's files that install the guard (empty when the image has no standard library folder).
 
     Args:
-        python_path: The image's Python import path (probed), in order.
-        guarded: The names to take only from there.
+        stdlib: The image's standard-library folder (:func:`stdlib_folder`).
+        encodings: The text of the image's ``encodings/__init__.py`` there (the view's copy ends with
+            the line that runs the guard).
+        guarded: The names never imported from a file the agent placed.
         compiled: The guard's code as the image's interpreter compiled it (:data:`COMPILE_GUARD`):
             its magic number and marshalled code, in hexadecimal. An interpreter whose magic number
-            differs (another Python of the image's) compiles the source instead, as all do without it.
+            differs (another Python of the image's) compiles the source instead.
+        guard_file: Where the view keeps the guard's source.
+        provenance_file: Where the view writes the devices that tell who placed a file (:func:`provenance`).
     """
-    trusted = [folder for folder in python_path if folder.startswith("/")]
-    site = site_folder(trusted)
-    if site is None:
+    if stdlib is None:
         return {}
-    module = posixpath.join(site, f"{GUARD_MODULE}.py")
-    # The names as one string constant, not a set literal of hundreds: the line is compiled at
-    # every interpreter start.
+    # The names as one string constant, not a set literal of hundreds: the line runs at every start.
     names = " ".join(sorted(set(guarded)))
-    data = f"{{'__name__': {GUARD_MODULE!r}, 'TRUSTED': {trusted!r}, 'GUARDED': frozenset({names!r}.split())}}"
-    # Run by its path, not imported by name: a folder on PYTHONPATH (the agent's, perhaps) comes
-    # before the site folder while ``.pth`` files are read.
-    source = f"compile(open({module!r}).read(), {module!r}, 'exec')"
+    data = (
+        f"{{'__name__': 'trl_harbor_guard', 'GUARDED': frozenset({names!r}.split()), "
+        f"'PROVENANCE': {provenance_file!r}}}"
+    )
+    source = f"compile(open({guard_file!r}).read(), {guard_file!r}, 'exec')"
     if compiled is None:
-        loader = f"import sys; exec({source}, {data})\n"
+        line = f"exec({source}, {data})"
     else:
         magic, code = compiled
-        loader = (
-            "import sys, marshal; exec(marshal.loads(bytes.fromhex(%r)) if getattr(sys.modules.get("
-            "'_frozen_importlib_external'), 'MAGIC_NUMBER', None) == bytes.fromhex(%r) else %s, %s)\n"
-            % (code, magic, source, data)
+        bootstrap = "__import__('sys').modules.get('_frozen_importlib_external')"
+        line = (
+            f"exec(__import__('marshal').loads(bytes.fromhex({code!r})) if getattr({bootstrap}, 'MAGIC_NUMBER', None) "
+            f"== bytes.fromhex({magic!r}) else {source}, {data})"
         )
-    return {module: GUARD_SOURCE, posixpath.join(site, f"00-{GUARD_MODULE}.pth"): loader}
+    # Last in the module (its docstring and line numbers stay the image's), and never its failure.
+    suffix = (
+        f"\n\n# trl-harbor's import guard (the verifier's view only)\ntry:\n    {line}\nexcept Exception:\n    pass\n"
+    )
+    return {
+        posixpath.join(stdlib, "encodings", "__init__.py"): encodings.rstrip("\n") + "\n" + suffix,
+        guard_file: GUARD_SOURCE,
+    }
+
+
+def provenance(agent_dev: int, tmp_dev: int, tmp_own: Iterable[int]) -> str:
+    """The text of :data:`PROVENANCE_FILE`: the device of the agent's live folders, of the view's ``/tmp``
+    (its folders), and those of the ``/tmp`` layers whose files the agent did not place."""
+    return " ".join(str(number) for number in (agent_dev, tmp_dev, *sorted(set(tmp_own)))) + "\n"

@@ -32,7 +32,7 @@ from harbor_local_sandbox._binaries import static_binary
 from harbor_local_sandbox._box import SLIRP_GATEWAY_DNS, Box, BoxConfig
 from harbor_local_sandbox._cache import CACHE
 from harbor_local_sandbox._fingerprints import fingerprints
-from harbor_local_sandbox._guard import COMPILE_GUARD, guard_files
+from harbor_local_sandbox._guard import COMPILE_GUARD, PROVENANCE_FILE, guard_files, provenance, stdlib_folder
 from harbor_local_sandbox._lifetime import new_box_name, state_root
 from harbor_local_sandbox._links import LinkPolicy, image_hazards, keel_items
 from harbor_local_sandbox._mounts import inode_bound, is_kernel_path, mount_bounded_tmpfs, mount_overlay
@@ -506,6 +506,8 @@ def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
             for path in live:
                 _bind_live(agent_root, root, path)
             _mount_tmp(f"{agent_dir}/upper", os.fspath(spec.image_root), root, own)
+            files[PROVENANCE_FILE] = _provenance(agent_root, root, spec.tmpdir)
+            late.append(PROVENANCE_FILE)
             for path in late:  # below a link of the image's: through the view, never following one
                 if path.endswith("/"):
                     os.close(_hostfs._open_dir(Path(view_dir, "root"), _hostfs._parts(path), create=True))
@@ -518,6 +520,28 @@ def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
     finally:
         os.close(agent_root)
     return _view_tree(view_dir), view
+
+
+def _provenance(agent_root: int, root: int, tmpdir: str) -> str:
+    """What tells the import guard who placed a file (``_guard.provenance``): the device of the agent's live
+    folders (its tree's mount), of the view's ``/tmp`` (its folders), and of the verifier's own ``/tmp``
+    layer (where a file the verifier writes is), found by writing a file there through the view."""
+    tmp = _viewfs.open_beneath(root, "tmp")
+    try:
+        own = _viewfs.open_beneath(tmp, tmpdir)
+        try:
+            probe = f".provenance-{secrets.token_hex(4)}"
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=own)
+            try:
+                own_dev = os.fstat(fd).st_dev
+            finally:
+                os.close(fd)
+                os.unlink(probe, dir_fd=own)
+        finally:
+            os.close(own)
+        return provenance(os.fstat(agent_root).st_dev, os.fstat(tmp).st_dev, [own_dev])
+    finally:
+        os.close(tmp)
 
 
 def _bind_live(agent_root: int, root: int, path: str) -> None:
@@ -602,8 +626,27 @@ def _image_files(
     for name in ("passwd", "group"):
         with contextlib.suppress(OSError):
             files[f"{VIEW_PLUMBING}/{name}"] = (image / "etc" / name).read_text(errors="replace")
-    files.update(guard_files(search.python, guarded_names(image, search, workdir, allowed), guard))
+    stdlib = stdlib_folder(search.python, lambda path: _read_in_image(image, path) is not None)
+    if stdlib is not None:
+        encodings = _read_in_image(image, f"{stdlib}/encodings/__init__.py") or ""
+        files.update(guard_files(stdlib, encodings, guarded_names(image, search, workdir, allowed), guard))
     return files
+
+
+def _read_in_image(image: Path, path: str) -> str | None:
+    """The text of the image's file at the sandbox path ``path`` (its links resolved within the image, never
+    on the host), or ``None``."""
+    root = os.open(image, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = _viewfs.open_beneath(root, path, os.O_RDONLY | os.O_NONBLOCK, resolve=_viewfs.IN_ROOT)
+    except OSError:
+        return None
+    finally:
+        os.close(root)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return handle.read(1 << 20).decode("utf-8", "replace")
 
 
 def _lay_own(upper: str, image_root: str, files: dict[str, str]) -> list[str]:

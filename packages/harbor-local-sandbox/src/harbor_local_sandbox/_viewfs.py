@@ -17,7 +17,7 @@ import os
 import struct
 from functools import cache
 
-__all__ = ["attach", "clone_tree", "detach", "open_beneath", "overlay", "read_only"]
+__all__ = ["IN_ROOT", "STRICT", "attach", "clone_tree", "detach", "open_beneath", "overlay", "read_only"]
 
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT, _SYS_OPENAT2 = 428, 429, 430, 431, 432, 437
 _OPEN_TREE_CLONE, _AT_RECURSIVE, _AT_EMPTY_PATH = 1, 0x8000, 0x1000
@@ -28,6 +28,9 @@ _MNT_DETACH = 2
 _SYS_MOUNT_SETATTR, _MOUNT_ATTR_RDONLY = 442, 0x1
 #: How every path below the agent's root is resolved: never through a link, never out of the start.
 STRICT = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+#: How a path of an image's (the task author's tree) is resolved: its links followed, absolute ones from
+#: the image's root, never out of it.
+IN_ROOT = 0x10 | _RESOLVE_NO_MAGICLINKS
 
 
 @cache
@@ -82,12 +85,15 @@ def attach(tree_fd: int, target_fd: int) -> None:
 def overlay(lowers: list[str], upper: str, work: str, *, userxattr: bool) -> int:
     """A detached overlay (``lowers`` first on top; a layer may be ``/proc/self/fd/N``): its descriptor.
 
-    ``redirect_dir`` and ``metacopy`` are off, as for every overlay of the local sandbox.
+    ``redirect_dir`` and ``metacopy`` are off, as for every overlay of the local sandbox, and so is
+    ``xino``: a file then reports the device of the layer it is in (the import guard tells the
+    verifier's files from the agent's by it, ``_guard.py``).
     """
     libc = _libc()
     fs = _check(libc.syscall(_SYS_FSOPEN, b"overlay", 1), "opening an overlay")  # FSOPEN_CLOEXEC
     try:
         options = [("lowerdir", ":".join(lowers)), ("upperdir", upper), ("workdir", work), ("metacopy", "off")]
+        options.append(("xino", "off"))
         options.append(("redirect_dir", "nofollow" if userxattr else "off"))
         if userxattr:
             options.append(("userxattr", None))
