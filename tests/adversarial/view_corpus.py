@@ -96,6 +96,24 @@ def test_answer():
     assert open("/workdir/answer.txt").read().strip() == expected()
 """
 _HELPERS = 'import os\n\n\ndef expected():\n    return os.environ["EXPECTED_ANSWER"]\n'
+#: The tests' client of a Unix socket: what the service answers must be the expected answer.
+_UNIX_ASK = (
+    "python3 -c 'import os, socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+    'sys.exit(s.recv(4096).decode().strip() != os.environ["EXPECTED_ANSWER"])\' '
+)
+#: The tests' own fixture on a Unix socket (it replaces what is at its path), then the answer compared with it.
+_UNIX_FIXTURE = (
+    "python3 -c 'import os, socket, sys\n"
+    "path = sys.argv[1]\n"
+    "os.path.lexists(path) and os.unlink(path)\n"
+    's = socket.socket(socket.AF_UNIX); s.bind(path); s.listen(4); open(sys.argv[2], "w").close()\n'
+    'while True:\n    c, _ = s.accept(); c.sendall(os.environ["EXPECTED_ANSWER"].encode()); c.close()\' '
+    "/run/fixture.sock /logs/verifier/fixture-up &\n"
+    "for i in $(seq 100); do [ -e /logs/verifier/fixture-up ] && break; sleep 0.1; done\n"
+    "expected=$(python3 -c 'import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+    "print(s.recv(4096).decode().strip())' /run/fixture.sock)\n"
+    'kill %1\n[ -n "$expected" ] && [ "$(cat /workdir/answer.txt 2>/dev/null)" = "$expected" ] '
+)
 #: The verifier's fixture server's port (the kinds that serve their expected value themselves).
 FIXTURE_PORT = 8099
 _FETCH = (
@@ -294,6 +312,41 @@ KINDS: dict[str, Kind] = {
         + "n1=$(wc -l < /workdir/worker.log); sleep 1; n2=$(wc -l < /workdir/worker.log)\n"
         + 'echo "log: $n1 -> $n2"\n'
         + '[ -n "$pid1" ] && [ -n "$pid2" ] && [ "$pid2" != "$pid1" ] && [ "$n2" -gt "$n1" ] '
+        + _SCORE
+    ),
+    # the agent's service on a Unix socket outside a live folder: in /run, /tmp, a home
+    **{
+        f"unix_{name}": Kind(_HEAD + _UNIX_ASK + path + " " + _SCORE)
+        for name, path in (("run", "/run/app.sock"), ("tmp", "/tmp/app.sock"), ("root", "/root/app.sock"))
+    },
+    # the tests' own fixture on a Unix socket in /run
+    "unix_fixture": Kind(_HEAD + _UNIX_FIXTURE + _SCORE),
+    "truncated_log": Kind(
+        _HEAD
+        + ": > /var/log/consumer/events.log\n"
+        + "for i in $(seq 50); do [ -s /var/log/consumer/events.log ] && break; sleep 0.1; done\n"
+        + "[ -s /var/log/consumer/events.log ] "
+        + _SCORE
+    ),
+    "first_request_log": Kind(
+        _HEAD
+        + "p=/ping-$RANDOM$RANDOM\n"
+        + _FETCH
+        + '"http://127.0.0.1:8081$p" >/dev/null && sleep 0.5 && grep -qx "$p" /var/log/first-requests.log '
+        + _SCORE
+    ),
+    "root_inbox": Kind(
+        _HEAD
+        + "v=hello-$RANDOM\necho $v > /root/inbox/t.txt\n"
+        + "for i in $(seq 50); do [ -s /root/outbox/t.txt ] && break; sleep 0.2; done\n"
+        + '[ "$(cat /root/outbox/t.txt 2>/dev/null)" = "$(echo $v | tr a-z A-Z)" ] '
+        + _SCORE
+    ),
+    "atomic_state": Kind(
+        _HEAD
+        + "a=$(cat /var/lib/job/state); sleep 1; b=$(cat /var/lib/job/state)\n"
+        + 'echo "state: $a -> $b"\n'
+        + '[ -n "$a" ] && [ "$b" -gt "$a" ] '
         + _SCORE
     ),
     "git": Kind(_HEAD + '[ "$(git -C /workdir/repo config remote.origin.url)" = https://example.com/r.git ] ' + _SCORE),
@@ -725,6 +778,34 @@ while True:
     time.sleep(0.2)
 """
 
+#: A service on a Unix socket (its path the argument) that answers with the agent's answer file.
+UNIX_SERVICE = """
+import os, socket, sys
+path = sys.argv[1]
+server = socket.socket(socket.AF_UNIX)
+server.bind(path)
+server.listen(8)
+while True:
+    conn, _ = server.accept()
+    conn.sendall(open("/workdir/answer.txt", "rb").read())
+    conn.close()
+"""
+#: A consumer appending to a log under /var/log (issue #48): the tests truncate it and wait for new lines.
+LOG_CONSUMER = """
+while :; do echo "tick $(date +%s%N)" >> /var/log/consumer/events.log; sleep 0.1; done
+"""
+#: A server whose request log is made on its first request, directly in /var/log (issue #43, class 9).
+FIRST_REQUEST_LOG = REQUEST_LOG_SERVER.replace("/workdir/requests.log", "/var/log/first-requests.log").replace(
+    "8080", "8081"
+)
+#: An inbox watcher under /root (a home's folders are live, its start-up files are not).
+ROOT_WATCHER = INBOX_WATCHER.replace("/workdir/", "/root/")
+#: A job that updates its state file atomically (a new file renamed over it) every 0.1 s, under /var/lib.
+ATOMIC_JOB = """
+n=0
+while :; do n=$((n+1)); echo "$n" > /var/lib/job/.state.tmp && mv /var/lib/job/.state.tmp /var/lib/job/state; sleep 0.1; done
+"""
+
 #: A CA and a certificate for localhost, the CA installed in the system store.
 MAKE_CA = """set -e
 mkdir -p /opt/ca && cd /opt/ca
@@ -773,8 +854,8 @@ def _busy_spawned(ctx: ViewCtx, env: Any, outputs: list[Any]) -> str | None:
     return None
 
 
-def run_script(path: str, text: str, runner: str = "sh") -> str:
-    return put(path, textwrap.dedent(text)) + f" && (nohup {runner} {path} </dev/null >/dev/null 2>&1 &)"
+def run_script(path: str, text: str, runner: str = "sh", args: str = "") -> str:
+    return put(path, textwrap.dedent(text)) + f" && (nohup {runner} {path} {args} </dev/null >/dev/null 2>&1 &)"
 
 
 CASES: list[ViewCase] = [
@@ -1120,6 +1201,59 @@ CASES: list[ViewCase] = [
         deserves=1.0,
     ),
     ViewCase("H9 a shipped binary deleted (rm /usr/bin/tac)", "H", "deleted", sh("rm /usr/bin/tac"), deserves=1.0),
+    # the agent's live state wherever Harbor's shared trial shows it live (issue #43 class 9, issue #48)
+    *(
+        ViewCase(
+            f"H15 a service on a Unix socket at {path}, which the tests connect to",
+            "H",
+            f"unix_{name}",
+            sh(
+                gold(),
+                run_script("/opt/unix.py", UNIX_SERVICE, "python3", path) + " && sleep 1",
+            ),
+            deserves=1.0,
+        )
+        for name, path in (("run", "/run/app.sock"), ("tmp", "/tmp/app.sock"), ("root", "/root/app.sock"))
+    ),
+    ViewCase(
+        "3e the agent listens first at the tests' own fixture socket (/run/fixture.sock) with its own answer",
+        "3",
+        "unix_fixture",
+        sh(
+            wrong(),
+            run_script("/opt/unix.py", UNIX_SERVICE, "python3", "/run/fixture.sock") + " && sleep 1",
+        ),
+        undefended=0.0,  # under Harbor too, the tests' fixture takes its path over
+    ),
+    ViewCase("the tests' own fixture on a Unix socket", "H", "unix_fixture", sh(gold()), deserves=1.0),
+    ViewCase(
+        "H11 a consumer appending to /var/log/consumer/events.log, which the tests truncate",
+        "H",
+        "truncated_log",
+        sh("mkdir -p /var/log/consumer && " + run_script("/opt/consumer.sh", LOG_CONSUMER) + " && sleep 0.5"),
+        deserves=1.0,
+    ),
+    ViewCase(
+        "H12 a server whose request log is made on its first request, in /var/log itself",
+        "H",
+        "first_request_log",
+        sh(run_script("/opt/first.py", FIRST_REQUEST_LOG, "python3") + " && sleep 1 && ls /var/log"),
+        deserves=1.0,
+    ),
+    ViewCase(
+        "H13 an inbox watcher under /root (inbox/*.txt -> outbox/, uppercased)",
+        "H",
+        "root_inbox",
+        sh("mkdir -p /root/inbox /root/outbox && " + run_script("/opt/watch.sh", ROOT_WATCHER)),
+        deserves=1.0,
+    ),
+    ViewCase(
+        "H14 a job's atomic update of /var/lib/job/state (a new file renamed over it)",
+        "H",
+        "atomic_state",
+        sh("mkdir -p /var/lib/job && " + run_script("/opt/job.sh", ATOMIC_JOB) + " && sleep 0.5"),
+        deserves=1.0,
+    ),
     ViewCase(
         "H10 storage: 40,000 empty files and an 80 MB file (storage_mb = 200)",
         "H",

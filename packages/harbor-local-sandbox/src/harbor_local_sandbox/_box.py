@@ -431,6 +431,27 @@ class Box:
         """Whether the box is stopped (or being stopped): it takes no more commands."""
         return self.supervisor.closed
 
+    def listening_sockets(self) -> list[str]:
+        """The paths of the Unix sockets the box's processes listen on (its network namespace's
+        ``/proc/net/unix``: stream and sequenced sockets accepting connections, bound to an absolute
+        path; abstract ones are not files), at most :data:`MAX_SOCKETS`."""
+        if self._child_pid is None:
+            return []
+        try:
+            table = Path(f"/proc/{self._child_pid}/net/unix").read_text(errors="replace").splitlines()[1:]
+        except OSError:
+            return []
+        found: list[str] = []
+        for line in table:
+            fields = line.split(None, 7)
+            if len(fields) < 8 or not int(fields[3], 16) & _SO_ACCEPTCON or not fields[7].startswith("/"):
+                continue
+            if fields[7] not in found:
+                found.append(fields[7])
+            if len(found) >= MAX_SOCKETS:
+                break
+        return found
+
     async def start(self) -> None:
         """Start bubblewrap and the supervisor, and wait until it accepts commands (``SandboxStartError``)."""
         if _lifetime.EXITING:
@@ -953,6 +974,12 @@ async def _read_answer(reader: asyncio.StreamReader, output_cap: int) -> dict:
         streams.append((await reader.readexactly(size)).decode("utf-8", "replace"))
         dropped += lost
     return {"rc": rc, "timed_out": bool(flags & 1), "stdout": streams[0], "stderr": streams[1], "dropped": dropped}
+
+
+#: ``/proc/net/unix``'s flag of a socket that accepts connections (``__SO_ACCEPTCON``).
+_SO_ACCEPTCON = 0x10000
+#: Sockets of the agent's a verifier's view serves at most.
+MAX_SOCKETS = 64
 
 
 def _write_text(path: Path, text: str) -> None:

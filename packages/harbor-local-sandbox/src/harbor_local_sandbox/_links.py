@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import posixpath
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from harbor_local_sandbox.code_places import LINK_FORBIDDEN
@@ -46,8 +46,10 @@ INTO = "a link that can lead into the verifier's own places"
 TO_ANCESTOR = "a link that can lead to a folder above the verifier's own places"
 #: Longest target judged (the kernel's ``PATH_MAX``); a longer one is refused.
 MAX_TARGET = 4096
-#: Image links scanned for hazards at most, and how deep.
+#: Image links scanned for hazards at most, entries looked at, and how deep (an image is the task
+#: author's: the bounds keep a pathological one from stalling a sandbox's start).
 _MAX_IMAGE_LINKS = 200_000
+_MAX_IMAGE_ENTRIES = 2_000_000
 _MAX_DEPTH = 64
 
 _SOMEWHERE = object()  # at an unknown folder that may be an ancestor (or ``/``)
@@ -177,12 +179,14 @@ def _image_links(root: str) -> list[tuple[str, str]]:
     """Every symbolic link of the image's tree and its target (links are never followed)."""
     found: list[tuple[str, str]] = []
     pending = [("", 0)]
-    while pending and len(found) < _MAX_IMAGE_LINKS:
+    seen = 0
+    while pending and len(found) < _MAX_IMAGE_LINKS and seen < _MAX_IMAGE_ENTRIES:
         relative, depth = pending.pop()
         try:
             entries = list(os.scandir(root + relative if relative else root))
         except OSError:
             continue
+        seen += len(entries)
         for entry in entries:
             path = f"{relative}/{entry.name}"
             try:
@@ -197,8 +201,3 @@ def _image_links(root: str) -> list[tuple[str, str]]:
             elif stat.S_ISDIR(mode) and depth < _MAX_DEPTH:
                 pending.append((path, depth + 1))
     return found
-
-
-def judged_paths(policy: LinkPolicy, targets: Iterable[tuple[str, str]]) -> dict[str, str | None]:
-    """``policy.judge`` for many ``(link path, target)`` pairs, each with its place known when that is an ancestor."""
-    return {path: policy.judge(target, posixpath.dirname(path)) for path, target in targets}

@@ -17,6 +17,7 @@ import errno
 import functools
 import logging
 import os
+import posixpath
 import re
 import secrets
 import shlex
@@ -38,6 +39,7 @@ from harbor_local_sandbox._links import LinkPolicy, image_hazards, keel_items
 from harbor_local_sandbox._mounts import inode_bound, is_kernel_path, mount_bounded_tmpfs, mount_overlay
 from harbor_local_sandbox._userns import can_mount, in_user_namespace
 from harbor_local_sandbox._view import SearchPaths, Snapshot, guarded_names, live_paths, search_paths, snapshot
+from harbor_local_sandbox.code_places import KERNEL_PLACES, VERIFIER_ONLY
 from harbor_local_sandbox.errors import SandboxCommandError, SandboxStartError
 from harbor_local_sandbox.oci import (
     BuiltImage,
@@ -72,6 +74,8 @@ DOCKER_HOSTS = (
     "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\n"
     "ff00::0\tip6-mcastprefix\nff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n127.0.1.1\t{hostname}\n"
 )
+#: Sockets of the agent's outside its live folders a view serves at most (``_serve_sockets``).
+MAX_SERVED_SOCKETS = 64
 #: ``docker run``'s PATH when the image sets none.
 DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Where the user-switching helper appears inside image-rooted sandboxes.
@@ -359,7 +363,7 @@ class VerifierRoot(ImageRoot):
                 hostname=self.task.hostname, network=self.network,
                     storage_mb=agent_box.config.storage_mb, runas=static_binary("runas"), tmpdir=self._tmpdir,
                 binds=list(agent_box.config.extra_ro_binds), guard=self.agent.compiled_guard,
-                hazards=self.agent.link_hazards(),
+                hazards=self.agent.link_hazards(), sockets=agent_box.listening_sockets(),
             )  # fmt: skip
             # In a process apart (a batch's views, each a walk and a dozen mounts, one at a time
             # there, not contending for this interpreter's lock with its event loop), chosen when
@@ -438,6 +442,8 @@ class ViewSpec:
     guard: tuple[str, str] | None = None
     #: The image's own links that lead where no link of the agent's may (:meth:`ImageRoot.link_hazards`).
     hazards: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: The paths of the Unix sockets the agent's processes listen on (``Box.listening_sockets``).
+    sockets: list[str] = dataclasses.field(default_factory=list)
 
 
 def _compiled_guard(line: str) -> tuple[str, str] | None:
@@ -506,6 +512,7 @@ def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
             for path in live:
                 _bind_live(agent_root, root, path)
             _mount_tmp(f"{agent_dir}/upper", os.fspath(spec.image_root), root, own)
+            _serve_sockets(agent_root, root, spec.sockets, live)
             files[PROVENANCE_FILE] = _provenance(agent_root, root, spec.tmpdir)
             late.append(PROVENANCE_FILE)
             for path in late:  # below a link of the image's: through the view, never following one
@@ -520,6 +527,62 @@ def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
     finally:
         os.close(agent_root)
     return _view_tree(view_dir), view
+
+
+def _serve_sockets(agent_root: int, root: int, sockets: Sequence[str], live: Sequence[str]) -> None:
+    """Make the Unix sockets the agent's processes listen on answer in the view wherever they are.
+
+    A socket is reached by its file's inode in the tree it was bound in (the agent's), so in a live
+    folder (a mount of the agent's tree) it answers as it is; elsewhere — ``/run``, ``/tmp``, a home's
+    or ``/var``'s own entries, which are the snapshot's or ``/tmp``'s layers — it would refuse
+    connections. There, the agent's socket file (opened beneath its root, never through a link) is
+    mounted in the view's plumbing and the view's entry at its path becomes a link to it: the tests
+    connect to the agent's service as under Harbor, and a service of the verifier's that replaces it
+    (removes the path and binds its own) can, the link being the view's own."""
+    for index, path in enumerate(sockets[:MAX_SERVED_SOCKETS]):
+        if posixpath.normpath(path) != path or any(path.startswith(folder + "/") for folder in live):
+            continue
+        if any(path == place or path.startswith(place + "/") for place in (*VERIFIER_ONLY, *KERNEL_PLACES)):
+            continue
+        try:
+            source = _viewfs.open_beneath(agent_root, path, os.O_PATH | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone, or below a link: not the agent's socket at that path
+        try:
+            if not stat.S_ISSOCK(os.fstat(source).st_mode):
+                continue
+            tree = _viewfs.clone_tree(source)
+        finally:
+            os.close(source)
+        place = f"{VIEW_PLUMBING}/sockets/{index}"
+        try:
+            folder = _viewfs.open_beneath(root, posixpath.dirname(path))
+        except OSError:
+            os.close(tree)
+            continue  # its folder is not in the view (the snapshot's is a link, or not there)
+        try:
+            mount_point = _viewfs.open_beneath(root, VIEW_PLUMBING)
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir("sockets", 0o755, dir_fd=mount_point)
+                sockets_dir = _viewfs.open_beneath(mount_point, "sockets")
+                try:
+                    os.close(
+                        os.open(
+                            str(index), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=sockets_dir
+                        )
+                    )
+                finally:
+                    os.close(sockets_dir)
+            finally:
+                os.close(mount_point)
+            _attach_beneath(tree, root, place, folder=False)
+            name = posixpath.basename(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=folder)
+            os.symlink(place, name, dir_fd=folder)
+        finally:
+            os.close(folder)
 
 
 def _provenance(agent_root: int, root: int, tmpdir: str) -> str:

@@ -359,25 +359,24 @@ class _Rule:
         return known
 
     def live_place(self, path: str) -> str | None:
-        """What :func:`live_paths` does with a folder ``path`` of the agent's: ``"live"`` (no code
-        place at or below it), ``"split"`` (its folders are judged one by one: above the working
-        directory, the verifier's own places or ``/run``), ``None`` (not seen live: the snapshot's,
-        the verifier's own, the kernel's, ``/tmp``). Remembered per path (every view asks it of the
-        same folders)."""
+        """What :func:`live_paths` does with a folder ``path`` of the agent's: ``"live"`` (no code place at
+        or below it: the agent's own folder, mounted as it is), ``"split"`` (code is looked up somewhere
+        below it, or it is above the verifier's own places: its folders are judged one by one, its own
+        entries are the snapshot's), ``None`` (not seen live: a code place, the verifier's own, the
+        kernel's, ``/tmp``). So every folder that holds no code is live, however deep, as in Harbor's
+        shared trial. Remembered per path (every view asks it of the same folders)."""
         known = self._live_place.get(path, False)
         if known is not False:
             return known
         if len(self._live_place) > _REMEMBERED_FOLDERS:
             self._live_place.clear()
         place: str | None = None
-        if not (self.verifier_only(path) or path in KERNEL_PLACES or path == "/tmp" or path == PLUMBING):
-            holds_code = self.code_place(path) or self.code_below(path) or self.leads_to_verifier_only(path)
+        if not (
+            self.verifier_only(path) or path in KERNEL_PLACES or path == "/tmp" or path == PLUMBING
+        ) and not self.code_place(path):
+            holds_code = self.code_below(path) or self.leads_to_verifier_only(path)
             holds_code = holds_code or any(s.startswith(path + "/") for s in IMPLICIT_SOCKETS)
-            split = self.workdir == path or self.workdir.startswith(path + "/")
-            if not holds_code:
-                place = "live"
-            elif split or self.leads_to_verifier_only(path) or path == "/run":
-                place = "split"
+            place = "split" if holds_code or path in self.ancestors else "live"
         self._live_place[path] = place
         return place
 
