@@ -156,7 +156,7 @@ def test_download_never_follows_links_the_agent_planted(task: Path, tmp_path: Pa
             await env.exec(
                 "mkdir -p /logs/verifier/sub && echo 1 > /logs/verifier/reward.txt && "
                 f"ln -s {host_secret} /logs/verifier/leak.txt && ln -s /etc /logs/verifier/etc && "
-                f"ln -s {host_dir} /logs/verifier/sub/dir && ln -s /logs /workdir/linked"
+                f"ln -s {host_dir} /logs/verifier/sub/dir && ln -s /etc /workdir/linked"
             )
             await env.download_dir("/logs/verifier", out)
             assert (out / "reward.txt").read_text().strip() == "1"
@@ -165,7 +165,7 @@ def test_download_never_follows_links_the_agent_planted(task: Path, tmp_path: Pa
             with pytest.raises(UnsafePathError):
                 await env.download_file("/logs/verifier/leak.txt", tmp_path / "one.txt")
             with pytest.raises(UnsafePathError):
-                await env.download_dir("/workdir/linked/verifier", tmp_path / "through-link")
+                await env.download_dir("/workdir/linked/apt", tmp_path / "through-link")
             assert not (tmp_path / "one.txt").exists()
         finally:
             await env.stop(delete=True)

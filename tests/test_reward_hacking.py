@@ -277,14 +277,15 @@ def test_tampering_is_reported_with_its_changes_and_allowed_changes_are_honoured
     )
     assert env.reward == 1.0 and not env.verification.tampered, env.verification
 
-    # What a task (or the user) declares may change is allowed.
-    allowing = HarborSpec(
-        suite, environment_type="local", env_kwargs={"allowed_changes": ["*/dist-packages/zz.pth"], **generic}
-    )
-    env = allowing.environment_factory()
-    env.reset(task_dir=task)
-    env.bash(f"echo 'import sys' > {SITE}/zz.pth; echo {GOLD} > /workdir/answer.txt")
-    assert env.reward == 1.0
+    # What a task (or the user) declares may change is allowed; a start-up hook only where it is named
+    # exactly (a glob never crosses "/" and a wildcard never admits a hook).
+    site = "/usr/local/lib/python3.11/dist-packages"  # the task image's (SITE, as the shell finds it)
+    for allowed, reward in (([f"{site}/zz.pth"], 1.0), ([f"{site}/zz*"], 0.0), (["*/dist-packages/zz.pth"], 0.0)):
+        allowing = HarborSpec(suite, environment_type="local", env_kwargs={"allowed_changes": allowed, **generic})
+        env = allowing.environment_factory()
+        env.reset(task_dir=task)
+        env.bash(f"echo 'import sys' > {SITE}/zz.pth; echo {GOLD} > /workdir/answer.txt")
+        assert env.reward == reward, (allowed, env.verification)
 
 
 @requires_local
@@ -335,13 +336,17 @@ def test_tamper_policy_refuses_replacing_and_shadowing_and_lets_installs_through
     assert bad((f"{site}/numpy/__init__.py", "modified")) == [f"{site}/numpy/__init__.py"]
     assert bad((f"{site}/json.py", "added")) == [f"{site}/json.py"]  # shadows the stdlib's json
     assert bad((f"{site}/requests", "added"), (f"{site}/requests/__init__.py", "added")) == []  # an install
-    assert bad(("/root/.bashrc", "modified"), ("/etc/profile.d/x.sh", "added"), ("/tests/conftest.py", "added")) == [
-        "/root/.bashrc",
+    assert bad(("/root/.profile", "modified"), ("/etc/profile.d/x.sh", "added"), ("/tests/conftest.py", "added")) == [
+        "/root/.profile",
         "/etc/profile.d/x.sh",
         "/tests/conftest.py",
     ]
     assert bad(("/workdir/answer.txt", "modified")) == []  # not watched: the answer itself
-    assert bad((f"{site}/zz.pth", "added"), allowed=("*/zz.pth",)) == []
+    assert bad((f"{site}/zz.pth", "added"), allowed=(f"{site}/zz.pth",)) == []
+    # a glob never crosses "/", and admits a start-up hook only where it names it exactly
+    assert bad((f"{site}/zz.pth", "added"), allowed=("*/zz.pth",)) == [f"{site}/zz.pth"]
+    assert bad((f"{site}/zz.pth", "added"), allowed=(f"{site}/zz*",)) == [f"{site}/zz.pth"]
+    assert bad((f"{site}/zzpkg/__init__.py", "modified"), allowed=(f"{site}/zz*",)) == []
 
 
 def test_generic_fingerprint_command_matches_the_host_side_walk(tmp_path: Path) -> None:

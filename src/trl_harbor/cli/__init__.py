@@ -127,6 +127,7 @@ def _add_dataset_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _print_check(console, title: str, results) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title)
@@ -134,15 +135,17 @@ def _print_check(console, title: str, results) -> None:
         table.add_column(column)
     for r in results:
         table.add_row(
-            r.task,
+            escape(r.task),
             "error" if r.oracle.reward is None else f"{r.oracle.reward:g}",
             "error" if r.nop.reward is None else f"{r.nop.reward:g}",
-            "[green]pass" if r.passed else "[red]FAIL",
-            r.why[:300],
+            "[green]pass" if r.passed else "[yellow]FAIL (view)" if r.fails_only_in_view else "[red]FAIL",
+            escape(r.why[:600]),  # a reason may name a TOML table ("[metadata]"), not rich markup
         )
     console.print(table)
     passed = sum(r.passed for r in results)
-    console.print(f"{passed} passed, {len(results) - passed} failed")
+    in_view = sum(r.fails_only_in_view for r in results)
+    note = f" ({in_view} of them pass in place, fail in the isolated view)" if in_view else ""
+    console.print(f"{passed} passed, {len(results) - passed} failed{note}")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

@@ -9,6 +9,17 @@ task's floor (0 unless ``[metadata] reward_floor`` says otherwise). A task whose
 empty answer, or whose reference solution fails, would silently poison training; this catches
 both before a GPU hour is spent.
 
+When the oracle scores below 1, its row says what failed (the failing tests of the verifier's
+output, else its last lines: :func:`failures`). On a backend that grades in an isolated view of
+the sandbox (the local sandbox: the verifier runs the image's code, not what the agent changed
+there), the oracle's rollout is then graded once more, in the same sandbox, in place — as Harbor's
+trial grades it (:meth:`~trl_harbor.rollout.episode.Episode.grade_in_place`). A task that passes
+there "passes in place, fails in the isolated view" (:attr:`CheckResult.fails_only_in_view`): its
+solution is right, the view is what fails it (a solution that changes the image's code without
+``[metadata] allowed_changes``, or something the view does not support). It still fails the check:
+training on this backend would score its honest rollouts 0, which must not pass unnoticed. Training
+never grades twice; only ``check`` does, only for the oracle, and only after it failed in the view.
+
 One task never stops the check: a task that is malformed, that the backend cannot run, or whose
 sandbox fails, is a failed row with its reason. Episodes run on the shared loop of
 :mod:`trl_harbor.runtime`, as in training.
@@ -19,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import re
 import shutil
 import tempfile
 import time
@@ -31,13 +44,30 @@ from trl_harbor import runtime
 from trl_harbor.options import HarborOptions
 from trl_harbor.rollout import steps
 from trl_harbor.rollout.episode import Episode
+from trl_harbor.rollout.outcome import Cause
 
 if TYPE_CHECKING:
     from trl_harbor.rollout.backends import Backend
 
-__all__ = ["CheckResult", "TrialOutcome", "check_suite", "check_task"]
+__all__ = ["CheckResult", "TrialOutcome", "check_suite", "check_task", "failures"]
 
 logger = logging.getLogger(__name__)
+
+#: At most this many characters of a verifier's output say what failed, per episode.
+FAILURES_CHARS = 240
+#: At most this many of what the isolated view held back are kept, per episode.
+CONCEALED_KEPT = 5
+#: How much of the end of a verifier's output is read for what failed.
+_TAIL_BYTES = 64 << 10
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+#: A failing test as test runners summarise it: pytest's short summary (``FAILED tests/test_x.py::test_y
+#: - AssertionError``, ``ERROR ...``) and unittest's (``FAIL: test_y (test_x.T.test_y)``, ``ERROR: ...``; not
+#: its closing ``FAILED (failures=1)``).
+_FAILED_TEST = re.compile(r"^(?:FAILED|ERROR) [^\s(]|^(?:FAIL|ERROR): \S")
+#: The causes of an oracle's shortfall after which it is graded once more in place: graded normally, no
+#: usable reward, a view refused for what it left (with an isolated view the only ``TAMPERED``); not a
+#: sandbox lost to the infrastructure or exhausted, nor a misconfigured reward.
+_REGRADED = (None, Cause.VERIFIER, Cause.TAMPERED)
 
 
 @dataclass
@@ -47,19 +77,35 @@ class TrialOutcome:
     Attributes:
         reward: The reward, or ``None`` if the episode could not be graded.
         error: Why it could not be graded, or why it scored what it did (empty when graded normally).
-        seconds: Wall time of the episode.
+        seconds: Wall time of the episode (up to its grade).
         rewards: Every value the verifier wrote.
+        failures: For an oracle that scored below 1, what failed, from the verifier's output: the
+            failing tests (pytest's or unittest's summary lines), else its last lines; at most
+            :data:`FAILURES_CHARS` characters (empty otherwise).
+        concealed: For an oracle that scored below 1 in an isolated view, what the view held back
+            of the rollout's changes, and why (``"path (why)"``; the first :data:`CONCEALED_KEPT`; not
+            Harbor's own ``/solution``, ``/tests``, ``/logs/verifier``).
+        in_place: For an oracle that scored below 1 in an isolated view, the same rollout graded
+            once more in place, as Harbor's trial grades it (``None``: not graded again).
     """
 
     reward: float | None
     error: str | None
     seconds: float
     rewards: dict[str, float] = field(default_factory=dict)
+    failures: str = ""
+    concealed: list[str] = field(default_factory=list)
+    in_place: TrialOutcome | None = None
 
 
 @dataclass
 class CheckResult:
     """The check of one task.
+
+    A task passes when its oracle scored 1 and doing nothing the floor. An oracle that scored below 1
+    in the isolated view and 1 in place (:attr:`fails_only_in_view`) is not a wrong solution, and its
+    :attr:`why` says so, but the task still fails: on this backend training would score the task's
+    honest rollouts 0 (the view is how training grades), so it must not pass silently.
 
     Attributes:
         task: The task's name.
@@ -89,14 +135,43 @@ class CheckResult:
         )
 
     @property
+    def fails_only_in_view(self) -> bool:
+        """Whether the oracle passes in place but fails in the isolated view: the view, not the solution, fails it."""
+        in_place = self.oracle.in_place
+        return self.problem is None and not _one(self.oracle.reward) and in_place is not None and _one(in_place.reward)
+
+    @property
     def why(self) -> str:
         """A one-line reason for a failed check (empty when it passed)."""
         if self.passed:
             return ""
         if self.problem:
             return self.problem
-        if self.oracle.reward is None or not math.isclose(self.oracle.reward, 1.0):
-            return f"oracle scored {_show(self.oracle.reward)}: {self.oracle.error or 'its solution is wrong'}"
+        oracle = self.oracle
+        if self.fails_only_in_view:
+            found = f"; failed: {oracle.failures}" if oracle.failures else ""
+            if not found and oracle.error:  # e.g. the verifier wrote no reward in the view
+                found = f"; {_shorten(oracle.error, FAILURES_CHARS)}"
+            if oracle.concealed:
+                more = len(oracle.concealed) - 2
+                hidden = "; ".join(_shorten(c, 120) for c in oracle.concealed[:2])
+                found += f"; the view held back: {hidden}" + (f"; and {more} more" if more > 0 else "")
+                advice = "if the solution may change these, declare them in task.toml [metadata] allowed_changes"
+            else:
+                advice = "the view differs from the task's sandbox here"
+            return (
+                f"oracle passes in place, fails in the isolated view (scored {_show(oracle.reward)} there{found}); "
+                f"{advice} (docs/rewards.md)"
+            )
+        if not _one(oracle.reward):
+            why = f"oracle scored {_show(oracle.reward)}: {oracle.error or 'its solution is wrong'}"
+            if oracle.in_place is not None:
+                why += (
+                    f" (in place too: {_show(oracle.in_place.reward)})"
+                    if oracle.in_place.reward is not None
+                    else f" (grading it in place failed too: {oracle.in_place.error})"
+                )
+            return f"{why}; failed: {oracle.failures}" if oracle.failures else why
         why = self.nop.error or "the verifier accepts an untouched sandbox"
         return f"doing nothing scored {_show(self.nop.reward)}, expected {self.floor:g}: {why}"
 
@@ -104,16 +179,62 @@ class CheckResult:
         """A JSON-ready form (``trl-harbor check --json``).
 
         Returns:
-            The result's fields, with ``passed`` and ``why``.
+            The result's fields, with ``passed``, ``fails_only_in_view`` and ``why``.
         """
         data = asdict(self)
         data["task_dir"] = str(self.task_dir)
-        data.update(passed=self.passed, why=self.why)
+        data.update(passed=self.passed, fails_only_in_view=self.fails_only_in_view, why=self.why)
         return data
+
+
+def _one(reward: float | None) -> bool:
+    return reward is not None and math.isclose(reward, 1.0)
 
 
 def _show(reward: float | None) -> str:
     return "nothing (error)" if reward is None else f"{reward:g}"
+
+
+def _shorten(text: str, limit: int, *, keep_end: bool = False) -> str:
+    if len(text) <= limit:
+        return text
+    return "…" + text[-(limit - 1) :] if keep_end else text[: limit - 1] + "…"
+
+
+def failures(output: Path, limit: int = FAILURES_CHARS) -> str:
+    """What failed, in a verifier's output (Harbor's ``verifier/test-stdout.txt``: stdout and stderr).
+
+    The failing tests as the test runner summarises them (pytest's ``FAILED``/``ERROR`` lines,
+    unittest's ``FAIL:``/``ERROR:`` lines), else the output's last lines. Only the output's end is read.
+
+    Args:
+        output: The verifier's output file.
+        limit: At most this many characters are returned.
+
+    Returns:
+        One line of at most ``limit`` characters (empty when there is no output).
+    """
+    try:
+        with output.open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - _TAIL_BYTES))
+            text = file.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [" ".join(_ANSI.sub("", line).split()) for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    named = list(dict.fromkeys(line for line in lines if _FAILED_TEST.match(line)))
+    if not named:
+        return _shorten(" | ".join(lines[-3:]), limit, keep_end=True)
+    shown: list[str] = []
+    used = 0
+    for line in named:
+        line = _shorten(line, limit // 2)
+        if shown and used + len(line) + 2 > limit - len("; and 999 more"):
+            break
+        shown.append(line)
+        used += len(line) + 2
+    more = len(named) - len(shown)
+    return _shorten("; ".join(shown) + (f"; and {more} more" if more else ""), limit)
 
 
 async def _episode(task: Any, backend: Backend, options: HarborOptions, workdir: Path, *, oracle: bool) -> TrialOutcome:
@@ -142,11 +263,44 @@ async def _episode(task: Any, backend: Backend, options: HarborOptions, workdir:
                     break
         verification = await episode.grade()
         seconds = time.perf_counter() - started
-        return TrialOutcome(verification.reward, verification.reason or None, seconds, dict(verification.rewards))
+        outcome = TrialOutcome(verification.reward, verification.reason or None, seconds, dict(verification.rewards))
+        # A rollout that fell short in a sandbox still running (graded, its verifier wrote no usable reward,
+        # or a view was refused for what it left): say what failed, and where a view graded it, grade it
+        # once more in place (the view's output first: grading again replaces the trial folder's).
+        if oracle and not _one(verification.reward) and verification.cause in _REGRADED:
+            outcome.failures = failures(episode.paths.test_stdout_path)
+            outcome.concealed = _solution_changes(verification.concealed)[:CONCEALED_KEPT]
+            outcome.in_place = await _in_place(episode)
+        return outcome
     except Exception as error:  # noqa: BLE001 - a failed episode is a result, not a crash
         return TrialOutcome(None, f"{type(error).__name__}: {error}".strip(), time.perf_counter() - started)
     finally:
         await episode.stop()
+
+
+def _solution_changes(concealed: Sequence[str]) -> list[str]:
+    """What a view held back (``"path (why)"`` entries) of the rollout's own changes: not Harbor's folders of
+    the verifier, which the oracle agent and earlier steps fill (``/solution``, ``/tests``, ``/logs/verifier``)."""
+    from harbor.models.trial.paths import EnvironmentPaths
+
+    paths = EnvironmentPaths()
+    harbors = tuple(str(p) for p in (paths.solution_dir, paths.tests_dir, paths.verifier_dir))
+    kept = (entry for entry in concealed if not entry.startswith(tuple(p + end for p in harbors for end in " /")))
+    return list(dict.fromkeys(kept))
+
+
+async def _in_place(episode: Episode) -> TrialOutcome | None:
+    """The graded rollout graded once more in place (``None`` where its backend grades in place anyway)."""
+    started = time.perf_counter()
+    try:
+        verification = await episode.grade_in_place()
+    except Exception as error:  # noqa: BLE001 - the view's grade stands; this one says why it is missing
+        return TrialOutcome(None, f"{type(error).__name__}: {error}".strip(), time.perf_counter() - started)
+    if verification is None:
+        return None
+    reward = None if verification.infra else verification.reward
+    seconds = time.perf_counter() - started
+    return TrialOutcome(reward, verification.reason or None, seconds, dict(verification.rewards))
 
 
 async def check_task(

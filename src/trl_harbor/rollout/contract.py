@@ -9,7 +9,7 @@ checks it with ``isinstance``:
 * on a sandbox (an environment instance): :class:`IsolatedVerification` (the verifier in a view the
   agent cannot reach; the view is a :class:`VerifierView`), :class:`Liveness`,
   :class:`ExhaustionReport`, :class:`NativeSeal` (its processes and files read without running the
-  sandbox's programs), and its errors :class:`RefusedDownload`;
+  sandbox's programs), and its errors :class:`RefusedDownload` and :class:`RefusedView`;
 * on a backend's class: :class:`ImageCache` (``trl-harbor images``, images built ahead of a run),
   :class:`IdleResources` (what it keeps warm between sandboxes), :class:`ComposeDeclaration`
   (whether it runs a task's compose services).
@@ -39,6 +39,7 @@ __all__ = [
     "Liveness",
     "NativeSeal",
     "RefusedDownload",
+    "RefusedView",
     "VerifierView",
     "isolating",
 ]
@@ -115,6 +116,20 @@ class RefusedDownload(Protocol):
     """
 
     unsafe: bool
+
+
+@runtime_checkable
+class RefusedView(Protocol):
+    """An error of a verifier view the backend refused to make for what the rollout left in its sandbox.
+
+    Raised by :meth:`IsolatedVerification.verifier_view` with ``tampered`` true (the local sandbox's
+    ``UnjudgeableViewError``: content its rule could not judge, nor leave out of the view): the
+    rollout's doing — it scores 0, cause ``tampered`` — never the infrastructure's. A backend marks
+    only errors that the rollout's content causes; a view that fails for the backend's own reasons
+    carries no mark.
+    """
+
+    tampered: bool
 
 
 @runtime_checkable

@@ -3,8 +3,9 @@
 An episode is what one ``reset`` brings up: the task, its sandbox and Harbor's trial folder.
 It starts the sandbox the way Harbor's trials do (the network plan, the healthcheck, the first
 step's staging), runs the agent's commands, moves a multi-step task from step to step, and has
-it graded (:func:`trl_harbor.rollout.grading.grade`) once. Its state is one :class:`Phase` and,
-when the rollout cannot go on, one :class:`Failure`.
+it graded (:func:`trl_harbor.rollout.grading.grade`) once (``trl-harbor check`` may have it graded
+once more in place, :meth:`Episode.grade_in_place`). Its state is one :class:`Phase` and, when the
+rollout cannot go on, one :class:`Failure`.
 
 Every coroutine here runs on the shared loop of :mod:`trl_harbor.runtime`.
 """
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 from trl_harbor import progress, runtime
 from trl_harbor.options import HarborOptions
 from trl_harbor.rollout import grading, steps
+from trl_harbor.rollout.contract import isolating
 from trl_harbor.rollout.outcome import COUNTERS, Cause, Failure, Verification
 from trl_harbor.rollout.policy import GradingPolicy
 from trl_harbor.rollout.seal import Baseline
@@ -309,6 +311,41 @@ class Episode:
         if self.steps:
             self.step_outcomes.append(outcome)
         return outcome
+
+    async def grade_in_place(self) -> Verification | None:
+        """Grade the rollout once more, in its sandbox itself, as Harbor's trial grades it (after :meth:`grade`).
+
+        For ``trl-harbor check``, never for training: on a backend that grades in an isolated view
+        (:func:`~trl_harbor.rollout.contract.isolating`), what the same rollout scores graded in place
+        (:func:`grading.grade_in_place`, unsealed), which tells a reference solution that the view
+        fails from a wrong one. :attr:`verification` and the counters stay the view's. A multi-step
+        task's last graded step is graded again and the steps are combined anew (steps that a step
+        failed in the view kept the rollout from reaching stay unreached).
+
+        Returns:
+            The verification in place (not settled for ``on_infra_error``), or ``None`` where there is
+            nothing to compare: the sandbox is graded in place anyway (no isolated view), its verifier
+            runs in a sandbox of its own, or the rollout cannot be graded again (it failed or its
+            sandbox is gone).
+        """
+        await self.grade()
+        environment, placement = self.environment, self.placement
+        if (
+            environment is None
+            or placement is None
+            or placement.separate
+            or not isolating(environment)
+            or self.failure is not None
+            or self.phase is Phase.STOPPED
+            or (self.steps and len(self.step_outcomes) != self.step_index + 1)
+        ):
+            return None
+        context = grading.Context(self.task, self.step, placement, self.policy, self.paths, self.backend, self.options)
+        outcome = await grading.grade_in_place(environment, context)
+        if not self.steps:
+            return outcome
+        outcomes = [*self.step_outcomes[:-1], outcome]
+        return steps.combine(self.task, self.steps, outcomes, self.options, None, self.policy.reward_weights)
 
     async def submit_step(self) -> str | None:
         """Grade the current step and stage the next (``None`` when the rollout is over).

@@ -13,13 +13,20 @@ taken before the agent — and returns a :class:`~trl_harbor.rollout.outcome.Ver
 * **Separate verification** (``[verifier] environment_mode = "separate"``): the agent's processes
   are stopped, the declared artifacts copied as files into a fresh verifier sandbox, and the
   verifier runs there.
+* **In place, whatever the backend offers** (:func:`grade_in_place`, for ``trl-harbor check`` only):
+  a rollout already graded in the view graded once more in the agent's sandbox itself, unsealed, as
+  Harbor's trial grades it: whether the view, not the solution, fails a reference solution.
 * **Failures** are classified by where the fault is, asked of the backend, not of a shell the agent
   could break. The verifier ran and wrote no usable reward in a sandbox the backend still runs: the
   rollout broke its own verification (0). The sandbox stopped answering: an infrastructure failure,
-  unless the agent exhausted its limits (0). Anything else that goes wrong in grading itself — an
-  unexpected exception in this package's code or in how it calls Harbor's — is never the policy's:
-  it is an infrastructure failure, logged at WARNING with its traceback and counted by the batch
-  guard.
+  unless the agent exhausted its limits (0). What the rollout left that the backend refuses to
+  handle is the rollout's doing, whatever the error: a verifier view refused for content it could
+  not judge (the backend's error meets :class:`~trl_harbor.rollout.contract.RefusedView`: 0,
+  ``tampered``), an artifact it would not copy (:class:`~trl_harbor.rollout.contract.RefusedDownload`:
+  0, ``verifier``). Backends mark those errors; grading never guesses them from an exception's type.
+  Anything else that goes wrong in grading itself — an unexpected exception in this package's code
+  or in how it calls Harbor's, a view or a copy that fails unmarked — is never the policy's: it is
+  an infrastructure failure, logged at WARNING with its traceback and counted by the batch guard.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from trl_harbor.rollout.contract import (
     IsolatedVerification,
     Liveness,
     RefusedDownload,
+    RefusedView,
     VerifierView,
     isolating,
 )
@@ -56,7 +64,7 @@ if TYPE_CHECKING:
     from trl_harbor.rollout.backends import Backend, VerifierPlacement
     from trl_harbor.rollout.policy import GradingPolicy
 
-__all__ = ["Context", "alive", "exhaustion", "failed", "grade", "settle"]
+__all__ = ["Context", "alive", "exhaustion", "failed", "grade", "grade_in_place", "settle"]
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +212,10 @@ async def _grade_isolated(environment: IsolatedVerification, context: Context) -
                 Cause.VERIFIER,
                 f"the rollout filled its sandbox's storage; the verifier's view could not be made ({exc})",
             )
+        if _refused_view(exc):
+            reason = f"the verifier's view was refused for what the rollout left ({exc}); scored 0 without verifying"
+            logger.info("trl-harbor: task %s: %s", context.task.name, reason)
+            return failed(Cause.TAMPERED, reason)
         return _grading_fault(context, "opening the verifier's view", exc)
     concealed = tuple(opened.concealed) if isinstance(opened, VerifierView) else ()
     try:
@@ -218,8 +230,6 @@ async def _grade_isolated(environment: IsolatedVerification, context: Context) -
 
 
 async def _grade_in_place(environment: BaseEnvironment, context: Context, baseline: Baseline) -> Verification:
-    from harbor.models.trial.paths import EnvironmentPaths
-
     try:
         report = await baseline.apply(
             environment, context.options.agent_processes == "kill", context.policy.allowed_changes
@@ -236,6 +246,13 @@ async def _grade_in_place(environment: BaseEnvironment, context: Context, baseli
         )
         logger.info("trl-harbor: task %s: %s", context.task.name, reason)
         return failed(Cause.TAMPERED, reason, tampered=tuple(str(c) for c in report.tampered), killed=report.killed)
+    return await _verify_in_place(environment, context, killed=report.killed)
+
+
+async def _verify_in_place(environment: BaseEnvironment, context: Context, **details: Any) -> Verification:
+    """Run the verifier in the agent's sandbox itself, on the verifier phase's network."""
+    from harbor.models.trial.paths import EnvironmentPaths
+
     plan = context.placement.plan
     try:
         with environment.with_default_user(context.placement.user):
@@ -244,8 +261,34 @@ async def _grade_in_place(environment: BaseEnvironment, context: Context, baseli
                 await environment.set_network_policy(plan.verifier_phase)
             rewards = await _run_verifier(environment, context)
     except Exception as exc:
-        return await _verifier_failed(exc, environment, context, killed=report.killed)
-    return _scored(rewards, context, killed=report.killed)
+        return await _verifier_failed(exc, environment, context, **details)
+    return _scored(rewards, context, **details)
+
+
+async def grade_in_place(environment: BaseEnvironment, context: Context) -> Verification:
+    """Grade in the agent's sandbox itself, as Harbor's shared trial does, whatever view the backend offers.
+
+    A diagnostic, never a training grade: ``trl-harbor check`` grades an oracle's rollout that scored
+    below 1 in the isolated view (:class:`~trl_harbor.rollout.contract.IsolatedVerification`) once more
+    this way, to tell a task that the view fails from a wrong solution
+    (:meth:`~trl_harbor.rollout.episode.Episode.grade_in_place`). Nothing is sealed: the agent's
+    processes keep running, as under Harbor, and its changes to what the verifier runs are not refused
+    (the rollout is a reference solution's, graded as Harbor would grade it). The sandbox keeps the
+    verifier phase's network afterwards.
+
+    Args:
+        environment: The agent's sandbox, already graded (:func:`grade`).
+        context: As for :func:`grade`; its placement must share the agent's sandbox.
+
+    Returns:
+        The verification, its failures classified as :func:`grade`'s.
+
+    Raises:
+        ValueError: For a verifier that runs in a sandbox of its own (``environment_mode = "separate"``).
+    """
+    if context.placement.separate:
+        raise ValueError("a separate verifier does not run in the agent's sandbox: there is no grading in place")
+    return await _verify_in_place(environment, context)
 
 
 async def _grade_separately(environment: BaseEnvironment, context: Context, baseline: Baseline) -> Verification:
@@ -357,11 +400,13 @@ async def _copy_artifacts(source: BaseEnvironment, target: BaseEnvironment, cont
     """Copy the declared artifacts (and ``/logs/artifacts``) into the verifier sandbox, as files.
 
     Returns:
-        ``None``, or what made an artifact unsafe to copy (a link, a size past the backend's
-        bound): the rollout's doing.
+        ``None``, or what made an artifact unsafe to copy — a link, a tree past the backend's bounds
+        (bytes, entries, depth, a path's length), an entry the backend could not copy — as the
+        backend marks it (:func:`_unsafe`): the rollout's doing, scored 0 with cause ``verifier``
+        as every artifact the verifier cannot have.
 
     Raises:
-        _BackendFault: When the copy fails for another reason.
+        _BackendFault: When the copy fails for another reason (unmarked: the backend's, the host's).
     """
     from harbor.models.trial.paths import EnvironmentPaths
 
@@ -395,9 +440,25 @@ async def _copy_artifacts(source: BaseEnvironment, target: BaseEnvironment, cont
 
 
 def _unsafe(error: BaseException) -> bool:
-    """Whether a download was refused for what the rollout left (a link, a size past the bound).
+    """Whether a download was refused for what the rollout left (a link, a tree past the bounds, an entry
+    that could not be copied).
 
     Backends mark such errors (:class:`~trl_harbor.rollout.contract.RefusedDownload`); grading
     does not import a backend.
     """
     return isinstance(error, RefusedDownload) and bool(error.unsafe)
+
+
+def _refused_view(error: BaseException) -> bool:
+    """Whether a verifier view was refused for what the rollout left in its sandbox (content the backend
+    could not judge): the error, or one it was raised from, is marked by the backend
+    (:class:`~trl_harbor.rollout.contract.RefusedView`). An unmarked error — of the backend's own, of a
+    programming error — is never the rollout's."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, RefusedView) and bool(current.tampered):
+            return True
+        seen.add(id(current))
+        current = current.__cause__
+    return False

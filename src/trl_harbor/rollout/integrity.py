@@ -44,6 +44,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from trl_harbor.rollout import code_places
+
 __all__ = [
     "KILL_SCRIPT",
     "PROCESS_SNAPSHOT_SCRIPT",
@@ -59,36 +61,22 @@ __all__ = [
     "watches",
 ]
 
-#: Files (and folders, recursively) that shape how shells, the loader and package managers start.
-#: ``~`` stands for every home folder (``/root`` and ``/home/*``).
-STARTUP_FILES: tuple[str, ...] = (
-    "/etc/profile",
-    "/etc/profile.d",
-    "/etc/bash.bashrc",
-    "/etc/environment",
-    "/etc/ld.so.preload",
-    "/etc/ld.so.conf",
-    "/etc/ld.so.conf.d",
-    "/etc/pip.conf",
-    "/etc/uv",
-    "/etc/python3*",
-    "~/.bashrc",
-    "~/.bash_profile",
-    "~/.bash_login",
-    "~/.profile",
-    "~/.pydistutils.cfg",
-    "~/.pip",
-    "~/.config/pip",
-    "~/.config/uv",
-    "~/.npmrc",
-    "~/.curlrc",
-    "~/.wgetrc",
-)
+#: Files (and folders, recursively) that shape how shells, the loader and package managers start, from
+#: the one table of code places (``code_places.py``: the local sandbox's view and keel read it too).
+#: ``~`` stands for every home folder (``/root`` and ``/home/*``). The loader's cache is left out: an
+#: honest ``ldconfig`` rewrites it, and without a view nothing can be shown instead of it (the view
+#: remakes it from the image's configuration). So are the folders verify-time tools are fetched into
+#: (``FETCHED_CODE``) and the package managers' scripts: honest installs write there, and a seal can
+#: only refuse, not hide (docs/security.md says what that leaves to a backend without a view).
+STARTUP_FILES: tuple[str, ...] = tuple(item for item in code_places.STARTUP_FILES if item != "/etc/ld.so.*") + (
+    "/etc/ld.so.preload", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
+)  # fmt: skip
 #: What Harbor's verifier reads from the sandbox besides the files under test: the agent may not
 #: touch it (a planted ``/tests/conftest.py`` or ``/tests/json.py`` would run as the grader).
-VERIFIER_INPUTS: tuple[str, ...] = ("/tests",)
+#: (``/solution`` is Harbor's oracle's own upload, made after the baseline: not watched.)
+VERIFIER_INPUTS: tuple[str, ...] = tuple(p for p in code_places.VERIFIER_ONLY if p == "/tests")
 _HOMES = ("/root", "/home/*")
-_PY_HOOKS = ("sitecustomize", "usercustomize")
+_PY_HOOKS = tuple(hook.rstrip("*") for hook in code_places.HOOKS if hook.endswith("*"))
 _MODULE_SUFFIXES = (".py", ".pyc", ".pth", ".so", ".pyd", ".dist-info", ".egg-info", ".egg-link")
 
 Kind = Literal["added", "modified", "removed"]
@@ -241,9 +229,10 @@ def violations(
     locked = [w.pattern for w in watched if w.role == "locked"]
     commands = {posixpath.basename(p) for p in before if posixpath.dirname(p) in path_dirs}
     modules = {_module_name(p) for p in before if posixpath.dirname(p) in python_dirs}
+    allows = code_places.allowed_changes(allowed)
     found = []
     for change in changes:
-        if any(fnmatch.fnmatchcase(change.path, pattern) for pattern in allowed):
+        if allows(change.path):
             continue
         if any(_under(change.path, pattern) for pattern in locked):
             found.append(change)

@@ -14,14 +14,18 @@ cause                         what happened                                 rewa
                               processes, storage) until it stopped
 ``TAMPERED``                  on a backend without an isolated verifier     0
                               view, the rollout changed what the verifier
-                              runs
+                              runs; with one, the view was refused for
+                              what the rollout left (content the backend
+                              could not judge nor leave out of it)
 ``VERIFIER``                  the verifier ran in a working backend and     0
                               wrote no usable reward (none, malformed, a
                               timeout, an unsafe artifact)
 ============================  ============================================  ==========================
 
 Only the first two are not the policy's doing. :data:`COUNTERS` counts every outcome of this
-process; the reward function reports them per batch.
+process; the reward function reports them per batch. What a verification keeps of the agent's changes
+(``concealed``, ``tampered``) is bounded, whatever the rollout wrote: :data:`REPORTED_LINES` lines of
+at most :data:`REPORTED_LINE_CAP` characters, the last saying how many more there were.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ import threading
 from dataclasses import dataclass, field
 
 __all__ = ["COUNTERS", "Cause", "Counters", "Failure", "RewardError", "Verification", "select_reward"]
+
+#: Lines of a verification's ``concealed`` and ``tampered`` kept at most (past it, the last says how many
+#: more there were), and characters of each line (a longer one is cut): what reaches the trainer stays bounded.
+REPORTED_LINES = 128
+REPORTED_LINE_CAP = 1024
 
 
 class Cause(enum.StrEnum):
@@ -104,10 +113,11 @@ class Verification:
         cause: Why the rollout was not graded normally (``None``: it was).
         reason: The cause in words, for the log (empty when graded normally).
         concealed: What the agent changed that the verifier did not see: the image's own code
-            it edited or deleted (the verifier saw the image's version), and what it added where
-            it would have run instead of the image's code (the verifier did not see it).
+            it edited or deleted (the verifier saw the image's version), what it added where it
+            would have run instead of the image's code, and what could not be judged (the verifier
+            did not see it). Bounded (:data:`REPORTED_LINES`, :data:`REPORTED_LINE_CAP`).
         tampered: On a backend without an isolated verifier view, the changes to what the
-            verifier runs that scored the rollout 0.
+            verifier runs that scored the rollout 0. Bounded as ``concealed``.
         killed: How many of the agent's processes were stopped before grading
             (``agent_processes="kill"`` only).
         steps: For a multi-step task, each graded step's name and rewards, in order.
@@ -125,10 +135,32 @@ class Verification:
     steps: tuple[tuple[str, dict[str, float]], ...] = ()
     error: BaseException | None = field(default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        for name in ("concealed", "tampered"):
+            lines = getattr(self, name)
+            if lines:
+                object.__setattr__(self, name, _bounded(lines))
+
     @property
     def infra(self) -> bool:
         """Whether the rollout was lost to the infrastructure (not the policy's doing)."""
         return self.cause is not None and self.cause.infra
+
+
+def _bounded(lines: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """``lines`` in :data:`REPORTED_LINES` lines at most, each cut to :data:`REPORTED_LINE_CAP` characters:
+    past the bound, the first ones and a last that says how many more there were (bounding twice
+    changes nothing: a verification is copied with ``dataclasses.replace``)."""
+    if not isinstance(lines, tuple | list):
+        lines = tuple(lines)
+    shown = lines if len(lines) <= REPORTED_LINES else lines[: REPORTED_LINES - 1]
+    kept = tuple(
+        line if len(line) <= REPORTED_LINE_CAP else line[: REPORTED_LINE_CAP - 3] + "..."
+        for line in (str(item) for item in shown)
+    )
+    if len(shown) < len(lines):
+        kept += (f"... and {len(lines) - len(shown)} more lines",)
+    return kept
 
 
 @dataclass(frozen=True)

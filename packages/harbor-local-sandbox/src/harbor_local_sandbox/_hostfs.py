@@ -27,10 +27,31 @@ _CHUNK = 1 << 20
 
 #: Bytes one download from a sandbox may hold (the data of its files; holes are free).
 DOWNLOAD_CAP_BYTES = 1 << 30
+#: Folders one download from a sandbox may go down, below the folder downloaded.
+DOWNLOAD_MAX_DEPTH = 64
+#: Entries (files, folders, the links and special files skipped) one download may hold.
+DOWNLOAD_MAX_ENTRIES = 100_000
+#: Bytes of an entry's path below the folder downloaded, at most (its copy's path on the host stays
+#: within the host's ``PATH_MAX``).
+DOWNLOAD_MAX_PATH_BYTES = 2048
+#: Errors of the host itself while a download is written there (its disk, its descriptors, its
+#: memory): not the sandbox's doing, raised as they are.
+_HOST_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EACCES,
+     errno.EPERM}
+)  # fmt: skip
 
 
 class DownloadTooLargeError(OSError):
-    """A download from a sandbox holds more data than its cap: what the sandbox left is not copied."""
+    """A download from a sandbox holds more than its bounds (bytes, entries, depth, a path's length):
+    what the sandbox left is not copied."""
+
+    unsafe = True
+
+
+class UncopyableTreeError(OSError):
+    """A download from a sandbox failed on what the sandbox holds (an entry that vanished or changed
+    while it was copied, a name the host cannot hold): the sandbox's doing, never the host's."""
 
     unsafe = True
 
@@ -244,43 +265,111 @@ def download_file(root: Path, source: str, target: Path, cap: int = DOWNLOAD_CAP
         os.close(src)
 
 
-def _download_tree(dir_fd: int, target: Path, where: str, budget: _Budget) -> None:
+class _Tree:
+    """What is left of a download's bounds (:data:`DOWNLOAD_MAX_ENTRIES`, :data:`DOWNLOAD_MAX_DEPTH`,
+    :data:`DOWNLOAD_MAX_PATH_BYTES`), and the entries it skipped."""
+
+    def __init__(self, budget: _Budget) -> None:
+        self.budget = budget
+        self.entries = 0
+        self.skipped: list[str] = []
+        self.skipped_count = 0
+
+    def enter(self, where: str, relative: str, depth: int) -> None:
+        self.entries += 1
+        if self.entries > DOWNLOAD_MAX_ENTRIES:
+            raise DownloadTooLargeError(
+                errno.EFBIG, f"{where}: the download holds more than {DOWNLOAD_MAX_ENTRIES} entries"
+            )
+        if depth > DOWNLOAD_MAX_DEPTH:
+            raise DownloadTooLargeError(errno.EFBIG, f"{where}: more than {DOWNLOAD_MAX_DEPTH} folders deep")
+        if len(os.fsencode(relative)) > DOWNLOAD_MAX_PATH_BYTES:
+            raise DownloadTooLargeError(
+                errno.ENAMETOOLONG, f"{where[:200]}...: a path longer than {DOWNLOAD_MAX_PATH_BYTES} bytes"
+            )
+
+
+def _download_tree(dir_fd: int, target: Path, where: str, tree: _Tree, relative: str = "", depth: int = 0) -> None:
     target.mkdir(parents=True, exist_ok=True)
-    for entry in os.scandir(dir_fd):
-        info = os.stat(entry.name, dir_fd=dir_fd, follow_symlinks=False)
-        path = target / entry.name
+    names: list[str] = []
+    with os.scandir(dir_fd) as listing:  # read no further than the entries left to copy
+        for entry in listing:
+            names.append(entry.name)
+            if tree.entries + len(names) > DOWNLOAD_MAX_ENTRIES:
+                raise DownloadTooLargeError(
+                    errno.EFBIG, f"{where}: the download holds more than {DOWNLOAD_MAX_ENTRIES} entries"
+                )
+    for name in names:
+        child_relative = f"{relative}/{name}"
+        tree.enter(f"{where}/{name}", child_relative, depth + 1)
+        try:
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # gone since it was listed
+        path = target / name
         if stat.S_ISDIR(info.st_mode):
-            child = _open_dir_at(dir_fd, entry.name)
+            child = _open_dir_at(dir_fd, name)
             try:
-                _download_tree(child, path, f"{where}/{entry.name}", budget)
+                _download_tree(child, path, f"{where}/{name}", tree, child_relative, depth + 1)
             finally:
                 os.close(child)
         elif stat.S_ISREG(info.st_mode):
-            src = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            # Non-blocking: a FIFO swapped in since the entry was read never makes the copy wait.
+            src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
             try:
+                if not stat.S_ISREG(os.fstat(src).st_mode):
+                    raise UnsafePathError(errno.EINVAL, f"{where}/{name!r} is not a regular file any more")
                 if path.is_symlink() or path.is_dir():
                     shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
                 with open(path, "wb") as out:
-                    _copy_data(src, out.fileno(), budget, f"{where}/{entry.name}")
+                    _copy_data(src, out.fileno(), tree.budget, f"{where}/{name}")
             finally:
                 os.close(src)
         else:
             # Links, FIFOs, sockets and devices carry no content we may follow.
-            logger.warning("skipping %s/%s: not a regular file or directory", where, entry.name)
+            tree.skipped_count += 1
+            if len(tree.skipped) < 5:
+                tree.skipped.append(f"{where}/{name}")
 
 
 def download_dir(root: Path, source: str, target: Path, cap: int = DOWNLOAD_CAP_BYTES) -> None:
     """Copy the contents of the sandbox directory ``source`` into the host directory ``target``.
 
-    Regular files and directories are copied, their data only (sparse files stay sparse), at most
-    ``cap`` bytes in all (``DownloadTooLargeError``); links and special files are skipped, so a
-    link the agent planted never makes the host read its own files.
+    Regular files and directories are copied, their data only (sparse files stay sparse), within
+    bounds: ``cap`` bytes in all, :data:`DOWNLOAD_MAX_ENTRIES` entries, :data:`DOWNLOAD_MAX_DEPTH`
+    folders deep, paths of :data:`DOWNLOAD_MAX_PATH_BYTES` bytes below ``source``
+    (``DownloadTooLargeError``). Links and special files are skipped, so a link the agent planted
+    never makes the host read its own files.
+
+    Every failure that what the sandbox holds causes is marked as the sandbox's (``unsafe``: a
+    trainer's grading scores it as the rollout's doing, never the infrastructure's): past a bound,
+    a link (``UnsafePathError``), and any other error on the sandbox's entries or on the names they
+    give their copies (``UncopyableTreeError``: an entry that vanished, a name the host's file system
+    cannot hold). The host's own errors (its disk full, out of descriptors or memory) are raised as
+    they are.
     """
     fd = _open_dir(root, _parts(source), create=False)
+    tree = _Tree(_Budget(cap))
+    where = source.rstrip("/")
     try:
-        _download_tree(fd, Path(target), source.rstrip("/"), _Budget(cap))
+        _download_tree(fd, Path(target), where, tree)
+    except (UnsafePathError, DownloadTooLargeError, UncopyableTreeError):
+        raise
+    except OSError as error:
+        if error.errno in _HOST_ERRNOS:
+            raise
+        raise UncopyableTreeError(
+            error.errno or errno.EIO, f"{where}: the sandbox's tree cannot be copied: {error}"
+        ) from error
+    except (ValueError, UnicodeError, RecursionError) as error:
+        raise UncopyableTreeError(errno.EINVAL, f"{where}: the sandbox's tree cannot be copied: {error!r}") from error
     finally:
         os.close(fd)
+    if tree.skipped_count:
+        logger.warning(
+            "skipped %d entries of %s that are not regular files or folders (%s%s)", tree.skipped_count, where,
+            ", ".join(repr(p) for p in tree.skipped), ", ..." if tree.skipped_count > len(tree.skipped) else "",
+        )  # fmt: skip
 
 
 def hash_tree(digest: Any, directory: Path) -> None:

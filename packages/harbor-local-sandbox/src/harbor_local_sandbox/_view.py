@@ -39,6 +39,7 @@ import contextlib
 import errno
 import fnmatch
 import functools
+import logging
 import os
 import posixpath
 import re
@@ -48,6 +49,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harbor_local_sandbox._derive import derive, realised
 from harbor_local_sandbox._imports import guard_names
 from harbor_local_sandbox._links import LinkPolicy
 from harbor_local_sandbox._userns import overlay_xattr
@@ -60,12 +62,16 @@ from harbor_local_sandbox.code_places import (
     RUNNER_CONFIG,
     RUNNER_PACKAGES,
     VERIFIER_ONLY,
+    allowed_changes,
 )
+from harbor_local_sandbox.errors import UnjudgeableViewError
 
 __all__ = [
     "CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot", "guarded_names", "live_paths", "search_paths",
     "snapshot", "stem",
 ]  # fmt: skip
+
+logger = logging.getLogger(__name__)
 
 _HOOKS_RE = re.compile("|".join(f"(?:{fnmatch.translate(glob)})" for glob in HOOKS))
 _RUNNER_STARTS = tuple(RUNNER_PACKAGES)  # a name whose stem is one of them begins with it
@@ -92,6 +98,9 @@ class SearchPaths:
         modules: Other interpreters' module paths (perl's ``@INC``, ruby's ``$LOAD_PATH``, node's global
             folders), judged as Python's.
         homes: The image's home folders (for the ``~`` entries of :data:`CODE_CONFIG`).
+        config: Code configuration derived from the image (:mod:`._derive`), judged as :data:`CODE_CONFIG`:
+            what CPython's path computation consults, the ``RUNPATH`` folders the image lacks, the
+            loaders its binaries name, its package folders' archives.
     """
 
     path: tuple[str, ...] = ()
@@ -99,6 +108,7 @@ class SearchPaths:
     loader: tuple[str, ...] = ()
     homes: tuple[str, ...] = ("/root", "/home/*")
     modules: tuple[str, ...] = ()
+    config: tuple[str, ...] = ()
 
 
 #: The loader's own search directories (glibc's system directories), besides ``ld.so.conf``'s.
@@ -119,16 +129,33 @@ def search_paths(
 
     Returns:
         The search paths; the loader's directories are the system ones (with the multiarch
-        triplet of the image) and those ``/etc/ld.so.conf`` names, includes followed.
+        triplet of the image), those ``/etc/ld.so.conf`` names, includes followed, and the
+        ``RUNPATH`` folders of the image's binaries that it has. What the image's own files say of
+        where its loader and interpreters look (:func:`._derive.derive`, read once per image: the
+        result is kept with the image's probe) joins them: the import folders its interpreters'
+        ``site`` would add (to ``modules``; their user sites to ``python``), and as ``config``
+        their path computation's landmarks, the ``RUNPATH`` folders the image lacks (searched before
+        the loader cache: all the agent adds there is concealed), the loaders its binaries name,
+        and the archives of its package folders.
     """
     loader = [*_SYSTEM_LIBRARY_DIRS]
     for base in ("/lib", "/usr/lib"):
         loader += [posixpath.join(base, n) for n in _listdir(lower, base) if n.endswith("-linux-gnu")]
     loader += _ld_so_conf(lower, "/etc/ld.so.conf", set())
+    path_dirs = tuple(d for d in path.split(":") if d)
+    derived = derive(lower, path_dirs, loader, [p for p in python if p.startswith("/")])
     extra = tuple(h for h in homes if h not in ("/root",))
+    probed_modules = tuple(m for m in modules if m.startswith("/"))
+
+    def both(folders: Iterable[str]) -> tuple[str, ...]:
+        # Each folder as named and where it is in the image (perl's @INC names /usr/share/perl/5.36, a
+        # link to 5.36.0: the folder whose entries are the modules is the latter).
+        return tuple(dict.fromkeys(f for folder in folders if folder.startswith("/") for f in realised(lower, folder)))
+
     return SearchPaths(
-        path=tuple(d for d in path.split(":") if d), python=tuple(python), loader=tuple(dict.fromkeys(loader)),
-        homes=("/root", "/home/*", *extra), modules=tuple(m for m in modules if m.startswith("/")),
+        path=both(path_dirs), python=both((*python, *derived.user_sites)),
+        loader=both((*loader, *derived.loader)), homes=("/root", "/home/*", *extra),
+        modules=both((*probed_modules, *derived.modules)), config=derived.config,
     )  # fmt: skip
 
 
@@ -169,10 +196,15 @@ class _Names:
 
 @dataclass
 class Snapshot:
-    """A snapshot made by :func:`snapshot`.
+    """A snapshot made by :func:`snapshot`: what it reports is bounded, whatever the agent's layer holds.
 
     Attributes:
-        concealed: The agent's changes the verifier does not see, with why (``"path (reason)"``).
+        concealed: The agent's changes the verifier does not see, with why (``"path (reason)"``): the
+            first :data:`CONCEALED_SHOWN`, each at most :data:`CONCEALED_TEXT_CAP` characters (a long
+            path is cut in its middle; characters that do not print, and bytes that are not UTF-8,
+            escaped), then, when there were more, one line that says how many more.
+        concealed_count: How many changes were concealed in all.
+        unjudged: How many of them could not be judged (an error on the agent's content: not seen).
         copied: Bytes copied (the files the rule read; the rest are hard links).
         entries: Entries of the agent's layer laid or judged (its code places only).
         libraries_added: Whether the agent added a library to a folder of the loader's (the view's
@@ -180,6 +212,8 @@ class Snapshot:
     """
 
     concealed: list[str] = field(default_factory=list)
+    concealed_count: int = 0
+    unjudged: int = 0
     copied: int = 0
     entries: int = 0
     libraries_added: bool = False
@@ -210,16 +244,13 @@ class _Rule:
         self.lookup_dirs = {*self.path_dirs, *self.python_dirs, *self.loader_dirs, *NAMED_DIRS}
         self.config = [
             posixpath.join(home, item[2:]) if item.startswith("~/") else item
-            for item in CODE_CONFIG
+            for item in (*CODE_CONFIG, *search.config)
             for home in (search.homes if item.startswith("~/") else ("",))
         ]
         # One regular expression for every glob (each path is judged against them all).
         self._config_re = _globs_and_below(self.config)
         self._config_in: dict[str, re.Pattern[str] | None] = {}  # per folder: the globs its entries may match
-        self._allowed_re = re.compile(
-            "|".join(f"(?:{fnmatch.translate(g)})|(?:{fnmatch.translate(g.rstrip('/') + '/*')})" for g in self.allowed)
-            or "(?!)"
-        )
+        self._allows = allowed_changes(self.allowed)  # the table's reading of the globs (never across /)
         self._lookup_ancestors: set[str] = set()
         for place in (*self.lookup_dirs, *(g.split("*", 1)[0].rsplit("/", 1)[0] for g in self.config)):
             while place and place != "/" and place not in self._lookup_ancestors:
@@ -255,14 +286,14 @@ class _Rule:
     def agents(self, path: str) -> bool:
         """Whether ``path`` is the agent's whatever it is: an allowed change, or its work in the working
         directory (but for the places code is looked up there, e.g. a virtual environment first on PATH)."""
-        if self._allowed_re.match(path):
+        if self._allows(path):
             return True
         in_workdir = self.workdir != "/" and (path == self.workdir or path.startswith(self.workdir + "/"))
         return in_workdir and not self.code_place(path) and not self.holds_lookups(path)
 
     def is_allowed(self, path: str) -> bool:
         """Whether ``path`` matches the task's ``allowed_changes``."""
-        return self._allowed_re.match(path) is not None
+        return self._allows(path)
 
     def holds_nothing_named(self, folder: str) -> bool:
         """Whether below the folder ``folder`` there is no place the rule names (a lookup folder, code
@@ -396,7 +427,7 @@ class _Rule:
             return "the verifier's own"
         if not folder and (self.leads_to_verifier_only(path) or self.holds_lookups(path)):
             return "a folder the verifier looks code up in, or its own, replaced"
-        if self._allowed_re.match(path):
+        if self._allows(path):
             return None
         if not shipped and not folder and (link or _module_file(path)) and (why := self._shadows_at_any_place(path)):
             return why
@@ -426,7 +457,7 @@ class _Rule:
     def concealed_content(self, path: str, laid: str) -> str | None:
         """Why the verifier does not see an entry the rule judges by what it holds, once laid at ``laid``
         in the snapshot (a copy: the agent can no longer change it)."""
-        if self._allowed_re.match(path):
+        if self._allows(path):
             return None
         name, parent = posixpath.basename(path), posixpath.dirname(path)
         if os.path.isdir(laid):
@@ -452,7 +483,7 @@ class _Rule:
 
     def pth_to_judge(self, path: str) -> bool:
         """Whether ``path`` is a ``.pth`` the rule lets through if what it holds is harmless (:meth:`judge_pth`)."""
-        return path.endswith(".pth") and self.reads(path) and not self._allowed_re.match(path)
+        return path.endswith(".pth") and self.reads(path) and not self._allows(path)
 
     def judge_pth(self, path: str, laid: str, snapshot_root: str) -> tuple[str | None, str | None]:
         """Judge a ``.pth`` the agent added to an import folder, laid at ``laid``, on the whole snapshot.
@@ -463,14 +494,22 @@ class _Rule:
         that imports a generated finder; the finder is read, not run, and the verifier's ``.pth`` names
         the folders it maps to.
 
+        What cannot be judged is concealed: a ``.pth`` that is not a regular file of at most
+        :data:`JUDGED_FILE_CAP` bytes, that holds a NUL byte, more than :data:`PTH_MAX_LINES` lines or
+        a line longer than :data:`PTH_MAX_LINE` characters, a folder whose path cannot be looked up.
+
         Returns:
             Why it is concealed (or ``None``), and the text to lay instead of it (or ``None``).
         """
-        try:
-            text = Path(laid).read_text(errors="replace")
-        except OSError:
+        data = _read_regular(laid, JUDGED_FILE_CAP)
+        if data is None:
             return "an interpreter hook", None
+        text = data.decode("utf-8", "replace")
+        if "\0" in text:
+            return "an interpreter hook (it holds a NUL byte)", None
         lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+        if len(lines) > PTH_MAX_LINES or any(len(line) > PTH_MAX_LINE for line in lines):
+            return "an interpreter hook (too long to judge)", None
         replacement = None
         finder = _editable_finder(lines)
         if finder is not None:
@@ -581,16 +620,30 @@ def _editable_finder(lines: list[str]) -> str | None:
 
 
 def _finder_folders(finder: str) -> list[str] | None:
-    """The folders holding what a setuptools editable finder maps (its ``MAPPING``, read as a literal)."""
+    """The folders holding what a setuptools editable finder maps (its ``MAPPING``, read as a literal).
+
+    ``None`` (not judged: concealed) for a finder that is not a regular file of at most
+    :data:`FINDER_CAP` bytes, or that Python's parser refuses — a syntax error, or an expression too
+    deep for it (``RecursionError``, ``MemoryError``).
+    """
+    data = _read_regular(finder, FINDER_CAP)
+    if data is None:
+        return None
     try:
-        tree = ast.parse(Path(finder).read_text(errors="replace"))
-    except (OSError, SyntaxError, ValueError):
+        tree = ast.parse(data.decode("utf-8", "replace"))
+    except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
         return None
     for node in tree.body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["MAPPING"]:
+        if isinstance(node, ast.Assign):
+            targets = [getattr(t, "id", None) for t in node.targets]
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:  # setuptools >= 69: MAPPING: dict[...] = {...}
+            targets = [getattr(node.target, "id", None)]
+        else:
+            continue
+        if targets == ["MAPPING"]:
             try:
                 mapping = ast.literal_eval(node.value)
-            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            except (ValueError, SyntaxError, TypeError, OverflowError, MemoryError, RecursionError):
                 return None
             if not isinstance(mapping, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) and v.startswith("/") for k, v in mapping.items()
@@ -605,15 +658,20 @@ def _finder_folders(finder: str) -> list[str] | None:
 
 def _real_folder(trees: tuple[str, str], path: str) -> str | bool | None:
     """Where the folder ``path`` of the view (the snapshot over the image) is on the host: ``None`` if it
-    does not exist, ``False`` if it, or a folder above it, is not a folder (a link, a file)."""
+    does not exist, ``False`` if it, or a folder above it, is not a folder (a link, a file), or if it
+    cannot be looked up (a NUL byte in it, a name or path too long: not judged)."""
+    if "\0" in path or len(os.fsencode(path)) > MAX_PATH_BYTES:
+        return False
     current = ""
     for part in path.strip("/").split("/"):
         current += "/" + part
         for tree in trees:  # the snapshot's entry hides the image's
             try:
                 info = os.lstat(tree + current)
-            except OSError:
+            except FileNotFoundError:
                 continue
+            except OSError:
+                return False
             if not stat.S_ISDIR(info.st_mode):
                 return False
             break
@@ -647,12 +705,58 @@ def _rule(
 
 
 def _declares_runner_plugin(metadata: Path) -> bool:
-    """Whether a distribution's metadata registers a pytest plug-in (loaded by every ``pytest`` run)."""
+    """Whether a distribution's metadata registers a pytest plug-in (loaded by every ``pytest`` run).
+
+    Read without following a link (the metadata folder and its ``entry_points.txt`` may be the agent's,
+    hard-linked: a link there would be followed on the host) and without waiting on a FIFO: an
+    ``entry_points.txt`` that is not a regular file of at most :data:`JUDGED_FILE_CAP` bytes, or a
+    metadata folder that is a link, counts as one that does (not judged: concealed)."""
     try:
-        text = (metadata / "entry_points.txt").read_text(errors="replace")
-    except OSError:
+        folder = os.open(metadata, _DIR_FLAGS)
+    except FileNotFoundError:
         return False
-    return "[pytest11]" in text.replace(" ", "")
+    except NotADirectoryError:  # a file (an old-style ``.egg-info``: no entry points), or a link
+        try:
+            return not stat.S_ISREG(os.lstat(metadata).st_mode)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+    except OSError:
+        return True
+    try:
+        data = _read_regular("entry_points.txt", JUDGED_FILE_CAP, dir_fd=folder, missing=b"")
+    finally:
+        os.close(folder)
+    return data is None or b"[pytest11]" in data.replace(b" ", b"")
+
+
+def _read_regular(path: str, cap: int, dir_fd: int | None = None, missing: bytes | None = None) -> bytes | None:
+    """The bytes of the regular file ``path`` (never through a link at its last component, never waiting
+    on a FIFO), or ``None`` if it is not one, holds more than ``cap`` bytes, or cannot be read;
+    ``missing`` if it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return missing
+    except (OSError, ValueError):
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > cap:
+            return None
+        chunks, left = [], cap + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return None if left <= 0 else b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _globs_and_below(globs: Iterable[str]) -> re.Pattern[str]:
@@ -697,9 +801,11 @@ def _stems(root: Path, directory: str) -> set[str]:
 
 
 def _exists(root: Path | str, path: str) -> bool:
+    """Whether ``root`` has an entry at ``path``; an error that does not say (a path too long, a loop)
+    is raised: the entry being judged is then not judged (concealed), never taken for a new one."""
     try:
         os.lstat(f"{root}{path}")
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return False
     return True
 
@@ -737,8 +843,19 @@ def snapshot(
         skip: The agent's box's own mount points (not the agent's changes): not laid.
         hazards: The image's own links that lead where the agent's may not (``_links.image_hazards``).
 
+    The walk is total on what the agent left (:class:`_Walker`): an entry it cannot judge, for whatever
+    reason, is concealed, and what the snapshot reports is bounded (:class:`Snapshot`) whatever the
+    layer holds.
+
     Returns:
         What was concealed, how much was copied.
+
+    Raises:
+        OSError: ``ENOSPC`` or ``EDQUOT``: the snapshot's file system — the agent's own storage — is
+            full (the rollout filled it). Any other error is not the agent's content's: the rule could
+            not be made from the image, or ``upper`` or ``target`` could not be opened.
+        UnjudgeableViewError: What the agent left could not be judged, nor left out of the snapshot
+            (``tampered``: the rollout's doing).
     """
     rule = _rule(
         lower, search, posixpath.normpath(workdir or "/"), tuple(allowed), tuple(sorted((hazards or {}).items()))
@@ -747,10 +864,12 @@ def snapshot(
     fd = os.open(upper, _DIR_FLAGS)
     try:
         walker.walk(fd, "", 0)
+    except _Unjudgeable as bound:  # the layer's root holds more entries than are judged: none is seen
+        walker.conceal("/", str(bound))
     finally:
         os.close(fd)
     walker.judge_pth_files()
-    return walker.result
+    return walker.finish()
 
 
 def live_paths(root_fd: int, lower: Path, search: SearchPaths, workdir: str, allowed: Sequence[str] = ()) -> list[str]:
@@ -802,30 +921,143 @@ _UNPLACED_READ = "a file the rule reads, too large or changed while it was judge
 _UNPLACED = "changed while it was judged"
 #: A file the rule reads is copied, up to this size (beyond, it is not seen).
 JUDGED_FILE_CAP = 1 << 20
-#: Entries of the agent's code places judged at most (beyond, the rest is not seen).
+#: Entries of the agent's code places judged at most (beyond, the rest is not seen; a folder that holds
+#: more than are left is not seen at all).
 MAX_ENTRIES = 1_000_000
+#: Bytes of a sandbox path judged at most (a longer one is not seen): its place in the snapshot, below
+#: the view's folder, stays within the host's ``PATH_MAX``.
+MAX_PATH_BYTES = 3072
+#: Bytes of a name judged at most (Linux's ``NAME_MAX``; a longer one is not seen).
+MAX_NAME_BYTES = 255
+#: The host's ``PATH_MAX``: a snapshot path as long is not laid (not seen).
+_HOST_PATH_MAX = 4096
+#: Lines of a ``.pth`` judged at most, and characters of one of its lines (beyond, it is not seen).
+PTH_MAX_LINES = 1000
+PTH_MAX_LINE = 4096
+#: Bytes of a setuptools editable finder parsed at most (beyond, its ``.pth`` is not seen).
+FINDER_CAP = 256 << 10
+#: Concealed changes a snapshot names at most (:attr:`Snapshot.concealed`; the rest are counted), and
+#: characters of each line.
+CONCEALED_SHOWN = 100
+CONCEALED_TEXT_CAP = 512
 #: Folders a rule remembers its answers for at most (then it forgets them all and starts again).
 _REMEMBERED_FOLDERS = 100_000
+#: Errors of the snapshot's file system — the agent's own, bounded storage — that say it is full: raised
+#: as they are (grading scores a rollout that filled its storage), never taken for an entry's.
+_STORAGE_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: Errors that a bug of the walk's own code raises rather than what it reads: an entry they stop is
+#: concealed all the same (fail closed), and the first of a walk is logged at WARNING with its traceback.
+_CODE_ERRORS = (
+    TypeError, AttributeError, NameError, LookupError, AssertionError, ImportError, NotImplementedError,
+    UnboundLocalError,
+)  # fmt: skip
+
+
+class _Unjudgeable(Exception):
+    """An entry past a bound of the walk (its message is why it is concealed)."""
 
 
 class _Walker:
-    """One walk of an agent layer into a snapshot (:func:`snapshot`)."""
+    """One walk of an agent layer into a snapshot (:func:`snapshot`).
+
+    **Total.** Each entry of the agent's layer is judged and laid under a guard: whatever it is — a
+    name of any bytes, a link chain, a folder past :data:`MAX_DEPTH` or holding more than
+    :data:`MAX_ENTRIES`, a path past :data:`MAX_PATH_BYTES`, a ``.pth`` or finder that the rule's
+    parsers refuse, an entry that vanishes or changes while it is judged — an exception raised while
+    it is handled (an ``OSError`` of any errno, ``ValueError``, ``UnicodeError``, ``RecursionError``,
+    ``MemoryError``, ...) conceals that entry, what was laid of it is removed from the snapshot, and
+    the walk goes on: what cannot be judged is not seen. So are errors of the walk's own code on an
+    entry (a ``TypeError``, say): an entry is never seen unjudged, and the rollout is graded on the
+    rest, never skipped for what it left; the first such error of a walk is logged at WARNING with its
+    traceback, so that a bug shows.
+
+    Two errors are raised instead: the snapshot's file system full (``ENOSPC``, ``EDQUOT``: it is the
+    agent's storage, and grading scores the rollout as one that filled it), and
+    :class:`~harbor_local_sandbox.errors.UnjudgeableViewError` when what could not be judged could
+    not be removed from the snapshot either (the view is refused, the rollout's doing). Errors
+    outside the entries' judgement — making the rule from the image, opening the layer — are not
+    the walk's: :func:`snapshot` raises them as they are, and grading counts them as its own.
+    """
 
     def __init__(self, rule: _Rule, target: str, budget: int, live: frozenset[str], skip: frozenset[str]) -> None:
         self.rule, self.target, self.budget, self.live, self.skip = rule, target, budget, live, skip
         self.result = Snapshot()
         self.pth_files: list[str] = []  # judged once the whole snapshot is laid (they name other folders)
+        self._bug_logged = False
 
     def conceal(self, path: str, why: str) -> None:
-        self.result.concealed.append(f"{path} ({why})")
+        """Count a concealed change; name it while fewer than :data:`CONCEALED_SHOWN` are named."""
+        result = self.result
+        result.concealed_count += 1
+        if len(result.concealed) < CONCEALED_SHOWN:
+            result.concealed.append(_report_line(path, why))
+
+    def finish(self) -> Snapshot:
+        """The snapshot's report: the changes named, then how many more there were."""
+        result = self.result
+        more = result.concealed_count - len(result.concealed)
+        if more > 0:
+            result.concealed.append(
+                f"... and {more} more changes the verifier does not see ({result.concealed_count} in all)"
+            )
+        return result
+
+    def _mark(self) -> tuple[int, int, int]:
+        """Where the report stands (to forget what an entry's walk reported, when the entry goes whole)."""
+        return len(self.result.concealed), self.result.concealed_count, len(self.pth_files)
+
+    def _rollback(self, mark: tuple[int, int, int]) -> None:
+        shown, count, pth_files = mark
+        del self.result.concealed[shown:]
+        self.result.concealed_count = count
+        del self.pth_files[pth_files:]
+
+    def _unjudged(
+        self, path: str, dest: str, error: BaseException, mark: tuple[int, int, int], quiet: bool = False
+    ) -> None:
+        """An entry whose judgement raised ``error``: what was laid of it (and what its walk reported) goes,
+        and it is concealed (``quiet``: gone since it was listed, not reported). Raises the errors the
+        walk does not keep to an entry (see the class docstring)."""
+        if isinstance(error, UnjudgeableViewError) or (isinstance(error, OSError) and error.errno in _STORAGE_FULL):
+            raise error
+        self._rollback(mark)
+        try:
+            _remove_laid(dest)
+        except Exception as failure:
+            if isinstance(failure, OSError) and failure.errno in _STORAGE_FULL:
+                raise
+            raise UnjudgeableViewError(
+                f"the agent's {_report_line(path, type(error).__name__)} could not be judged, nor left out of the "
+                f"verifier's view ({type(failure).__name__}: {failure})"
+            ) from error
+        if quiet:
+            return
+        if isinstance(error, _Unjudgeable):
+            self.conceal(path, str(error))
+            return
+        self.result.unjudged += 1
+        self.conceal(path, f"could not be judged: {type(error).__name__}")
+        if isinstance(error, _CODE_ERRORS) and not self._bug_logged:
+            self._bug_logged = True
+            logger.warning("judging the agent's %s failed: concealed", _report_line(path, "an error"), exc_info=error)
+
+    def _listing(self, dir_fd: int) -> list[os.DirEntry]:
+        """A folder's entries, sorted by name, read no further than the entries left to judge
+        (:data:`MAX_ENTRIES`): a folder that holds more is :class:`_Unjudgeable`."""
+        left = MAX_ENTRIES - self.result.entries
+        found: list[os.DirEntry] = []
+        with os.scandir(dir_fd) as listing:
+            for entry in listing:
+                if len(found) > left:
+                    raise _Unjudgeable("it holds too many entries to judge")
+                found.append(entry)
+        found.sort(key=lambda entry: entry.name)
+        return found
 
     def walk(self, dir_fd: int, relative: str, depth: int) -> None:
         """Lay the agent's entries of the folder ``dir_fd`` (sandbox path ``/relative``) into the snapshot."""
-        try:
-            names = sorted(os.listdir(dir_fd))
-        except OSError:
-            return
-        for name in names:
+        for listed in self._listing(dir_fd):
+            name = listed.name
             entry = f"{relative}/{name}" if relative else name
             path, dest = "/" + entry, f"{self.target}/{entry}"
             if path == PLUMBING or path in KERNEL_PLACES or path in self.skip:
@@ -834,21 +1066,31 @@ class _Walker:
             if self.result.entries > MAX_ENTRIES:
                 self.conceal(path, "the agent's changes to code places are too many to judge")
                 return
+            mark = self._mark()
             try:
-                info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            except OSError:
-                continue
-            if path in self.live or path == "/tmp":
-                if stat.S_ISDIR(info.st_mode):  # a mount point for the agent's own folder
-                    _mkdir_like(dest, info, opaque=False)
-                continue
-            if stat.S_ISDIR(info.st_mode):
-                if depth >= MAX_DEPTH:
-                    self.conceal(path, "too deep to judge")
-                else:
-                    self._folder(dir_fd, name, path, dest, depth)
-                continue
-            self._entry(dir_fd, name, path, dest, info)
+                self._lay(dir_fd, name, path, dest, depth)
+            except FileNotFoundError as gone:  # gone since it was listed: not in the snapshot
+                self._unjudged(path, dest, gone, mark, quiet=True)
+            except Exception as error:
+                self._unjudged(path, dest, error, mark)
+
+    def _lay(self, dir_fd: int, name: str, path: str, dest: str, depth: int) -> None:
+        """Lay, or conceal, one entry of the agent's layer."""
+        if _too_long(name, path, dest):
+            self.conceal(path, "its name or path is too long to judge")
+            return
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if path in self.live or path == "/tmp":
+            if stat.S_ISDIR(info.st_mode):  # a mount point for the agent's own folder
+                _mkdir_like(dest, info, opaque=False)
+            return
+        if stat.S_ISDIR(info.st_mode):
+            if depth >= MAX_DEPTH:
+                self.conceal(path, "too deep to judge")
+            else:
+                self._folder(dir_fd, name, path, dest, depth)
+            return
+        self._entry(dir_fd, name, path, dest, info)
 
     def _entry(self, dir_fd: int, name: str, path: str, dest: str, info: os.stat_result) -> None:
         """Lay, or conceal, one entry that is not a folder (a file, a link, a whiteout, a socket)."""
@@ -861,8 +1103,12 @@ class _Walker:
         else:
             why = rule.concealed_change(path, shipped, folder=False, link=link)
         if why is None and link:
-            with contextlib.suppress(OSError):
-                why = rule.concealed_link(path, os.readlink(name, dir_fd=dir_fd))
+            try:
+                target = os.readlink(name, dir_fd=dir_fd)
+            except OSError:  # not a link any more (swapped since it was listed): not judged, not seen
+                self.conceal(path, _UNPLACED)
+                return
+            why = rule.concealed_link(path, target)
         if why is not None:
             if not whiteout or shipped:
                 self.conceal(path, ("deleted; " if whiteout else "") + why)
@@ -882,7 +1128,7 @@ class _Walker:
         rule = self.rule
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-        except OSError:  # gone, or swapped for a link since it was listed: not the agent's folder any more
+        except (FileNotFoundError, NotADirectoryError):  # gone, or swapped for a link since it was listed
             return
         try:
             info = os.fstat(fd)
@@ -891,8 +1137,8 @@ class _Walker:
             except OSError:
                 opaque = False
             try:
-                shipped_folder = stat.S_ISDIR(os.lstat(rule.lower + path).st_mode)
-            except OSError:
+                shipped_folder: bool | None = stat.S_ISDIR(os.lstat(rule.lower + path).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
                 shipped_folder = None
             if shipped_folder:
                 if rule.verifier_only(path):
@@ -910,15 +1156,16 @@ class _Walker:
                 return
             why = rule.concealed_change(path, shipped_folder is not None, folder=True, link=False)
             if why is None:  # a folder of the agent's own: laid, then judged on what was laid
+                mark = self._mark()
                 _mkdir_like(dest, info, opaque=opaque)
                 if rule.holds_nothing_named(path):
                     self._own(fd, path, depth + 1)
                 else:
                     self.walk(fd, path[1:], depth + 1)
                 why = rule.concealed_content(path, dest)
-                if why is not None:
-                    shutil.rmtree(dest)
-                    self.result.concealed = [c for c in self.result.concealed if not c.startswith(path + "/")]
+                if why is not None:  # not seen whole: what its walk reported goes with it
+                    self._rollback(mark)
+                    _remove_laid(dest)
             if why is not None:
                 self.conceal(path, why)
         finally:
@@ -931,13 +1178,10 @@ class _Walker:
 
         Its entries are hard-linked as listed; then one listing of what was laid (which the agent
         cannot change) checks that each is what was judged — a link, or not — and removes the others
-        (an entry swapped between the two listings): one system call an entry, not two."""
+        (an entry swapped between the two listings): one system call an entry, not two. Each entry is
+        judged under the walk's guard (see the class docstring)."""
         rule = self.rule
-        try:
-            with os.scandir(dir_fd) as listing:
-                entries = sorted(listing, key=lambda entry: entry.name)
-        except OSError:
-            return
+        entries = self._listing(dir_fd)
         here = f"{self.target}{folder}"
         metadata = posixpath.basename(folder).lower().endswith((".dist-info", ".egg-info"))
         linked: dict[str, bool] = {}  # laid by a hard link: name -> judged a link
@@ -949,56 +1193,72 @@ class _Walker:
             if self.result.entries > MAX_ENTRIES:
                 self.conceal(path, "the agent's changes to code places are too many to judge")
                 break
+            mark = self._mark()
             try:
-                allowed = any_allowed and rule.is_allowed(path)
-                why = None if allowed else judge(name)
-                if entry.is_dir(follow_symlinks=False):
-                    if why is not None or depth >= MAX_DEPTH:
-                        self.conceal(path, why or "too deep to judge")
-                        continue
-                    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-                    try:
-                        _mkdir_like(dest, os.fstat(fd), opaque=False)
-                        self._own(fd, path, depth + 1)
-                    finally:
-                        os.close(fd)
-                    continue
-                is_link = entry.is_symlink()
-                if why is None and is_link:
-                    try:
-                        target = os.readlink(name, dir_fd=dir_fd)
-                    except OSError as error:  # not a link any more (EINVAL): swapped since it was listed
-                        if error.errno != errno.EINVAL:
-                            raise
-                        self.conceal(path, _UNPLACED)
-                        continue
-                    why = rule.concealed_link(path, target)
-                if why is not None:
-                    self.conceal(path, why)
-                    continue
-                if not allowed and (metadata or _judged_by_name(name)):
-                    if not self._place(dir_fd, name, dest, entry.stat(follow_symlinks=False), must=True):
-                        self.conceal(path, _UNPLACED_READ)
-                    continue
-                try:
-                    os.link(name, dest, src_dir_fd=dir_fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # gone since it was listed: not in the snapshot
-                except OSError as error:
-                    if error.errno != errno.EPERM:  # a folder by now: no hard link to one
-                        raise
-                    self.conceal(path, _UNPLACED)
-                    continue
-                linked[name] = is_link
-                if ".so" in name and _innermost(path, rule.loader_dirs) is not None:
-                    self.result.libraries_added = True
-            except FileNotFoundError:
-                continue  # gone since it was listed: not in the snapshot
-            except OSError as error:
-                if error.errno not in (errno.EEXIST, errno.ELOOP, errno.ENOTDIR):
-                    raise
+                self._own_entry(
+                    dir_fd, entry, path, dest, depth, judge, any_allowed and rule.is_allowed(path), metadata, linked
+                )
+            except FileNotFoundError as gone:  # gone since it was listed: not in the snapshot
+                self._unjudged(path, dest, gone, mark, quiet=True)
+                linked.pop(name, None)
+            except Exception as error:
+                self._unjudged(path, dest, error, mark)
+                linked.pop(name, None)
         if linked:
             self._check_linked(here, folder, linked)
+
+    def _own_entry(
+        self, dir_fd: int, entry: os.DirEntry, path: str, dest: str, depth: int,
+        judge: Callable[[str], str | None], allowed: bool, metadata: bool, linked: dict[str, bool],
+    ) -> None:  # fmt: skip
+        """Lay, or conceal, one entry of a folder of the agent's own (:meth:`_own`)."""
+        name = entry.name
+        if _too_long(name, path, dest):
+            self.conceal(path, "its name or path is too long to judge")
+            return
+        why = None if allowed else judge(name)
+        if entry.is_dir(follow_symlinks=False):
+            if why is not None or depth >= MAX_DEPTH:
+                self.conceal(path, why or "too deep to judge")
+                return
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            except NotADirectoryError:  # swapped for a link or a file since it was listed
+                self.conceal(path, _UNPLACED)
+                return
+            try:
+                _mkdir_like(dest, os.fstat(fd), opaque=False)
+                self._own(fd, path, depth + 1)
+            finally:
+                os.close(fd)
+            return
+        is_link = entry.is_symlink()
+        if why is None and is_link:
+            try:
+                target = os.readlink(name, dir_fd=dir_fd)
+            except OSError as error:  # not a link any more (EINVAL): swapped since it was listed
+                if error.errno != errno.EINVAL:
+                    raise
+                self.conceal(path, _UNPLACED)
+                return
+            why = self.rule.concealed_link(path, target)
+        if why is not None:
+            self.conceal(path, why)
+            return
+        if not allowed and (metadata or _judged_by_name(name)):
+            if not self._place(dir_fd, name, dest, entry.stat(follow_symlinks=False), must=True):
+                self.conceal(path, _UNPLACED_READ)
+            return
+        try:
+            os.link(name, dest, src_dir_fd=dir_fd, follow_symlinks=False)
+        except OSError as error:
+            if error.errno != errno.EPERM:  # a folder by now: no hard link to one
+                raise
+            self.conceal(path, _UNPLACED)
+            return
+        linked[name] = is_link
+        if ".so" in name and _innermost(path, self.rule.loader_dirs) is not None:
+            self.result.libraries_added = True
 
     def _check_linked(self, here: str, folder: str, linked: dict[str, bool]) -> None:
         """Remove what was hard-linked into ``here`` as other than it was judged (a file swapped for a
@@ -1030,20 +1290,75 @@ class _Walker:
         return _link(dir_fd, name, dest, is_link=stat.S_ISLNK(info.st_mode))
 
     def judge_pth_files(self) -> None:
-        """Judge the ``.pth`` files laid, on the snapshot and the image (the folders they name included)."""
+        """Judge the ``.pth`` files laid, on the snapshot and the image (the folders they name included);
+        each under the walk's guard (one that cannot be judged is concealed)."""
         for path in self.pth_files:
             dest = self.target + path
-            why, replacement = self.rule.judge_pth(path, dest, self.target)
-            if why is not None:
-                os.unlink(dest)
-                self.conceal(path, why)
-            elif replacement is not None:
-                info = os.lstat(dest)
-                os.unlink(dest)
-                Path(dest).write_text(replacement)
-                os.chmod(dest, stat.S_IMODE(info.st_mode))
-                with contextlib.suppress(OSError):
-                    os.chown(dest, info.st_uid, info.st_gid)
+            mark = self._mark()
+            try:
+                self._judge_pth(path, dest)
+            except Exception as error:
+                self._unjudged(path, dest, error, mark)
+
+    def _judge_pth(self, path: str, dest: str) -> None:
+        why, replacement = self.rule.judge_pth(path, dest, self.target)
+        if why is not None:
+            os.unlink(dest)
+            self.conceal(path, why)
+        elif replacement is not None:
+            info = os.lstat(dest)
+            os.unlink(dest)
+            Path(dest).write_text(replacement)
+            os.chmod(dest, stat.S_IMODE(info.st_mode))
+            with contextlib.suppress(OSError):
+                os.chown(dest, info.st_uid, info.st_gid)
+
+
+def _too_long(name: str, path: str, dest: str) -> bool:
+    """Whether an entry's name or path is past what the walk judges (:data:`MAX_NAME_BYTES`,
+    :data:`MAX_PATH_BYTES`), or its place in the snapshot past the host's ``PATH_MAX``."""
+    return (
+        len(os.fsencode(name)) > MAX_NAME_BYTES
+        or len(os.fsencode(path)) > MAX_PATH_BYTES
+        or len(os.fsencode(dest)) >= _HOST_PATH_MAX
+    )
+
+
+def _remove_laid(dest: str) -> None:
+    """Remove what the walk laid at ``dest`` in the snapshot (a folder with all below it), if anything."""
+    try:
+        info = os.lstat(dest)
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        if error.errno == errno.ENAMETOOLONG:  # nothing could be laid there (every laying is by this path)
+            return
+        raise
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(dest)
+    else:
+        os.unlink(dest)
+
+
+def _report_line(path: str, why: str) -> str:
+    """``"path (why)"`` in at most :data:`CONCEALED_TEXT_CAP` characters: the path's characters that do
+    not print, and its bytes that are not UTF-8, escaped (``\\x0a``, ``\\xff``), and a long path cut in
+    its middle."""
+    shown = path if path.isprintable() else "".join(ch if ch.isprintable() else _escaped(ch) for ch in path)
+    room = max(CONCEALED_TEXT_CAP - len(why) - 3, 16)
+    if len(shown) > room:
+        half = (room - 1) // 2
+        shown = f"{shown[:half]}…{shown[len(shown) - half :]}"
+    return f"{shown} ({why})"[:CONCEALED_TEXT_CAP]
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8 (``os.fsdecode``'s surrogate escape)
+        return f"\\x{code - 0xDC00:02x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def _link(dir_fd: int, name: str, dest: str, is_link: bool) -> bool:

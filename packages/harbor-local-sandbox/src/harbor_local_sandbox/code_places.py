@@ -10,7 +10,8 @@ Every consumer reads this module and nothing else for these facts:
   file: ``code_places.py`` there is a link to this one, so that Docker grading reads the same table
   without needing this package).
 
-It is pure data (standard library only, no import of this package) for that reason. The search paths
+It is pure data (standard library only, no import of this package) for that reason, with the one
+function every consumer needs to read a task's ``allowed_changes`` alike (:func:`allowed_changes`). The search paths
 themselves — ``PATH``, the interpreters' import paths, the loader's folders, the folders the image's
 own binaries name (``RUNPATH``) and what CPython's path computation looks at — are not listed: they
 are derived from each image when it is prepared (``_view.search_paths``, ``_derive.py``).
@@ -20,6 +21,9 @@ home folder of the image (``/root``, ``/home/*`` and those ``/etc/passwd`` names
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
 
 __all__ = [
     "CODE_CONFIG",
@@ -33,6 +37,7 @@ __all__ = [
     "RUNNER_PACKAGES",
     "STARTUP_FILES",
     "VERIFIER_ONLY",
+    "allowed_changes",
 ]
 
 #: Start-up configuration: files that decide how shells, the loader, name resolution and the
@@ -100,3 +105,62 @@ IMPLICIT_SOCKETS: tuple[str, ...] = ("/run/nscd/", "/var/run/nscd/", "/run/syste
 
 #: The sandbox's own plumbing (mount points of the helpers bound in): never the agent's, never reported.
 PLUMBING = "/run/trl-harbor"
+
+
+_HOOK_NAMES = re.compile("|".join(f"(?:{re.escape(glob).replace(chr(92) + '*', '.*')})" for glob in HOOKS))
+
+
+def _component(glob: str) -> str:
+    """One path component of a glob as a regular expression: ``*``, ``?`` and ``[...]`` never match ``/``."""
+    out, index = [], 0
+    while index < len(glob):
+        char = glob[index]
+        end = glob.find("]", index + 2) if char == "[" else -1
+        if char == "*":
+            out.append("[^/]*")
+        elif char == "?":
+            out.append("[^/]")
+        elif end != -1:
+            body = glob[index + 1 : end]
+            negate = body[:1] in ("!", "^")
+            body = re.sub(r"([\\\]])", r"\\\1", (body[1:] if negate else body).replace("/", ""))
+            out.append(f"[^{body}/]" if negate else f"[{body}]")
+            index = end
+        else:
+            out.append(re.escape(char))
+        index += 1
+    return "".join(out)
+
+
+def allowed_changes(globs: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a sandbox path is one of a task's ``allowed_changes`` (the agent's whatever it is).
+
+    A glob matches a path component by component (``*``, ``?`` and ``[...]`` never cross ``/``; a
+    component ``**`` matches any number of them), and everything below a path it matches. A start-up
+    hook (:data:`HOOKS`: a ``.pth``, ``sitecustomize``, ...) is allowed only where a glob names it
+    exactly (its last component without a wildcard): ``.../site-packages/mypkg*`` admits
+    ``mypkg/__init__.py`` and ``mypkg-1.0.dist-info``, never ``mypkg_x.pth``.
+
+    Args:
+        globs: Absolute sandbox paths, with wildcards.
+
+    Returns:
+        The test, for a normalised absolute path.
+    """
+    wildcard, exact = [], []
+    for glob in globs:
+        parts = [part for part in glob.strip().split("/") if part not in ("", ".")]
+        if not glob.startswith("/") or not parts or ".." in parts:
+            continue  # not an absolute path below /: allows nothing
+        body = "".join("(?:/[^/]+)*" if part == "**" else "/" + _component(part) for part in parts)
+        (exact if not any(ch in parts[-1] for ch in "*?[") else wildcard).append(body)
+    below = "(?:/.*)?"
+    matches = re.compile("|".join(f"(?:{b}){below}" for b in [*wildcard, *exact]) or "(?!)").fullmatch
+    named = re.compile("|".join(f"(?:{b}){below}" for b in exact) or "(?!)").fullmatch
+
+    def allows(path: str) -> bool:
+        if _HOOK_NAMES.fullmatch(path.rsplit("/", 1)[-1]):
+            return named(path) is not None
+        return matches(path) is not None
+
+    return allows

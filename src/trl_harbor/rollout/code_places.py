@@ -1,0 +1,1 @@
+../../../packages/harbor-local-sandbox/src/harbor_local_sandbox/code_places.py
