@@ -58,6 +58,7 @@ __all__ = [
     "python_executables",
     "python_landmarks",
     "python_places",
+    "realised",
     "resolve",
     "scan_elf",
 ]

@@ -231,7 +231,7 @@ class _Served(Host):
 
 def _serving_process(socket_path: Path, main: str) -> subprocess.Popen:
     """Start ``python -I`` running this module's ``main`` on ``socket_path``, its standard streams piped."""
-    src = str(Path(__file__).resolve().parents[2])  # this package's folder, for its imports
+    src = str(Path(__file__).resolve().parents[1])  # the folder that holds this package, for its imports
     env = {"PATH": SYSTEM_PATH, "PYTHONPATH": src, "HOME": os.environ.get("HOME", "/"), "LANG": "C.UTF-8"}
     for name in ("TMPDIR", "TRL_HARBOR_STATE_DIR", "TRL_HARBOR_CACHE_DIR"):
         if name in os.environ:
