@@ -20,22 +20,23 @@ import sys
 from pathlib import Path
 
 import pytest
-from harbor_local_sandbox._guard import COMPILE_GUARD, GUARD_SOURCE, guard_files, stdlib_folder
+from harbor_local_sandbox._guard import COMPILE_GUARD, GUARD_SOURCE, CompiledGuard, guard_files, stdlib_folder
+from harbor_local_sandbox._roots import _compiled_guard
 
 
-def _compiled_here() -> tuple[str, str]:
+def _compiled_here() -> CompiledGuard:
     """The guard compiled by this interpreter, as the probe prints it."""
     result = subprocess.run(
         [sys.executable, "-I", "-S", "-c", COMPILE_GUARD], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    tag, magic, code = result.stdout.split()
-    assert tag == "#guard"
-    return magic, code
+    compiled = _compiled_guard(result.stdout.splitlines())
+    assert compiled is not None and compiled.pyc_path and compiled.pyc, result.stdout[:200]
+    return compiled
 
 
 @pytest.fixture(params=["source", "compiled"])
-def compiled(request: pytest.FixtureRequest) -> tuple[str, str] | None:
+def compiled(request: pytest.FixtureRequest) -> CompiledGuard | None:
     return _compiled_here() if request.param == "compiled" else None
 
 
@@ -48,7 +49,7 @@ class World:
     (``agent``, a tmpfs when mounted) with its working directory (``work``), and ``/tmp``'s layers (the
     agent's ``tmp_agent`` under the verifier's ``tmp_own``, merged at ``tmp``)."""
 
-    def __init__(self, root: Path, guarded: list[str], compiled: tuple[str, str] | None):
+    def __init__(self, root: Path, guarded: list[str], compiled: CompiledGuard | None):
         self.root = root
         for name in ("lib", "site", "tests", "agent", "tmp_own", "tmp", "plumbing", "python"):
             (root / name).mkdir(parents=True, exist_ok=True)
@@ -56,17 +57,19 @@ class World:
         self.agent, self.tmp = root / "agent", root / "tmp"
         self.work, self.tmp_agent = self.agent / "work", self.agent / "tmp"
         (self.lib / "encodings").mkdir(exist_ok=True)
-        (self.lib / "encodings" / "__init__.py").write_text('"""The image\'s encodings."""\n')
         (self.lib / "shipped.py").write_text("WHERE = 'image'\n")
+        plumbing = f"{root / 'plumbing'}/"
         self.guard_file = root / "plumbing" / "guard.py"
         self.provenance_file = root / "plumbing" / "provenance"
-        files = guard_files(
-            str(self.lib), '"""The image\'s encodings."""\n', guarded, compiled,
-            guard_file=str(self.guard_file), provenance_file=str(self.provenance_file),
-        )  # fmt: skip
-        for path, text in files.items():
-            Path(path).write_text(text)
-        self.encodings = files[str(self.lib / "encodings" / "__init__.py")]
+        files = guard_files(str(self.lib), b'"""The image\'s encodings."""\n', guarded, compiled)
+        for path, content in files.items():
+            # the view's plumbing is /.trl-harbor; here, a folder of the test's
+            if isinstance(content, bytes) and path.endswith("__init__.py"):
+                content = content.replace(b"/.trl-harbor/", plumbing.encode())
+            Path(path.replace("/.trl-harbor/", plumbing)).write_bytes(
+                content if isinstance(content, bytes) else content.encode()
+            )
+        self.encodings = (self.lib / "encodings" / "__init__.py").read_text()
 
     def run(self, code: str, python: str = sys.executable, cwd: Path | None = None, pythonpath: str = "") -> dict:
         """Mount the agent's tree and ``/tmp``, write the view's provenance, then run the image's ``encodings``
@@ -264,17 +267,17 @@ def test_distribution_metadata_the_agent_placed_is_not_found(tmp_path: Path, com
 def test_the_compiled_code_is_what_runs(tmp_path: Path) -> None:
     """With the code compiled by this interpreter, the source file is not read (a broken one changes nothing);
     with a magic number of another interpreter's, the source is compiled instead."""
-    magic, code = _compiled_here()
+    compiled = _compiled_here()
     probe = _imports(
         [],
         "try:\n    import nt\n    got = 'imported'\nexcept ImportError:\n    got = 'refused'\nprint(json.dumps(got))",
     )
-    world = World(tmp_path / "a", ["nt"], (magic, code))
+    world = World(tmp_path / "a", ["nt"], compiled)
     world.guard_file.write_text("raise SystemExit('the source ran')\n")
     world.files({str(world.work / "nt.py"): "X = 1\n"})
     assert world.run(probe.replace("sys.path[:0] = []", f"sys.path[:0] = [{str(world.work)!r}]")) == "refused"
 
-    other = World(tmp_path / "b", ["nt"], ("00" * 4, code))
+    other = World(tmp_path / "b", ["nt"], CompiledGuard("00" * 4, compiled.code))
     other.files({str(other.work / "nt.py"): "X = 1\n"})
     assert other.run(probe.replace("sys.path[:0] = []", f"sys.path[:0] = [{str(other.work)!r}]")) == "refused"
     assert GUARD_SOURCE in other.guard_file.read_text()
@@ -289,20 +292,36 @@ def test_the_standard_library_folder_is_the_one_with_encodings() -> None:
         == "/usr/lib/python3.11"
     )
     assert stdlib_folder(["/usr/lib/python3/dist-packages"], have.__contains__) is None
-    assert guard_files(None, "", ["nt"]) == {}
+    assert guard_files(None, b"", ["nt"]) == {}
 
 
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ("#guard a70d0d0a e300", ("a70d0d0a", "e300")),
+        ("#guard a70d0d0a e300", CompiledGuard("a70d0d0a", "e300")),
         ("#guard a70d0d0a", None),  # cut short
         ("#guard a70d0d0a e3zz", None),  # not hexadecimal
         ("#guard  ", None),
+        ("#guard a70d0d0a e300\n#encodings /p.pyc 6100", CompiledGuard("a70d0d0a", "e300", "/p.pyc", "6100")),
+        ("#guard a70d0d0a e300\n#encodings /p.pyc 61zz", CompiledGuard("a70d0d0a", "e300")),
+        ("#encodings /p.pyc 6100", None),  # the module's bytecode runs the guard's code: not without it
     ],
 )
-def test_the_probes_guard_line_is_taken_only_when_well_formed(line: str, expected: tuple[str, str] | None) -> None:
+def test_the_probes_guard_lines_are_taken_only_when_well_formed(line: str, expected: CompiledGuard | None) -> None:
     """Else the verifier compiles the source (a code object that cannot load would leave it unguarded)."""
-    from harbor_local_sandbox._roots import _compiled_guard
+    assert _compiled_guard(line.splitlines()) == expected
 
-    assert _compiled_guard(line) == expected
+
+def test_the_probe_compiles_the_views_encodings_once() -> None:
+    """The probe's bytecode of ``encodings`` with the guard's suffix is an unchecked hash-based ``.pyc`` (the
+    interpreter loads it without compiling the source at every start) of a module that runs the guard."""
+    import importlib.util
+    import marshal
+
+    compiled = _compiled_here()
+    pyc = bytes.fromhex(compiled.pyc)
+    assert pyc[:4] == importlib.util.MAGIC_NUMBER
+    assert int.from_bytes(pyc[4:8], "little") == 0b01  # hash-based, the source not checked
+    code = marshal.loads(pyc[16:])
+    assert "_trl_harbor_guard" in code.co_names
+    assert compiled.pyc_path == importlib.util.cache_from_source(code.co_filename)

@@ -143,8 +143,11 @@ def test_the_verifiers_python_runs_the_import_guard_the_images_python_compiled(t
             await _sh(env, "echo 'raise SystemExit(\"the agent ran\")' > /workdir/json.py")
             async with env.verifier_view() as view:
                 encodings = await _sh(view, "python3 -c 'import encodings; print(encodings.__file__)'")
-                line = await _sh(view, f"grep -A1 '^try:' {encodings} | tail -1")
-                assert line.strip().startswith("exec(__import__('marshal').loads(bytes.fromhex("), line
+                assert "_trl_harbor_guard()" in await _sh(view, f"tail -5 {encodings}")
+                # the module is loaded from the probe's bytecode (an unchecked .pyc): no start compiles it
+                flags = "import encodings, sys; print(open(encodings.__cached__, 'rb').read()[4:8].hex())"
+                assert await _sh(view, f'python3 -c "{flags}"') == "01000000"
+                assert await _sh(view, "ls /.trl-harbor/ | grep -c '^guard-'") == "1"
                 assert await _sh(view, f"cd /workdir && python3 {which}") == "True 1"
                 await _sh(view, "echo 'raise SystemExit(\"the source ran\")' > /.trl-harbor/guard.py")
                 assert await _sh(view, f"cd /workdir && python3 {which}") == "True 1"

@@ -10,8 +10,9 @@ verifier's runs before anything is imported from a folder:
 * **Where it is installed.** The view's copy of the image's standard library ``encodings`` package
   (imported by every CPython at start-up, before ``site``, ``.pth`` files and ``sitecustomize``; by
   virtual environments of that interpreter too, whoever makes them, and with ``-S``, ``-I`` or ``-E``)
-  ends with a line that runs the guard's code — compiled once per image by the image's own
-  interpreter (:data:`COMPILE_GUARD`), else this source from the view's plumbing. The agent's
+  ends with :data:`ENCODINGS_SUFFIX`, which runs the guard's code — compiled once per image by the
+  image's own interpreter at the probe (:data:`COMPILE_GUARD`), as is the whole module (an unchecked
+  ``.pyc`` beside it: no start compiles it), else this source from the view's plumbing. The agent's
   sandbox never has it.
 * **What it decides.** Imports keep Python's own order (the tests' own folders first, as pytest, a
   script's folder or ``-m`` put them). Only a *guarded* top-level name — the standard library's, the
@@ -36,19 +37,25 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 __all__ = [
     "COMPILE_GUARD",
+    "ENCODINGS_SUFFIX",
     "GUARD_FILE",
     "GUARD_SOURCE",
     "PROVENANCE_FILE",
+    "CompiledGuard",
     "guard_files",
     "provenance",
     "stdlib_folder",
 ]
 
-#: Where the view keeps the guard's source, and the devices that tell who placed a file (its plumbing).
+#: Where the view keeps the guard's source, its code as the image's Python compiled it (the magic number
+#: in hexadecimal appended), the names it guards, and the devices that tell who placed a file (its plumbing).
 GUARD_FILE = "/.trl-harbor/guard.py"
+GUARD_CODE_FILE = "/.trl-harbor/guard-"
+GUARDED_FILE = "/.trl-harbor/guarded"
 PROVENANCE_FILE = "/.trl-harbor/provenance"
 
 # Comments, not docstrings; no import but sys and posix (the line runs while ``encodings`` is being
@@ -177,16 +184,82 @@ except Exception:  # never the cause of a verifier's failure
     pass
 """
 
+#: What the view's copy of ``encodings/__init__.py`` ends with: the same text for every image (its data
+#: is in the view's plumbing), so that the image's interpreter compiles the whole module once, at the
+#: probe, and each start loads that bytecode (:data:`COMPILE_GUARD`). Only ``sys``, ``posix``, ``marshal``
+#: and builtins: ``open`` and ``os`` may not be there yet while ``encodings`` is imported.
+ENCODINGS_SUFFIX = f"""
+
+# trl-harbor's import guard (the verifier's view only: _guard.py of harbor-local-sandbox)
+def _trl_harbor_guard():
+    import marshal, posix, sys
+
+    def read(path):
+        fd = posix.open(path, posix.O_RDONLY)
+        try:
+            chunks = []
+            while True:
+                chunk = posix.read(fd, 1 << 16)
+                if not chunk:
+                    return b"".join(chunks)
+                chunks.append(chunk)
+        finally:
+            posix.close(fd)
+
+    magic = getattr(sys.modules.get("_frozen_importlib_external"), "MAGIC_NUMBER", b"")
+    try:
+        code = marshal.loads(read({GUARD_CODE_FILE!r} + magic.hex()))
+    except (OSError, ValueError, EOFError, TypeError):
+        code = compile(read({GUARD_FILE!r}), {GUARD_FILE!r}, "exec")
+    names = frozenset(read({GUARDED_FILE!r}).decode().split())
+    exec(code, {{"__name__": "trl_harbor_guard", "GUARDED": names, "PROVENANCE": {PROVENANCE_FILE!r}}})
+
+
+try:
+    _trl_harbor_guard()
+except Exception:
+    pass
+del _trl_harbor_guard
+"""
+
 #: Python 3 code (run by the image's interpreter in its first sandbox, before anything of an agent's
-#: runs there) printing ``#guard MAGIC CODE``: its bytecode's magic number and the guard's code
-#: object, marshalled, both in hexadecimal (nothing when it cannot: the source is compiled then).
+#: runs there) printing ``#guard MAGIC CODE`` — its bytecode's magic number and the guard's code
+#: object, marshalled, both in hexadecimal — and ``#encodings PYC BYTECODE``: where that interpreter
+#: keeps the bytecode of its ``encodings/__init__.py`` and, in hexadecimal, an unchecked hash-based
+#: ``.pyc`` of that module with :data:`ENCODINGS_SUFFIX` (so the view's copy is not compiled at every
+#: start). Nothing when it cannot: the source is compiled then.
 COMPILE_GUARD = (
     "import marshal, sys\n"
     "magic = getattr(sys.modules.get('_frozen_importlib_external'), 'MAGIC_NUMBER', None)\n"
     "if magic:\n"
     f"    code = compile(bytes.fromhex('{GUARD_SOURCE.encode().hex()}'), '<trl-harbor guard>', 'exec')\n"
     "    print('#guard', magic.hex(), marshal.dumps(code).hex())\n"
+    "    import encodings, importlib.util\n"
+    "    from importlib._bootstrap_external import _code_to_hash_pyc\n"
+    "    path = encodings.__file__ or ''\n"
+    "    if path.endswith('__init__.py'):\n"
+    f"        source = open(path, 'rb').read() + bytes.fromhex('{ENCODINGS_SUFFIX.encode().hex()}')\n"
+    "        module = compile(source, path, 'exec', dont_inherit=True)\n"
+    "        pyc = _code_to_hash_pyc(module, importlib.util.source_hash(source), False)\n"
+    "        print('#encodings', importlib.util.cache_from_source(path), bytes(pyc).hex())\n"
 )
+
+
+@dataclass(frozen=True)
+class CompiledGuard:
+    """What the image's interpreter compiled at the probe (:data:`COMPILE_GUARD`).
+
+    Attributes:
+        magic: Its bytecode's magic number, in hexadecimal.
+        code: The guard's code object, marshalled, in hexadecimal.
+        pyc_path: Where it reads the bytecode of its ``encodings/__init__.py`` (``None``: not given).
+        pyc: That bytecode for the view's copy of the module, in hexadecimal.
+    """
+
+    magic: str
+    code: str
+    pyc_path: str | None = None
+    pyc: str = ""
 
 
 def stdlib_folder(python_path: Iterable[str], has_encodings: Callable[[str], bool]) -> str | None:
@@ -204,52 +277,37 @@ def stdlib_folder(python_path: Iterable[str], has_encodings: Callable[[str], boo
 
 def guard_files(
     stdlib: str | None,
-    encodings: str,
+    encodings: bytes,
     guarded: Iterable[str],
-    compiled: tuple[str, str] | None = None,
-    *,
-    guard_file: str = GUARD_FILE,
-    provenance_file: str = PROVENANCE_FILE,
-) -> dict[str, str]:
+    compiled: CompiledGuard | None = None,
+) -> dict[str, str | bytes]:
     """The view's files that install the guard (empty when the image has no standard library folder).
 
     Args:
         stdlib: The image's standard-library folder (:func:`stdlib_folder`).
-        encodings: The text of the image's ``encodings/__init__.py`` there (the view's copy ends with
-            the line that runs the guard).
+        encodings: The image's ``encodings/__init__.py`` there (the view's copy ends with
+            :data:`ENCODINGS_SUFFIX`, which runs the guard).
         guarded: The names never imported from a file the agent placed.
-        compiled: The guard's code as the image's interpreter compiled it (:data:`COMPILE_GUARD`):
-            its magic number and marshalled code, in hexadecimal. An interpreter whose magic number
-            differs (another Python of the image's) compiles the source instead.
-        guard_file: Where the view keeps the guard's source.
-        provenance_file: Where the view writes the devices that tell who placed a file (:func:`provenance`).
+        compiled: What the image's interpreter compiled at the probe (:data:`COMPILE_GUARD`): the guard's
+            code (an interpreter whose magic number differs compiles :data:`GUARD_SOURCE` instead) and
+            the bytecode of the view's copy of ``encodings`` (without it, each start compiles it).
+
+    Returns:
+        The files by sandbox path (text, or bytes for bytecode).
     """
     if stdlib is None:
         return {}
-    # The names as one string constant, not a set literal of hundreds: the line runs at every start.
-    names = " ".join(sorted(set(guarded)))
-    data = (
-        f"{{'__name__': 'trl_harbor_guard', 'GUARDED': frozenset({names!r}.split()), "
-        f"'PROVENANCE': {provenance_file!r}}}"
-    )
-    source = f"compile(open({guard_file!r}).read(), {guard_file!r}, 'exec')"
-    if compiled is None:
-        line = f"exec({source}, {data})"
-    else:
-        magic, code = compiled
-        bootstrap = "__import__('sys').modules.get('_frozen_importlib_external')"
-        line = (
-            f"exec(__import__('marshal').loads(bytes.fromhex({code!r})) if getattr({bootstrap}, 'MAGIC_NUMBER', None) "
-            f"== bytes.fromhex({magic!r}) else {source}, {data})"
-        )
-    # Last in the module (its docstring and line numbers stay the image's), and never its failure.
-    suffix = (
-        f"\n\n# trl-harbor's import guard (the verifier's view only)\ntry:\n    {line}\nexcept Exception:\n    pass\n"
-    )
-    return {
-        posixpath.join(stdlib, "encodings", "__init__.py"): encodings.rstrip("\n") + "\n" + suffix,
-        guard_file: GUARD_SOURCE,
+    module = posixpath.join(stdlib, "encodings", "__init__.py")
+    files: dict[str, str | bytes] = {
+        module: encodings + ENCODINGS_SUFFIX.encode(),
+        GUARD_FILE: GUARD_SOURCE,
+        GUARDED_FILE: " ".join(sorted(set(guarded))) + "\n",
     }
+    if compiled is not None:
+        files[GUARD_CODE_FILE + compiled.magic] = bytes.fromhex(compiled.code)
+        if compiled.pyc and compiled.pyc_path and compiled.pyc_path.startswith(posixpath.dirname(module) + "/"):
+            files[compiled.pyc_path] = bytes.fromhex(compiled.pyc)
+    return files
 
 
 def provenance(agent_dev: int, tmp_dev: int, tmp_own: Iterable[int]) -> str:

@@ -159,8 +159,9 @@ def _write_into(dir_fd: int, name: str, source: Path) -> None:
         os.close(dst)
 
 
-def write_text(root: Path, target: str, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` to the sandbox path ``target`` under ``root``, replacing (never following) what is there."""
+def write_text(root: Path, target: str, text: str | bytes, mode: int = 0o644) -> None:
+    """Write ``text`` (or bytes) to the sandbox path ``target`` under ``root``, replacing (never following) what
+    is there."""
     parts = _parts(target)
     parent = _open_dir(root, parts[:-1], create=True)
     try:
@@ -170,7 +171,7 @@ def write_text(root: Path, target: str, text: str, mode: int = 0o644) -> None:
             parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent
         )
         try:
-            os.write(fd, text.encode())
+            os.write(fd, text.encode() if isinstance(text, str) else text)
             os.fchmod(fd, mode)
         finally:
             os.close(fd)

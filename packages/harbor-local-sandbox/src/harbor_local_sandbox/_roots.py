@@ -33,7 +33,14 @@ from harbor_local_sandbox._binaries import static_binary
 from harbor_local_sandbox._box import SLIRP_GATEWAY_DNS, Box, BoxConfig
 from harbor_local_sandbox._cache import CACHE
 from harbor_local_sandbox._fingerprints import fingerprints
-from harbor_local_sandbox._guard import COMPILE_GUARD, PROVENANCE_FILE, guard_files, provenance, stdlib_folder
+from harbor_local_sandbox._guard import (
+    COMPILE_GUARD,
+    PROVENANCE_FILE,
+    CompiledGuard,
+    guard_files,
+    provenance,
+    stdlib_folder,
+)
 from harbor_local_sandbox._lifetime import new_box_name, state_root
 from harbor_local_sandbox._links import LinkPolicy, image_hazards, keel_items
 from harbor_local_sandbox._mounts import inode_bound, is_kernel_path, mount_bounded_tmpfs, mount_overlay
@@ -257,13 +264,15 @@ class ImageRoot:
         result = await self.run(_SEARCH_PATH_PROBE, cwd="/", env=None, timeout=60, user="root")
         found: dict[str, list[str]] = {"#python": [], "#modules": []}
         section = found["#python"]
-        for line in result["stdout"].splitlines():
+        lines = result["stdout"].splitlines()
+        for line in lines:
             if line in found:
                 section = found[line]
             elif line.startswith("/"):
                 section.append(line)
-            elif line.startswith("#guard ") and (compiled := _compiled_guard(line)):
-                CACHE.remember(("guard", rootfs, path), compiled)
+        compiled = _compiled_guard(lines)
+        if compiled is not None:
+            CACHE.remember(("guard", rootfs, path), compiled)
         probed = self.host.call(search_paths, self.image.rootfs, path, found["#python"], (), found["#modules"])
         CACHE.remember(key, probed)
 
@@ -289,7 +298,7 @@ class ImageRoot:
         return CACHE.recall(key)
 
     @property
-    def compiled_guard(self) -> tuple[str, str] | None:
+    def compiled_guard(self) -> CompiledGuard | None:
         """The verifier's import guard as the image's Python compiled it at the probe (``_guard.py``), if it could."""
         return CACHE.recall(("guard", *self._probed_as))
 
@@ -439,22 +448,34 @@ class ViewSpec:
     #: view gets them too, and the snapshot skips their mount points (not the agent's changes).
     binds: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     #: The import guard's code as the image's Python compiled it (:attr:`ImageRoot.compiled_guard`).
-    guard: tuple[str, str] | None = None
+    guard: CompiledGuard | None = None
     #: The image's own links that lead where no link of the agent's may (:meth:`ImageRoot.link_hazards`).
     hazards: dict[str, str] = dataclasses.field(default_factory=dict)
     #: The paths of the Unix sockets the agent's processes listen on (``Box.listening_sockets``).
     sockets: list[str] = dataclasses.field(default_factory=list)
 
 
-def _compiled_guard(line: str) -> tuple[str, str] | None:
-    """The probe's ``#guard MAGIC CODE`` line, if well formed (else the verifier compiles the source)."""
-    fields = line.split()
+def _compiled_guard(lines: list[str]) -> CompiledGuard | None:
+    """What the probe's ``#guard MAGIC CODE`` and ``#encodings PYC BYTECODE`` lines say, if well formed
+    (else the verifier compiles the source); the bytecode of ``encodings`` only with the guard's."""
+    guard = next((line.split() for line in lines if line.startswith("#guard ")), None)
+    encodings = next((line.split() for line in lines if line.startswith("#encodings ")), None)
     try:
-        if len(fields) == 3 and bytes.fromhex(fields[1]) and bytes.fromhex(fields[2]):
-            return fields[1], fields[2]
+        if guard is None or len(guard) != 3 or not bytes.fromhex(guard[1]) or not bytes.fromhex(guard[2]):
+            return None
+    except ValueError:
+        return None
+    try:
+        if (
+            encodings is not None
+            and len(encodings) == 3
+            and encodings[1].startswith("/")
+            and bytes.fromhex(encodings[2])
+        ):
+            return CompiledGuard(guard[1], guard[2], encodings[1], encodings[2])
     except ValueError:
         pass
-    return None
+    return CompiledGuard(guard[1], guard[2])
 
 
 def mount_tree(box_dir: Path, image_root: Path, hostname: str, workdir: str | None) -> None:
@@ -497,7 +518,9 @@ def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
     agent_dir = os.fspath(spec.agent_dir)
     agent_root = os.open(f"{agent_dir}/rootfs", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        live = live_paths(agent_root, spec.image_root, spec.search, spec.workdir, spec.allowed)
+        live = live_paths(
+            agent_root, spec.image_root, spec.search, spec.workdir, spec.allowed, upper=Path(agent_dir, "upper")
+        )
         view = snapshot(
             Path(agent_dir, "upper"), spec.image_root, Path(view_dir, "snapshot"), spec.search, spec.workdir,
             spec.allowed, live, skip=[target for _, target in spec.binds], hazards=spec.hazards,
@@ -509,8 +532,7 @@ def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
         )
         root = os.open(f"{view_dir}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            for path in live:
-                _bind_live(agent_root, root, path)
+            _bind_live(agent_root, root, live)
             _mount_tmp(f"{agent_dir}/upper", os.fspath(spec.image_root), root, own)
             _serve_sockets(agent_root, root, spec.sockets, live)
             files[PROVENANCE_FILE] = _provenance(agent_root, root, spec.tmpdir)
@@ -607,23 +629,52 @@ def _provenance(agent_root: int, root: int, tmpdir: str) -> str:
         os.close(tmp)
 
 
-def _bind_live(agent_root: int, root: int, path: str) -> None:
-    """Mount the agent's folder ``path`` on the view's: both opened beneath their roots, never through a link."""
+def _bind_live(agent_root: int, root: int, live: Sequence[str]) -> None:
+    """Mount each of the agent's ``live`` folders on the view's: the folders that hold them opened beneath
+    both roots, never through a link, once for all their live entries; each entry cloned and attached by
+    its one name, never following a link either.
+
+    A folder that is no longer there, or no longer a folder (swapped for a link or a file since it was
+    listed), stays out of the view, and so does one whose mount point is not in the view (it was not
+    there when the snapshot was made)."""
+    by_parent: dict[str, list[str]] = {}
+    for path in live:
+        parent, _, name = path.rpartition("/")
+        by_parent.setdefault(parent or "/", []).append(name)
+    for parent, names in by_parent.items():
+        try:
+            source = _viewfs.open_beneath(agent_root, parent)
+        except OSError:
+            continue
+        try:
+            try:
+                target = _viewfs.open_beneath(root, parent)
+            except OSError:
+                continue
+            try:
+                for name in names:
+                    _bind_entry(source, target, name)
+            finally:
+                os.close(target)
+        finally:
+            os.close(source)
+
+
+def _bind_entry(source: int, target: int, name: str) -> None:
+    """Mount the agent's folder ``name`` of ``source`` on the view's of ``target`` (see :func:`_bind_live`)."""
     try:
-        source = _viewfs.open_beneath(agent_root, path)
+        tree = _viewfs.clone_entry(source, name)
     except OSError:
-        return  # swapped for a link or removed since it was listed: the mount point stays empty
+        return  # removed since it was listed
     try:
-        tree = _viewfs.clone_tree(source)
-    finally:
-        os.close(source)
-    try:
-        _attach_beneath(tree, root, path)
+        if not stat.S_ISDIR(os.fstat(tree).st_mode):
+            return  # swapped for a file or a link since it was listed
+        _viewfs.attach_at(tree, target, name)
     except OSError as error:
-        # No mount point: the folder was not there when the snapshot was made (removed, then made
-        # again while the view was assembled). It stays out of the view, as it was then.
-        if error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+        if error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV, errno.EINVAL):
             raise
+    finally:
+        os.close(tree)
 
 
 def _attach_beneath(tree: int, root: int, path: str, folder: bool = True) -> None:
@@ -662,7 +713,7 @@ def _mount_tmp(upper: str, image_root: str, root: int, own: str) -> None:
     _attach_beneath(tree, root, "tmp")
 
 
-def _own_files(spec: ViewSpec, snapshot_dir: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+def _own_files(spec: ViewSpec, snapshot_dir: str) -> tuple[dict[str, str | bytes], list[tuple[str, str]]]:
     """The view's own files (its host names, resolver, ``/logs/verifier``, the user-switching helper and
     the image's account files, Python's import guard, the mount points of the host files it gets),
     and the host files to mount on them."""
@@ -681,8 +732,8 @@ def _own_files(spec: ViewSpec, snapshot_dir: str) -> tuple[dict[str, str], list[
 
 @functools.lru_cache(maxsize=64)
 def _image_files(
-    image: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...], guard: tuple[str, str] | None
-) -> dict[str, str]:
+    image: Path, search: SearchPaths, workdir: str, allowed: tuple[str, ...], guard: CompiledGuard | None
+) -> dict[str, str | bytes]:
     """The view's own files made of the image's (its account files, Python's import guard): the same
     for every view of the image (which never changes), made once."""
     files = {}
@@ -691,14 +742,14 @@ def _image_files(
             files[f"{VIEW_PLUMBING}/{name}"] = (image / "etc" / name).read_text(errors="replace")
     stdlib = stdlib_folder(search.python, lambda path: _read_in_image(image, path) is not None)
     if stdlib is not None:
-        encodings = _read_in_image(image, f"{stdlib}/encodings/__init__.py") or ""
+        encodings = _read_in_image(image, f"{stdlib}/encodings/__init__.py") or b""
         files.update(guard_files(stdlib, encodings, guarded_names(image, search, workdir, allowed), guard))
     return files
 
 
-def _read_in_image(image: Path, path: str) -> str | None:
-    """The text of the image's file at the sandbox path ``path`` (its links resolved within the image, never
-    on the host), or ``None``."""
+def _read_in_image(image: Path, path: str) -> bytes | None:
+    """The content of the image's file at the sandbox path ``path`` (its links resolved within the image,
+    never on the host; 1 MiB at most), or ``None``."""
     root = os.open(image, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = _viewfs.open_beneath(root, path, os.O_RDONLY | os.O_NONBLOCK, resolve=_viewfs.IN_ROOT)
@@ -709,10 +760,10 @@ def _read_in_image(image: Path, path: str) -> str | None:
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return handle.read(1 << 20).decode("utf-8", "replace")
+        return handle.read(1 << 20)
 
 
-def _lay_own(upper: str, image_root: str, files: dict[str, str]) -> list[str]:
+def _lay_own(upper: str, image_root: str, files: dict[str, str | bytes]) -> list[str]:
     """Write the view's own files into its upper layer, their folders made as the image's are (a path
     ending in ``/`` is a folder); returns the paths below a link of the image's, to be written
     through the mounted view instead (the link must stay the image's)."""
@@ -741,7 +792,7 @@ def _lay_own(upper: str, image_root: str, files: dict[str, str]) -> list[str]:
         if not path.endswith("/"):
             fd = os.open(f"{here}/{parts[-1]}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                os.write(fd, text.encode())
+                os.write(fd, text.encode() if isinstance(text, str) else text)
             finally:
                 os.close(fd)
     return late

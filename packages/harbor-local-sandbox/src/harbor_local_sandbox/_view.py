@@ -266,6 +266,7 @@ class _Rule:
         self.names = self._shipped_names()
         self._code_below: dict[str, bool] = {}
         self._live_place: dict[str, str | None] = {}
+        self._image_live: frozenset[str] | None = None
 
     def _shipped_names(self) -> _Names:
         names = _Names()
@@ -388,6 +389,16 @@ class _Rule:
                 or any(g.startswith(prefix) for g in self.config)
             )
         return known
+
+    def image_live(self) -> frozenset[str]:
+        """The image's own live folders (:func:`live_paths`), found once: the image never changes."""
+        if self._image_live is None:
+            fd = os.open(self.lower, _DIR_FLAGS)
+            try:
+                self._image_live = frozenset(_live_below(self, fd))
+            finally:
+                os.close(fd)
+        return self._image_live
 
     def live_place(self, path: str) -> str | None:
         """What :func:`live_paths` does with a folder ``path`` of the agent's: ``"live"`` (no code place at
@@ -872,31 +883,58 @@ def snapshot(
     return walker.finish()
 
 
-def live_paths(root_fd: int, lower: Path, search: SearchPaths, workdir: str, allowed: Sequence[str] = ()) -> list[str]:
+def live_paths(
+    root_fd: int,
+    lower: Path,
+    search: SearchPaths,
+    workdir: str,
+    allowed: Sequence[str] = (),
+    upper: Path | None = None,
+) -> list[str]:
     """The folders of the agent's tree the verifier sees live, shallowest first.
 
-    Every folder that holds no code place (:meth:`_Rule.code_below`) — the task's working
-    directory among them — is live; code places and the folders above them are the snapshot's.
-    Folders above the working directory are split further, and so is the working directory when
-    code is looked up inside it (a virtual environment first on ``PATH``): its other folders are
-    live, its files the snapshot's.
+    Every folder that holds no code place (:meth:`_Rule.live_place`) — the task's working directory
+    among them — is live, however deep; code places are the snapshot's, and a folder with a code
+    place below it is split: its folders are judged one by one.
+
+    Which folders those are is a matter of their paths only, so the image's are found once per image
+    (its tree never changes) and, given the agent's overlay ``upper`` layer, only what the agent
+    made there is listed for each view: the agent's new folders. A folder of the image's the agent
+    removed or replaced (by a link, a file) is still named; mounting it fails, beneath the agent's
+    root and never through a link (``_roots._bind_live``), and it stays out of the view.
 
     Args:
-        root_fd: The agent's root (its merged tree), as a folder descriptor: it is listed one level
-            at a time, never through a link.
+        root_fd: The agent's root (its merged tree), as a folder descriptor: listed one level at a
+            time, never through a link, when ``upper`` is not given.
         lower: The image's root.
         search: Where the verifier looks code up.
         workdir: The verifier's working directory.
         allowed: The task's allowed changes.
+        upper: The agent's overlay upper layer (its changes), if the agent's tree is an overlay on
+            ``lower``.
     """
     rule = _rule(lower, search, posixpath.normpath(workdir or "/"), tuple(allowed))
-    found: list[str] = []
+    if upper is None:
+        found = _live_below(rule, root_fd)
+    else:
+        found = set(rule.image_live())
+        fd = os.open(upper, _DIR_FLAGS)
+        try:
+            found |= _live_below(rule, fd)
+        finally:
+            os.close(fd)
+    return sorted(found, key=lambda p: (p.count("/"), p))
+
+
+def _live_below(rule: _Rule, root_fd: int) -> set[str]:
+    """The live folders of the tree at ``root_fd`` (listed one level at a time, never through a link)."""
+    found: set[str] = set()
     pending = [("/", os.dup(root_fd))]
     while pending:
         folder, fd = pending.pop()
         try:
-            for name in sorted(os.listdir(fd)):
-                path = posixpath.join(folder, name)
+            for name in os.listdir(fd):
+                path = f"{folder}{name}" if folder == "/" else f"{folder}/{name}"
                 place = rule.live_place(path)
                 if place is None:
                     continue
@@ -906,13 +944,15 @@ def live_paths(root_fd: int, lower: Path, search: SearchPaths, workdir: str, all
                 except OSError:
                     continue
                 if place == "live":
-                    found.append(path)
+                    found.add(path)
                 else:
                     with contextlib.suppress(OSError):
                         pending.append((path, os.open(name, _DIR_FLAGS, dir_fd=fd)))
+        except OSError:
+            pass
         finally:
             os.close(fd)
-    return sorted(found, key=lambda p: (p.count("/"), p))
+    return found
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
