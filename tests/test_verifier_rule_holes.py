@@ -592,3 +592,16 @@ def test_an_agents_hosts_file_that_is_a_fifo_does_not_hang_the_view(tmp_path: Pa
     (tmp_path / "etc" / "hosts").unlink()
     (tmp_path / "etc" / "hosts").write_text("10.0.0.5 db\n127.0.0.1 localhost\n")
     assert _agents_local_hosts(tmp_path, "box") == "10.0.0.5 db\n"
+
+
+def test_a_test_runner_command_the_agent_adds_to_path_is_not_seen(layers) -> None:
+    """A verifier that installs its runner at verify time (``pip install pytest``: /usr/local/bin/pytest) would
+    run the agent's, earlier on PATH (issue #43, class 5): the runner's own commands are never the agent's,
+    as its modules are not. Another new command is an install, seen."""
+    lower, upper, target = layers
+    (lower / "usr/bin/pytest").unlink()  # an image without pytest
+    _files(upper, {"/usr/local/sbin/pytest": "#!/bin/sh\nexit 0\n", "/usr/local/sbin/mytool": "#!/bin/sh\n"})
+    result = _snap(layers)
+    assert not _seen(target, "/usr/local/sbin/pytest")
+    assert any(c.startswith("/usr/local/sbin/pytest (the test runner's own command") for c in result.concealed)
+    assert _seen(target, "/usr/local/sbin/mytool")

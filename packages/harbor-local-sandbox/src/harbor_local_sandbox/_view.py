@@ -59,6 +59,7 @@ from harbor_local_sandbox.code_places import (
     IMPLICIT_SOCKETS,
     KERNEL_PLACES,
     PLUMBING,
+    RUNNER_COMMANDS,
     RUNNER_CONFIG,
     RUNNER_PACKAGES,
     VERIFIER_ONLY,
@@ -553,6 +554,8 @@ class _Rule:
             return "picked up from the verifier's working directory or its ancestors"
         if (parent in self.path_dirs or parent in NAMED_DIRS) and name in self.names.commands:
             return "a command the image ships"
+        if parent in self.path_dirs and name in RUNNER_COMMANDS:
+            return "the test runner's own command"
         if _matches(name, ("pyvenv.cfg", "*._pth")) and (
             parent in self.path_dirs or any(posixpath.dirname(d) == parent for d in self.path_dirs)
         ):

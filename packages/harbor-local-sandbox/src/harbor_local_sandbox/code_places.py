@@ -33,6 +33,7 @@ __all__ = [
     "LINK_FORBIDDEN",
     "PACKAGE_SCRIPTS",
     "PLUMBING",
+    "RUNNER_COMMANDS",
     "RUNNER_CONFIG",
     "RUNNER_PACKAGES",
     "STARTUP_FILES",
@@ -78,6 +79,10 @@ HOOKS: tuple[str, ...] = ("*.pth", "*._pth", "pyvenv.cfg", "sitecustomize*", "us
 
 #: The test runner's own packages: the verifier never runs the agent's version of them.
 RUNNER_PACKAGES: frozenset[str] = frozenset({"pytest", "_pytest", "pluggy", "iniconfig", "py"})
+
+#: The test runner's own commands: one the agent adds to a folder on ``PATH`` is never the verifier's
+#: (a verifier that installs its runner at verify time would run the agent's, earlier on ``PATH``).
+RUNNER_COMMANDS: frozenset[str] = frozenset({"pytest", "py.test", "pytest-3", "py.test-3"})
 
 #: What a test runner or ``python -m`` picks up from a working directory and its ancestors.
 RUNNER_CONFIG: tuple[str, ...] = (
