@@ -325,3 +325,38 @@ def test_the_probe_compiles_the_views_encodings_once() -> None:
     code = marshal.loads(pyc[16:])
     assert "_trl_harbor_guard" in code.co_names
     assert compiled.pyc_path == importlib.util.cache_from_source(code.co_filename)
+
+
+def test_a_venv_the_verifier_makes_in_tmp_holds_its_own_files_only(
+    tmp_path: Path, compiled: CompiledGuard | None
+) -> None:
+    """A venv at a fixed path of /tmp (issue #43, class 6): what the verifier installs there (its own /tmp layer)
+    is imported and its distributions found; what the agent planted at that path beforehand (its layer) is not,
+    the venv's site folder notwithstanding."""
+    world = World(tmp_path, ["pytest", "nt"], compiled)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    ours = world.tmp / "venv" / "lib" / version / "site-packages"
+    planted = world.tmp_agent / "venv" / "lib" / version / "site-packages"
+    world.files(
+        {
+            str(planted / "nt.py"): "WHERE = 'planted'\n",
+            # written through the view's /tmp once it is mounted: the verifier's own layer
+            str(world.tmp / "venv" / "pyvenv.cfg"): f"home = {Path(sys.base_prefix) / 'bin'}\n",
+            str(ours / "pytest.py"): "WHERE = 'verifier'\n",
+            str(ours / "plug-1.0.dist-info" / "METADATA"): "Metadata-Version: 2.1\nName: plug\nVersion: 1.0\n",
+            str(ours / "plug-1.0.dist-info" / "entry_points.txt"): "[pytest11]\nplug = plug\n",
+        }
+    )
+    (world.root / "files.py").write_text(
+        (world.root / "files.py").read_text()
+        + f"os.makedirs({str(world.tmp / 'venv' / 'bin')!r}, exist_ok=True)\n"
+        + f"os.symlink({os.path.realpath(sys.executable)!r}, {str(world.tmp / 'venv' / 'bin' / 'python')!r})\n"
+    )
+    code = _imports(
+        [str(ours)],
+        "import site\nsite.venv(set())\nimport pytest\n"
+        "from importlib.metadata import entry_points\n"
+        "try:\n    import nt\n    got = nt.WHERE\nexcept ImportError:\n    got = 'refused'\n"
+        "print(json.dumps([pytest.WHERE, got, [e.name for e in entry_points(group='pytest11')]]))",
+    )
+    assert world.run(code, python=str(world.tmp / "venv" / "bin" / "python")) == ["verifier", "refused", ["plug"]]

@@ -91,12 +91,18 @@ def _install():
         cut = path.rstrip("/").rfind("/")
         return path[:cut] or "/"
 
+    def chosen(path):
+        # In the site folders of the virtual environment the verifier runs (sys.prefix is a venv's once
+        # site has read its pyvenv.cfg): the tests chose it, the agent's or one they made.
+        prefix = sys.prefix
+        if prefix == sys.base_prefix or not path.startswith(prefix.rstrip("/") + "/"):
+            return False
+        return "/site-packages/" in path or "/dist-packages/" in path
+
     def agents(path, folder=False):
-        # Whether the file (or folder) at path is one the agent placed.
-        prefix = sys.prefix  # a venv's once site has read its pyvenv.cfg
-        if prefix != sys.base_prefix and path.startswith(prefix.rstrip("/") + "/"):
-            if "/site-packages/" in path or "/dist-packages/" in path:
-                return False  # the site folders of the virtual environment the verifier runs
+        # Whether the file (or folder) at path is one the agent placed: in one of its live folders
+        # (but a venv the tests run), or in its layer of /tmp (whatever venv is there: what the verifier
+        # made there is in its own layer).
         try:
             if not folder:
                 try:
@@ -111,7 +117,7 @@ def _install():
                             pass
             where = stat(path if folder else parent(path)).st_dev
             if where == agent_dev:
-                return True
+                return not chosen(path)
             return where == tmp_dev and (folder or stat(path).st_dev not in tmp_own)
         except OSError:
             return True
@@ -172,7 +178,18 @@ def _install():
             context = DistributionFinder.Context(**kwargs)
         for distribution in original(context):
             found = getattr(distribution, "_path", None)
-            if found is None or not agents(str(found), True):
+            if found is None:
+                yield distribution
+                continue
+            found = str(found)
+            for name in ("METADATA", "PKG-INFO"):  # a file of it tells its layer; its folder cannot
+                try:
+                    stat(found + "/" + name)
+                except OSError:
+                    continue
+                found = found + "/" + name
+                break
+            if not agents(found, found.endswith(".dist-info") or found.endswith(".egg-info")):
                 yield distribution
 
     PathFinder.find_distributions = staticmethod(find_distributions)
