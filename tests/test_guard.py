@@ -360,3 +360,23 @@ def test_a_venv_the_verifier_makes_in_tmp_holds_its_own_files_only(
         "print(json.dumps([pytest.WHERE, got, [e.name for e in entry_points(group='pytest11')]]))",
     )
     assert world.run(code, python=str(world.tmp / "venv" / "bin" / "python")) == ["verifier", "refused", ["plug"]]
+
+
+def test_site_reads_no_pth_file_the_agent_placed(tmp_path: Path, compiled: CompiledGuard | None) -> None:
+    """``site`` processing a site folder of /tmp (a venv the verifier made where the agent planted files first)
+    reads the verifier's own ``.pth`` and not the agent's, whose code would run at every start."""
+    world = World(tmp_path, [], compiled)
+    site_dir = world.tmp / "venv" / "site-packages"
+    world.files(
+        {
+            str(world.tmp_agent / "venv" / "site-packages" / "evil.pth"): "import builtins; builtins.EVIL = 1\n",
+            str(site_dir / "own.pth"): "import builtins; builtins.OWN = 1\n",
+        }
+    )
+    code = (
+        f"import site, builtins\nsite.addsitedir({str(site_dir)!r})\n"
+        "print(json.dumps([getattr(builtins, 'OWN', 0), getattr(builtins, 'EVIL', 0)]))"
+    )
+    assert world.run(code) == [1, 0]
+    world.encodings = '"""The image\'s encodings."""\n'  # without the guard, both run
+    assert world.run(code) == [1, 1]

@@ -1079,6 +1079,15 @@ CASES: list[ViewCase] = [
         sh(put("/workdir/nt.py", PY_HOOK), wrong()),
     ),
     ViewCase(
+        "1l a .pth planted in /tmp/gradevenv's site-packages before the verifier makes its venv there",
+        "1",
+        "venv_py",
+        sh(
+            put("/tmp/gradevenv/lib/python3.11/site-packages/zz.pth", "import os; exec(" + repr(PY_HOOK) + ")\n"),
+            wrong(),
+        ),
+    ),
+    ViewCase(
         "1i sitecustomize.py in the working directory, which the grader puts on PYTHONPATH",
         "1",
         "pythonpath_wd",

@@ -30,7 +30,9 @@ verifier's runs before anything is imported from a folder:
   the tests chose — a venv they made in the working directory, or the agent's own — and are used as
   they are. The view tells the guard its devices in a file of its plumbing (:func:`provenance`).
 * **Distribution metadata** (``pytest11`` plug-ins, entry points) of a distribution the agent placed
-  the same way is not found.
+  the same way is not found, and ``site`` does not read a ``.pth`` file the agent placed (an audit
+  hook refuses its ``io.open_code``): a venv the verifier makes at a path of ``/tmp`` the agent
+  filled first runs none of the agent's start-up code.
 """
 
 from __future__ import annotations
@@ -166,6 +168,14 @@ def _install():
 
     sys.meta_path.insert(position, VerifierImportGuard)
     sys._trl_harbor_guard = VerifierImportGuard
+
+    def veto(event, args):
+        # site reads a folder's .pth files with io.open_code, an audited "open" that it skips on OSError:
+        # one the agent placed (a venv the verifier makes at a path the agent filled first) is not read.
+        if event == "open" and args and isinstance(args[0], str) and args[0].endswith(".pth") and agents(args[0]):
+            raise PermissionError("a start-up file the agent placed is not read: %s" % args[0])
+
+    sys.addaudithook(veto)
 
     original = getattr(PathFinder, "find_distributions", None)
     if original is None:
