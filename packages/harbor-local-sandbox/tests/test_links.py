@@ -38,7 +38,7 @@ _IMAGE_LINKS = {
 
 def _words(rng: random.Random, policy: LinkPolicy, extra: tuple[str, ...] = ()) -> list[str]:
     vocabulary = (
-        [".", "..", "", "x", "lib", "usr", "workdir", "a", "b", "mtab", "scratch", "up", "current", *extra]
+        [".", "..", "", "x", "lib", "usr", "workdir", "a", "b", "mtab", "scratch", "up", "current", "data", *extra]
         + [posixpath.basename(p) for p in policy.forbidden]
         + [posixpath.basename(a) for a in policy.ancestors if a != "/"]
     )
@@ -51,7 +51,12 @@ def _target(rng: random.Random, policy: LinkPolicy, extra: tuple[str, ...] = ())
 
 def test_the_keel_and_the_view_judge_alike() -> None:
     """The keel's walk (C) and the view's (Python) give every generated target the same verdict."""
-    policy = LinkPolicy(hazards={"/etc/mtab": "into", "/srv/scratch": "into", "/var/up": "ancestor"})
+    policy = LinkPolicy(
+        hazards={
+            "/etc/mtab": "into", "/srv/scratch": "into", "/var/up": "ancestor",  # passed to the keel by name
+            "/data": "into", "/logs/up": "ancestor", "/dev/scratch": "into",  # by path (above forbidden places)
+        }
+    )  # fmt: skip
     rng = random.Random(43)
     targets = sorted({_target(rng, policy) for _ in range(6000)} | {"/", ".", "..", "/tests", "a/../../tests"})
     targets = [t for t in targets if "\n" not in t and t]
@@ -168,3 +173,17 @@ def test_no_judged_link_leads_into_a_forbidden_place(tmp_path: Path, seed: int) 
     finally:
         os.close(root_fd)
     assert not reached, reached[:10]
+
+
+def test_the_keels_items_are_bounded() -> None:
+    """The keel is told the image's links in folders above the forbidden places by path and the others by
+    name (that is all its walk matches), each at most ``MAX_KEEL_HAZARDS``; an image with more cannot be
+    judged, and says so."""
+    from harbor_local_sandbox._links import MAX_KEEL_HAZARDS
+
+    items = keel_items(LinkPolicy(hazards={"/data": "into", "/a/b/mtab": "into", "/c/mtab": "ancestor"}))
+    assert "link-hazard:into:/data" in items and "link-hazard-name:into:mtab" in items
+    assert not any("/a/b" in item for item in items)
+    many = {f"/srv/x{index}/l{index}": "into" for index in range(MAX_KEEL_HAZARDS + 1)}
+    with pytest.raises(ValueError, match="cannot judge"):
+        keel_items(LinkPolicy(hazards=many))

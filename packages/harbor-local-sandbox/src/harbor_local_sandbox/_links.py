@@ -46,6 +46,8 @@ INTO = "a link that can lead into the verifier's own places"
 TO_ANCESTOR = "a link that can lead to a folder above the verifier's own places"
 #: Longest target judged (the kernel's ``PATH_MAX``); a longer one is refused.
 MAX_TARGET = 4096
+#: Hazards of each kind of item the keel is given at most (its command line is bounded).
+MAX_KEEL_HAZARDS = 10_000
 #: Image links scanned for hazards at most, entries looked at, and how deep (an image is the task
 #: author's: the bounds keep a pathological one from stalling a sandbox's start).
 _MAX_IMAGE_LINKS = 200_000
@@ -144,9 +146,24 @@ class LinkPolicy:
 
 
 def keel_items(policy: LinkPolicy) -> list[str]:
-    """The keel's command-line items for ``policy`` (``link-forbidden:PATH``, ``link-hazard:KIND:PATH``)."""
+    """The keel's command-line items for ``policy``: ``link-forbidden:PATH``, ``link-hazard:KIND:PATH`` for an
+    image link in a folder above a forbidden place (the walk may know it stands there), and
+    ``link-hazard-name:KIND:NAME`` for the others (the walk only ever matches them by name), at most
+    :data:`MAX_KEEL_HAZARDS` of each.
+
+    Raises:
+        ValueError: For an image with more such links than that (its links cannot be judged).
+    """
     items = [f"link-forbidden:{place}" for place in sorted(policy.forbidden)]
-    items += [f"link-hazard:{kind}:{path}" for path, kind in sorted(policy.hazards.items())]
+    below = {path: kind for path, kind in policy.hazards.items() if posixpath.dirname(path) in policy.ancestors}
+    elsewhere = policy._hazards_elsewhere  # type: ignore[attr-defined]
+    if len(below) > MAX_KEEL_HAZARDS or len(elsewhere) > MAX_KEEL_HAZARDS:
+        raise ValueError(
+            f"the image has {len(policy.hazards)} links that lead into the verifier's places or to a folder above "
+            f"them (more than {MAX_KEEL_HAZARDS} names): the sandbox cannot judge the agent's links on it"
+        )
+    items += [f"link-hazard:{kind}:{path}" for path, kind in sorted(below.items())]
+    items += [f"link-hazard-name:{kind}:{name}" for name, kind in sorted(elsewhere.items())]
     return items
 
 

@@ -163,11 +163,14 @@ class ImageRoot:
         """
         binds = await self._prepare(force_build)
         hazards = await asyncio.to_thread(self.link_hazards)
+        try:
+            link_policy = tuple(keel_items(LinkPolicy(hazards=hazards))) if box.get("mediate_links", True) else ()
+        except ValueError as error:
+            raise SandboxStartError(f"{error}; run it with verifier_isolation=False") from error
         self.dir = state_root() / new_box_name(self.task.box_name)
         config = BoxConfig(
-            rootfs=self.rootfs, hostname=self.task.hostname, extra_ro_binds=binds,
-            link_policy=tuple(keel_items(LinkPolicy(hazards=hazards))), **box,
-        )  # fmt: skip
+            rootfs=self.rootfs, hostname=self.task.hostname, extra_ro_binds=binds, link_policy=link_policy, **box
+        )
         self.box = Box(config, self.dir / "run", name=self.dir.name, owned_dir=self.dir)
         try:
             self.box.reserve()  # its cgroups: the kernel's wait to move into them overlaps making the tree

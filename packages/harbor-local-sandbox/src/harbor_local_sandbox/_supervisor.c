@@ -501,9 +501,12 @@ static int receive_fd(int s) {
 static const char *forbidden[MAX_LINK_PLACES];
 static char ancestors[MAX_LINK_PLACES * 8][PATH_MAX / 16];
 static int n_forbidden, n_ancestors;
-static const char **hazard_paths;
-static char *hazard_kinds; /* 'i' (into) or 'a' (ancestor) */
+static const char **hazard_paths; /* the image's links in a folder above a forbidden place */
+static char *hazard_kinds;         /* 'i' (into) or 'a' (ancestor) */
 static int n_hazards;
+static const char **hazard_names; /* the names of its other such links (matched by name only) */
+static char *hazard_name_kinds;
+static int n_hazard_names;
 
 static int is_ancestor(const char *path) {
     for (int i = 0; i < n_ancestors; i++)
@@ -529,6 +532,8 @@ static void add_ancestors(const char *place) {
 static void read_link_policy(char **items, int n) {
     hazard_paths = calloc((size_t)n + 1, sizeof *hazard_paths);
     hazard_kinds = calloc((size_t)n + 1, 1);
+    hazard_names = calloc((size_t)n + 1, sizeof *hazard_names);
+    hazard_name_kinds = calloc((size_t)n + 1, 1);
     for (int i = 0; i < n; i++) {
         const char *item = items[i];
         if (strncmp(item, "link-forbidden:/", 16) == 0 && n_forbidden < MAX_LINK_PLACES &&
@@ -541,6 +546,12 @@ static void read_link_policy(char **items, int n) {
         } else if (hazard_paths && strncmp(item, "link-hazard:ancestor:/", 22) == 0) {
             hazard_kinds[n_hazards] = 'a';
             hazard_paths[n_hazards++] = item + 21;
+        } else if (hazard_names && strncmp(item, "link-hazard-name:into:", 22) == 0 && !strchr(item + 22, '/')) {
+            hazard_name_kinds[n_hazard_names] = 'i';
+            hazard_names[n_hazard_names++] = item + 22;
+        } else if (hazard_names && strncmp(item, "link-hazard-name:ancestor:", 26) == 0 && !strchr(item + 26, '/')) {
+            hazard_name_kinds[n_hazard_names] = 'a';
+            hazard_names[n_hazard_names++] = item + 26;
         }
     }
     if (!is_ancestor("/") && n_ancestors < (int)(sizeof ancestors / sizeof ancestors[0]))
@@ -556,29 +567,29 @@ static int base_name_of(const char *name, const char *const *paths, int n) {
     return 0;
 }
 
-/* Whether path's parent folder is a folder above a forbidden place. */
-static int parent_is_ancestor(const char *path) {
-    char parent[PATH_MAX + 1];
-    snprintf(parent, sizeof parent, "%s", path);
-    char *slash = strrchr(parent, '/');
-    if (!slash) return 0;
-    if (slash == parent) slash[1] = 0;
-    else *slash = 0;
-    return is_ancestor(parent);
-}
-
-/* The kind of the image's link at path ('i', 'a'), or of any named name (whose parent is an
- * ancestor when below is 1, is not when below is 0, either when below is -1); 0 if none. */
-static char hazard(const char *path, const char *name, int below) {
+/* The kind ('i', 'a') of the image's link at path (in a folder above a forbidden place), or 0. */
+static char hazard_at(const char *path) {
     char found = 0;
     for (int i = 0; i < n_hazards; i++) {
-        if (path) {
-            if (strcmp(hazard_paths[i], path) != 0) continue;
-        } else {
-            const char *slash = strrchr(hazard_paths[i], '/');
-            if (!slash || strcmp(slash + 1, name) != 0) continue;
-            if (below >= 0 && parent_is_ancestor(hazard_paths[i]) != below) continue;
-        }
+        if (strcmp(hazard_paths[i], path) != 0) continue;
+        if (hazard_kinds[i] == 'i') return 'i';
+        found = 'a';
+    }
+    return found;
+}
+
+/* The kind ('i', 'a') of an image link named name: elsewhere only (anywhere 0), or also one in a folder
+ * above a forbidden place (anywhere 1); 0 if none. "into" wins. */
+static char hazard_named(const char *name, int anywhere) {
+    char found = 0;
+    for (int i = 0; i < n_hazard_names; i++) {
+        if (strcmp(hazard_names[i], name) != 0) continue;
+        if (hazard_name_kinds[i] == 'i') return 'i';
+        found = 'a';
+    }
+    for (int i = 0; anywhere && i < n_hazards; i++) {
+        const char *slash = strrchr(hazard_paths[i], '/');
+        if (!slash || strcmp(slash + 1, name) != 0) continue;
         if (hazard_kinds[i] == 'i') return 'i';
         found = 'a';
     }
@@ -623,13 +634,13 @@ static int judge_link(const char *target) {
                 snprintf(known, sizeof known, "%s", path);
                 continue;
             }
-            kind = hazard(path, NULL, 0);
+            kind = hazard_at(path);
         } else if (at == AT_SOMEWHERE) {
             if (base_name_of(name, forbidden, n_forbidden)) return 1;
             if (base_name_of(name, ancestor_list, n_ancestors)) continue;
-            kind = hazard(NULL, name, -1);
+            kind = hazard_named(name, 1);
         } else {
-            kind = hazard(NULL, name, 0);
+            kind = hazard_named(name, 0);
         }
         if (kind == 'i') return 1;
         at = kind == 'a' ? AT_SOMEWHERE : AT_ELSEWHERE;
