@@ -420,6 +420,11 @@ class Box:
         #: Host mounts (the copy-on-write root) to detach when the box goes.
         self.mounts: list[Path] = []
         self._views = 0
+        #: One teardown per box, whichever path starts it (``kill`` on the loop, ``kill_now`` at exit, in
+        #: another thread): the claim is taken under a lock, and the others wait until it is done
+        #: (``_released``), so that nobody removes the box's tree while its mounts are being detached.
+        self._claim = threading.Lock()
+        self._released = threading.Event()
 
     @property
     def init_pid(self) -> int | None:
@@ -654,8 +659,12 @@ class Box:
         return view
 
     def kill_now(self) -> None:
-        """Kill every process of the box and remove its state, synchronously (idempotent; safe at exit)."""
+        """Kill every process of the box and remove its state, synchronously (idempotent; safe at exit).
+
+        When another thread's teardown of the box is under way, waits for it to finish (at most
+        :data:`TEARDOWN_WAIT` seconds)."""
         if not self._closing():
+            self._released.wait(TEARDOWN_WAIT)
             return
         self._signal_all()
         self._release()
@@ -664,20 +673,25 @@ class Box:
                 self.host.call(remove_tree, self.owned_dir)
 
     async def kill(self) -> None:
-        """Kill every process of the box, wait for bubblewrap, and remove its state."""
+        """Kill every process of the box, wait for bubblewrap, and remove its state; when another teardown of
+        the box is under way (``kill_now`` at exit, in another thread), wait until it is done."""
         if not self._closing():
+            if not self._released.is_set():
+                await asyncio.to_thread(self._released.wait, TEARDOWN_WAIT)
             return
-        died_before = self._proc is not None and self._proc.returncode is not None
-        self._signal_all()
-        for proc in (self._network.proc, self._proc):
-            if proc is not None:
-                with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
-                    await asyncio.wait_for(proc.wait(), timeout=10)
-        if died_before:
-            # bubblewrap was killed from outside (or crashed), perhaps before its sandbox-side
-            # half armed --die-with-parent: that half, in its own session, would wait forever.
-            await asyncio.to_thread(_lifetime.kill_bubblewraps_of, self.name)
-        self._release()
+        try:
+            died_before = self._proc is not None and self._proc.returncode is not None
+            self._signal_all()
+            for proc in (self._network.proc, self._proc):
+                if proc is not None:
+                    with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
+                        await asyncio.wait_for(proc.wait(), timeout=10)
+            if died_before:
+                # bubblewrap was killed from outside (or crashed), perhaps before its sandbox-side
+                # half armed --die-with-parent: that half, in its own session, would wait forever.
+                await _off_loop(_lifetime.kill_bubblewraps_of, self.name)
+        finally:  # whatever happened on the way (a cancelled stop, an exiting interpreter), it is released
+            self._release()
 
     def unmount(self) -> None:
         """Detach the box's host mounts (idempotent)."""
@@ -686,11 +700,12 @@ class Box:
                 self.host.call(unmount, self.mounts.pop())
 
     def _closing(self) -> bool:
-        """Mark the box stopped (no more commands); ``False`` if it already was."""
-        if self.closed:
-            return False
-        self.supervisor.closed = True
-        return True
+        """Claim the box's teardown and mark it stopped (no more commands); ``False`` if it already was."""
+        with self._claim:
+            if self.closed:
+                return False
+            self.supervisor.closed = True
+            return True
 
     def _signal_all(self) -> None:
         for proc in (self._network.proc, self._proc):
@@ -704,10 +719,13 @@ class Box:
         if self._parked is not None:  # a launcher this box took but never started from: killed
             self._parked.kill_now()
         # Usually empty by now; anything that escaped the namespace's death is killed here.
-        self._cgroups.kill_and_remove()
-        self._cleanup_files()
-        self.unmount()
-        _lifetime.LIVE.discard(self)
+        try:
+            self._cgroups.kill_and_remove()
+            self._cleanup_files()
+            self.unmount()
+            _lifetime.LIVE.discard(self)
+        finally:
+            self._released.set()
 
     def _cleanup_files(self) -> None:
         for client in (self.supervisor, self.control):
@@ -976,10 +994,22 @@ async def _read_answer(reader: asyncio.StreamReader, output_cap: int) -> dict:
     return {"rc": rc, "timed_out": bool(flags & 1), "stdout": streams[0], "stderr": streams[1], "dropped": dropped}
 
 
+#: Seconds a teardown of a box waits for another one already under way.
+TEARDOWN_WAIT = 60.0
 #: ``/proc/net/unix``'s flag of a socket that accepts connections (``__SO_ACCEPTCON``).
 _SO_ACCEPTCON = 0x10000
 #: Sockets of the agent's a verifier's view serves at most.
 MAX_SOCKETS = 64
+
+
+async def _off_loop(func, *args) -> None:
+    """Run blocking work in a thread, or inline while the interpreter exits (no thread starts then)."""
+    try:
+        await asyncio.to_thread(func, *args)
+    except RuntimeError as error:
+        if "shutdown" not in str(error):
+            raise
+        func(*args)
 
 
 def _write_text(path: Path, text: str) -> None:

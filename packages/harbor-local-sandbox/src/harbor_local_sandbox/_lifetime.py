@@ -53,11 +53,19 @@ def _kill_all_at_exit() -> None:
     global EXITING
     EXITING = True
     for box in list(LIVE):
-        box.kill_now()
+        box.kill_now()  # or waits for a teardown of it under way in another thread
     # Boxes started but not yet registered, and bubblewraps whose sandbox-side half has not yet
     # armed --die-with-parent (it runs in its own session, out of reach of the box's killpg).
     owner = f"{os.getpid()}-"
     _kill_bubblewraps(lambda box: box.startswith(owner))
+    # Whatever of this process's is still in the state root (a tree whose owner object is gone, one a
+    # failed teardown left): every tree is named after its owner, so this process's are found by name.
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(state_root()):
+            if entry.name.startswith(owner):
+                unmount_under(Path(entry.path))
+                with contextlib.suppress(OSError):
+                    _remove_stale(Path(entry.path))
 
 
 atexit.register(_kill_all_at_exit)

@@ -30,7 +30,7 @@ from typing import Any
 
 from harbor_local_sandbox import _hostfs, _userns, _viewfs
 from harbor_local_sandbox._binaries import static_binary
-from harbor_local_sandbox._box import SLIRP_GATEWAY_DNS, Box, BoxConfig
+from harbor_local_sandbox._box import SLIRP_GATEWAY_DNS, Box, BoxConfig, _off_loop
 from harbor_local_sandbox._cache import CACHE
 from harbor_local_sandbox._fingerprints import fingerprints
 from harbor_local_sandbox._guard import (
@@ -872,13 +872,3 @@ def close_view(view_dir: Path) -> None:
     for name in ("root", "w"):
         with contextlib.suppress(OSError):
             _viewfs.detach(str(view_dir / name))
-
-
-async def _off_loop(func, *args) -> None:
-    """Run blocking file work in a thread, or inline at interpreter shutdown (no thread starts then)."""
-    try:
-        await asyncio.to_thread(func, *args)
-    except RuntimeError as error:
-        if "shutdown" not in str(error):
-            raise
-        func(*args)
