@@ -256,13 +256,15 @@ def test_bad_usage_exits_2() -> None:
 def test_runs_in_the_agent_namespace_and_lists_as_told(rig: Rig, request: pytest.FixtureRequest) -> None:
     assert rig.forwarder is not None
     pid = rig.forwarder.pid
-    assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.fstat(rig.agent).st_ino
     rig.serve(rig.agent, "127.0.0.1", 8079)
     rig.wait_for(lambda: echoes(rig.view, "127.0.0.1", 8079))  # it lists the agent's listeners
+    # Between rounds it is in the agent's namespace (it enters the view only to make sockets there).
+    assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.fstat(rig.agent).st_ino
     links = [os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")]
-    proc_files = [link for link in links if link.endswith(("/net/tcp", "/net/tcp6"))]
+    # (the files opened in the view read "(deleted)": the thread's net folder is another one now)
+    proc_files = [link for link in links if link.split(" ")[0].endswith(("/net/tcp", "/net/tcp6"))]
     if request.node.callspec.params["rig"] == "proc":
-        assert len(proc_files) == 2, links
+        assert len(proc_files) == 4, links  # tcp and tcp6 of each namespace
     else:
         assert proc_files == [], links
 
@@ -478,16 +480,91 @@ def test_connections_beyond_the_bound_are_closed() -> None:
         rig.close()
 
 
-def test_nothing_of_the_view_is_reachable_from_the_agent(rig: Rig) -> None:
-    rig.serve(rig.view, "127.0.0.1", 9090)
-    rig.serve(rig.view, "0.0.0.0", 9091)
-    rig.serve(rig.agent, "127.0.0.1", 8089)
-    rig.wait_for(lambda: echoes(rig.view, "127.0.0.1", 8089))  # the forwarder is working
+def asks(ns: int, port: int) -> Callable[[socket.socket], None]:
+    """A handler for the agent's server: for each request, ask the service on ``port`` (in ``ns``,
+    from the thread the server made the connection in) and answer with what it said."""
+
+    def handle(conn: socket.socket) -> None:
+        conn.recv(100)
+        try:
+            answer = roundtrip(ns, "127.0.0.1", port, b"ask")
+        except OSError as error:
+            answer = f"refused {type(error).__name__}".encode()
+        conn.sendall(answer)
+
+    return handle
+
+
+def says(word: bytes) -> Callable[[socket.socket], None]:
+    def handle(conn: socket.socket) -> None:
+        conn.recv(100)
+        conn.sendall(word)
+
+    return handle
+
+
+def _refused_or_reset(ns: int, port: int) -> bool:
+    try:
+        return roundtrip(ns, "127.0.0.1", port) == b""  # accepted, then closed without a word
+    except (ConnectionRefusedError, ConnectionResetError):
+        return True
+
+
+@both_modes
+def test_the_verifiers_service_answers_the_agents_server_while_it_serves_the_verifier(rig: Rig) -> None:
+    # The tests start a service (the agent's server depends on it), then ask the agent's server.
+    rig.serve(rig.agent, "127.0.0.1", 8095, handler=asks(rig.agent, 9095))
+    rig.wait_for(lambda: _refused_or_reset(rig.agent, 9095) and _answer(rig.view, 8095).startswith(b"refused"))
+    rig.serve(rig.view, "127.0.0.1", 9095, handler=says(b"token-1"))
+    rig.wait_for(lambda: _answer(rig.view, 8095) == b"token-1")
+    # The agent's own processes, on their own (no request of the verifier's in flight), are reset.
+    assert _refused_or_reset(rig.agent, 9095)
+    # The verifier's service stops: its mirror in the agent's namespace goes, and nothing loops.
+    rig.servers[-1].close()
+    rig.wait_for(lambda: _answer(rig.view, 8095).startswith(b"refused"))
+    with pytest.raises(ConnectionRefusedError):
+        connect(rig.view, "127.0.0.1", 9095)
+
+
+def _answer(ns: int, port: int) -> bytes:
+    try:
+        return roundtrip(ns, "127.0.0.1", port, b"health")
+    except OSError as error:
+        return f"error {error}".encode()
+
+
+def test_a_wildcard_service_of_the_verifiers_is_reached_at_the_agents_loopback(rig: Rig) -> None:
+    rig.serve(rig.agent, "127.0.0.1", 8096, handler=asks(rig.agent, 9096))
+    rig.serve(rig.view, "0.0.0.0", 9096, handler=says(b"any"))
+    rig.wait_for(lambda: _answer(rig.view, 8096) == b"any")
+
+
+def test_the_agent_keeps_a_port_it_listens_on(rig: Rig) -> None:
+    # The agent listens on 9097 itself (at another address): the verifier's service on that port is
+    # not mirrored into the agent's namespace, and the agent's server reaches its own.
+    rig.serve(rig.view, "127.0.0.1", 9097, handler=says(b"verifier"))
+    rig.serve(rig.agent, "127.0.0.2", 9097, handler=says(b"agent"))
+    rig.serve(rig.agent, "127.0.0.1", 8097, handler=asks(rig.agent, 9097))
+    rig.wait_for(lambda: _answer(rig.view, 8097).startswith(b"refused"))
     time.sleep(0.3)
-    assert echoes(rig.view, "127.0.0.1", 9090)
-    for port in (9090, 9091):
-        with pytest.raises(ConnectionRefusedError):
-            connect(rig.agent, "127.0.0.1", port)
+    assert _answer(rig.view, 8097).startswith(b"refused")
+    assert roundtrip(rig.view, "127.0.0.1", 9097) == b"verifier"
+
+
+def test_a_mirror_is_never_mirrored_back(rig: Rig) -> None:
+    # The agent's 8098 is mirrored into the view; the view's 9098 into the agent's namespace. Neither
+    # mirror is taken for a listener of the other side: when the originals go, both ports are free.
+    agent = rig.serve(rig.agent, "127.0.0.1", 8098)
+    view = rig.serve(rig.view, "127.0.0.1", 9098, handler=says(b"v"))
+    rig.serve(rig.agent, "127.0.0.1", 8099, handler=asks(rig.agent, 9098))
+    rig.wait_for(lambda: echoes(rig.view, "127.0.0.1", 8098) and _answer(rig.view, 8099) == b"v")
+    agent.close()
+    view.close()
+    time.sleep(0.4)
+    for ns in (rig.agent, rig.view):
+        for port in (8098, 9098):
+            with pytest.raises(ConnectionRefusedError):
+                connect(ns, "127.0.0.1", port)
 
 
 def test_exits_when_the_watched_process_dies_and_leaves_nothing() -> None:

@@ -122,6 +122,21 @@ _FETCH = (
 )
 
 
+#: The tests' own service on 127.0.0.1:7000: it makes a token of its own and serves it (it says it
+#: is bound in a file named by its argument).
+_DEPENDENCY = (
+    "import http.server, os, sys\n"
+    "token = os.urandom(8).hex().encode()\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.end_headers(); self.wfile.write(token)\n"
+    "    def log_message(self, *a): pass\n"
+    "s = http.server.ThreadingHTTPServer(('127.0.0.1', 7000), H)\n"
+    "open(sys.argv[1], 'w').close()\n"
+    "s.serve_forever()\n"
+)
+
+
 def _fixture_test(url: str) -> str:
     """A test.sh that starts its own fixture server, waits until it has its port, fetches the expected
     value, waits 2 s, then compares the agent's answer with it.
@@ -348,6 +363,24 @@ KINDS: dict[str, Kind] = {
         + 'echo "state: $a -> $b"\n'
         + '[ -n "$a" ] && [ "$b" -gt "$a" ] '
         + _SCORE
+    ),
+    # the tests start a service (it makes its own token) and ask the agent's server, whose health
+    # endpoint asks that service, for it (issue #48)
+    "dependency": Kind(
+        _HEAD
+        + f"python3 -c {shlex.quote(_DEPENDENCY)} /logs/verifier/dep-up >/dev/null 2>&1 &\n"
+        + "dep=$!\n"
+        + "for i in $(seq 300); do [ -e /logs/verifier/dep-up ] && break; kill -0 $dep 2>/dev/null || break; "
+        + "sleep 0.1; done\n"
+        + f'token=$({_FETCH}"http://127.0.0.1:7000/" 2>/dev/null)\n'
+        + 'health=""\n'
+        + "for i in $(seq 50); do\n"
+        + f'  health=$({_FETCH}"http://127.0.0.1:8082/health" 2>/dev/null) && [ "$health" = "$token" ] && break\n'
+        + "  sleep 0.1\ndone\n"
+        + 'echo "token: $token health: $health"\n'
+        + '[ -n "$token" ] && [ "$health" = "$token" ] '
+        + _SCORE
+        + "kill $dep 2>/dev/null; wait\n"
     ),
     "git": Kind(_HEAD + '[ "$(git -C /workdir/repo config remote.origin.url)" = https://example.com/r.git ] ' + _SCORE),
     "tls": Kind(
@@ -626,43 +659,32 @@ while True:
             f.write(data.strip() + b"\\n")
 """.replace("{port}", str(FIXTURE_PORT))
 
-TCP_WATCH = """
-import os, time
+#: The agent's job: once grading begins, it polls the port of the verifier's fixture server and
+#: writes what it serves as the answer (the tests compare 2 s after fetching).
+FIXTURE_READER = """
+import os, time, urllib.request
 while not os.path.exists("/workdir/.verifying"):
     time.sleep(0.02)
-with open("/opt/tcp.log", "w") as log:
-    for _ in range(40):
-        log.write("sample\\n" + open("/proc/net/tcp").read())
-        log.flush()
-        time.sleep(0.2)
-    log.write("done\\n")
-"""
+log = open("/opt/reader.log", "w", buffering=1)
+end = time.time() + 6
+while time.time() < end:
+    try:
+        got = urllib.request.urlopen("http://127.0.0.1:{port}/expected.txt", timeout=1).read()
+    except Exception as error:
+        log.write(f"no: {error!r}\\n")
+        time.sleep(0.05)
+        continue
+    open("/workdir/answer.txt", "wb").write(got)
+    log.write("read\\n")
+    break
+log.write("done\\n")
+""".replace("{port}", str(FIXTURE_PORT))
 
 
-def _listeners_on_fixture_port(ctx: ViewCtx, env: Any) -> tuple[int, list[str]]:
-    text = ctx.run(env, "cat /opt/tcp.log 2>&1")
-    port = f":{FIXTURE_PORT:04X}"
-    samples = text.count("sample")
-    found = [
-        line.strip()
-        for line in text.splitlines()
-        if len(line.split()) > 3 and line.split()[1].endswith(port) and line.split()[3] == "0A"
-    ]
-    return samples, found
-
-
-def no_fixture_listener(ctx: ViewCtx, env: Any, outputs: list[Any]) -> str | None:
-    """The agent's /proc/net/tcp, read during grading, never shows the verifier's fixture listener."""
-    samples, found = _listeners_on_fixture_port(ctx, env)
-    if samples < 5:
-        return f"the agent's /proc/net/tcp was read {samples} times during grading"
-    return f"the agent sees the verifier's listener on {FIXTURE_PORT}: {found[:2]}" if found else None
-
-
-def fixture_listener_seen(ctx: ViewCtx, env: Any, outputs: list[Any]) -> str | None:
-    """Without the defences, the same reading shows it (so that the check above can fail)."""
-    samples, found = _listeners_on_fixture_port(ctx, env)
-    return None if found else f"the verifier's listener was not seen in {samples} samples of /proc/net/tcp"
+def reader_tried(ctx: ViewCtx, env: Any, outputs: list[Any]) -> str | None:
+    """The agent's job polled the fixture's port while graded (so that its 0 is the defence's)."""
+    text = ctx.run(env, "cat /opt/reader.log 2>&1")
+    return None if text.count("no:") >= 3 or "read" in text else f"the reader did not run while graded: {text[-300:]!r}"
 
 
 NET_PROBE = """
@@ -779,6 +801,34 @@ while True:
 """
 
 #: A service on a Unix socket (its path the argument) that answers with the agent's answer file.
+#: The agent's server on 127.0.0.1:8082: its health endpoint answers what the service on 7000 says.
+HEALTH_SERVER = """
+import http.server, urllib.request
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        try:
+            body = urllib.request.urlopen("http://127.0.0.1:7000/", timeout=2).read()
+        except Exception:
+            body = b"down"
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", 8082), Handler).serve_forever()
+"""
+#: The agent's stand-in for the tests' service, on its port first: it serves a token of its own.
+FAKE_DEPENDENCY = """
+import http.server
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"planted")
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", 7000), Handler).serve_forever()
+"""
 UNIX_SERVICE = """
 import os, socket, sys
 path = sys.argv[1]
@@ -973,6 +1023,23 @@ CASES: list[ViewCase] = [
         check=never_online,
         undefended_check=got_online,
     ),
+    ViewCase(
+        "3f the agent's job polls the verifier's fixture port while graded and writes what it serves",
+        "3",
+        "fixture",
+        sh(wrong(), bg_python("/opt/reader.py", FIXTURE_READER)),
+        check=all_of(reader_tried, FETCHED_GOLD),
+    ),
+    ViewCase(
+        "3g the agent listens first on the port of the service the tests start (127.0.0.1:7000), its "
+        "health endpoint asking it",
+        "3",
+        "dependency",
+        sh(
+            run_script("/opt/health.py", HEALTH_SERVER, "python3"),
+            run_script("/opt/fakedep.py", FAKE_DEPENDENCY, "python3") + " && sleep 1",
+        ),
+    ),
     # ── 6. links ─────────────────────────────────────────────────────────────────────
     ViewCase(
         "6a answer.txt -> /tests/expected.txt",
@@ -1129,15 +1196,7 @@ CASES: list[ViewCase] = [
     ViewCase("the agent's folder on PYTHONPATH", "H", "pythonpath_wd", sh(gold()), deserves=1.0),
     ViewCase("pytest --color=yes", "H", "pytest_color", sh(gold()), deserves=1.0),
     ViewCase("a python grader importing subprocess", "H", "py_wd", sh(gold()), deserves=1.0),
-    ViewCase(
-        "the verifier's own fixture server (the agent's /proc/net/tcp watched while graded)",
-        "H",
-        "fixture",
-        sh(gold(), bg_python("/opt/tcp_watch.py", TCP_WATCH)),
-        deserves=1.0,
-        check=no_fixture_listener,
-        undefended_check=fixture_listener_seen,
-    ),
+    ViewCase("the verifier's own fixture server", "H", "fixture", sh(gold()), deserves=1.0),
     ViewCase("the verifier's fixture server at localhost", "H", "fixture_localhost", sh(gold()), deserves=1.0),
     ViewCase("an offline agent, an online verifier", "H", "netphase", sh(gold()), deserves=1.0),
     ViewCase("compared with /tests/expected.txt", "H", "expected_file", sh(gold()), deserves=1.0),
@@ -1261,6 +1320,13 @@ CASES: list[ViewCase] = [
         "H",
         "atomic_state",
         sh("mkdir -p /var/lib/job && " + run_script("/opt/job.sh", ATOMIC_JOB) + " && sleep 0.5"),
+        deserves=1.0,
+    ),
+    ViewCase(
+        "H16 a health endpoint asking a service the tests start (127.0.0.1:7000) while they ask it",
+        "H",
+        "dependency",
+        sh(run_script("/opt/health.py", HEALTH_SERVER, "python3") + " && sleep 1"),
         deserves=1.0,
     ),
     ViewCase(

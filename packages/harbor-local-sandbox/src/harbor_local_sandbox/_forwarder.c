@@ -1,6 +1,7 @@
 /*
  * forwarder: makes every TCP listener of a sandbox's network namespace (the agent's) reachable at
- * the same address and port in the network namespace of its verifier, and nothing the other way.
+ * the same address and port in the network namespace of its verifier, and the verifier's own
+ * services reachable back by the agent's processes while they answer the verifier.
  *
  * Compiled statically on first use by _binaries.py (static_binary("forwarder")) and cached by source
  * hash; the keel's "forward PID" request runs it (fexecve, empty environment, stdin and stderr on /dev/null,
@@ -55,6 +56,21 @@
  * servers take precedence: a port a process of the verifier's binds is released and not mirrored
  * again (see "the verifier's own servers" below).
  *
+ * The verifier's services, back to the agent (a service the tests start or restart that the agent's
+ * server uses: a database, a queue). Each round also lists the view's listeners, its own mirrors
+ * left out (by socket inode; the agent's list leaves out the mirrors made there the same way, so no
+ * connection is relayed in a loop). For each address and port the verifier listens on where the
+ * agent listens on no address of that port, a listener is kept in the agent's namespace, relaying to
+ * the verifier's (as under Harbor's shared network, where the tests' service holds the port the
+ * agent's server connects to). A connection accepted there is relayed only while a connection of
+ * the verifier's to one of the agent's listeners is being relayed — the agent's processes reach the
+ * verifier's services while they serve the verifier's requests (the agent's health endpoint that asks
+ * the tests' database), never on their own: an agent's job that polls a port for the verifier's
+ * fixture server gets a reset. After a bind of the verifier's, the listing runs every 2 ms for
+ * 300 ms, so that a service the tests start is reachable from the agent's side about as soon as it
+ * listens. The agent keeps what is its own: a port it listens on (at any address) is never taken in
+ * its namespace, and the verifier's relayed traffic never passes through the agent's namespace.
+ *
  * Only TCP is forwarded: UDP and abstract Unix sockets are not (the verifier does not see them);
  * Unix sockets bound to a path need no forwarding (the verifier sees the agent's files). The agent
  * sees its relayed connections coming from 127.0.0.1 (or ::1), not from the verifier's address.
@@ -80,6 +96,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -92,6 +109,8 @@
 #endif
 #define TCP_LISTEN_STATE 10 /* TCP_LISTEN in the kernel's numbering: 0A in /proc/net/tcp */
 #define SCAN_MS 50
+#define FAST_SCAN_MS 2     /* after a bind of the verifier's ... */
+#define FAST_WINDOW_MS 300 /* ... for this long */
 #define MISSES_TO_CLOSE 2
 #define BUF_SIZE (64 * 1024)
 #define MAX_PAIRS 2048
@@ -101,8 +120,8 @@
 
 /* What an epoll event belongs to (bits 28-31 of its tag). */
 enum kind { WATCH = 1, LISTENER = 2, PAIR = 3, BINDS = 4 };
-/* The two sides of a relayed connection. */
-enum side { VIEW_SIDE = 0, AGENT_SIDE = 1 };
+/* The two sides of a relayed connection: the one accepted at a mirror, the one it dialed. */
+enum side { ACCEPTED = 0, DIALED = 1 };
 
 /* An address and port listened on: family AF_INET (addr[0..3]) or AF_INET6. */
 struct endpoint {
@@ -111,11 +130,23 @@ struct endpoint {
     unsigned short port;
 };
 
-/* A listener in the view mirroring one of the agent's; fd -1: a free slot. */
+/* A mirror: a listener in the view for one of the agent's, or (back) one in the agent's namespace
+ * for one of the verifier's; fd -1: a free slot. */
 struct listener {
     struct endpoint at;
     int fd;
-    int misses; /* consecutive lists of the agent's listeners it was missing from */
+    int back;           /* 0: in the view, relays into the agent's namespace; 1: the other way */
+    unsigned long ino;  /* its socket's inode: how the lists leave the mirrors out */
+    int misses;         /* consecutive lists of the mirrored side's listeners it was missing from */
+};
+
+/* How one namespace's listeners are listed (a netlink socket, or its /proc files, opened there) and
+ * the last list. */
+struct listing {
+    int diag;
+    int proc_fd[2]; /* tcp, tcp6 */
+    struct endpoint found[MAX_LISTENERS];
+    int n_found;
 };
 
 /* A relayed connection. buf[i] holds what was read from fd[i] and is still to be written to fd[!i]:
@@ -126,7 +157,7 @@ struct pair {
     unsigned len[2], off[2];
     unsigned char eof[2];  /* fd[i] sent its FIN */
     unsigned char shut[2]; /* fd[i] was shut down for writing */
-    unsigned char connecting, used;
+    unsigned char connecting, used, serving; /* serving: the verifier's connection to the agent's */
     uint32_t armed[2]; /* events registered for fd[i]; 0: not in the epoll set */
     uint32_t gen;      /* tells a stale event (of a pair closed in the same batch) from a live one */
 };
@@ -134,12 +165,12 @@ struct pair {
 static int agent_ns, view_ns, watched, ep, binds = -1;
 /* Ports a process of the verifier's bound (its own server): never mirrored again (see yield_port). */
 static unsigned char yielded[65536];
-static int diag = -1, proc_fd[2] = {-1, -1}; /* how listeners are listed: netlink, or /proc tcp, tcp6 */
+static struct listing agent_list = {.diag = -1, .proc_fd = {-1, -1}}, view_list = {.diag = -1, .proc_fd = {-1, -1}};
 static uint32_t diag_seq;
-static struct endpoint found[MAX_LISTENERS];
-static int n_found;
 static struct listener listeners[MAX_LISTENERS];
 static int accepting_paused;
+static int serving; /* pairs relaying a connection of the verifier's to one of the agent's listeners */
+static int64_t fast_until;
 static struct pair *pairs;
 static int *free_pairs, n_free, max_pairs;
 
@@ -170,11 +201,20 @@ static int parse_fd(const char *text) {
     return (int)v;
 }
 
-/* ---- listing the agent's listeners ---- */
+/* ---- listing a namespace's listeners ---- */
 
-/* Records an endpoint once; an IPv4-mapped IPv6 address is recorded as the IPv4 address. */
-static void add_found(int family, const unsigned char *addr, unsigned short port) {
+/* Whether a socket inode is one of our mirrors (left out of both lists). */
+static int is_mirror(unsigned long ino) {
+    for (int i = 0; i < MAX_LISTENERS && ino != 0; i++)
+        if (listeners[i].fd >= 0 && listeners[i].ino == ino) return 1;
+    return 0;
+}
+
+/* Records an endpoint once, unless it is a mirror of ours; an IPv4-mapped IPv6 address is recorded
+ * as the IPv4 address. */
+static void add_found(struct listing *l, int family, const unsigned char *addr, unsigned short port, unsigned long ino) {
     static const unsigned char mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    if (is_mirror(ino)) return;
     struct endpoint e = {.family = family, .port = port};
     if (family == AF_INET6 && memcmp(addr, mapped, 12) == 0) {
         e.family = AF_INET;
@@ -182,13 +222,13 @@ static void add_found(int family, const unsigned char *addr, unsigned short port
     } else {
         memcpy(e.addr, addr, family == AF_INET ? 4 : 16);
     }
-    for (int i = 0; i < n_found; i++)
-        if (memcmp(&found[i], &e, sizeof e) == 0) return; /* SO_REUSEPORT groups list one per socket */
-    if (n_found < MAX_LISTENERS) found[n_found++] = e;
+    for (int i = 0; i < l->n_found; i++)
+        if (memcmp(&l->found[i], &e, sizeof e) == 0) return; /* SO_REUSEPORT groups list one per socket */
+    if (l->n_found < MAX_LISTENERS) l->found[l->n_found++] = e;
 }
 
 /* Asks sock_diag for the listening TCP sockets of one family; 0, or -1 if the dump failed. */
-static int diag_list(int family) {
+static int diag_list(struct listing *l, int family) {
     struct {
         struct nlmsghdr h;
         struct inet_diag_req_v2 r;
@@ -201,10 +241,10 @@ static int diag_list(int family) {
     q.r.sdiag_family = (uint8_t)family;
     q.r.sdiag_protocol = IPPROTO_TCP;
     q.r.idiag_states = 1u << TCP_LISTEN_STATE; /* listeners only: the kernel skips the other tables */
-    if (send(diag, &q, sizeof q, MSG_NOSIGNAL) != (ssize_t)sizeof q) return -1;
+    if (send(l->diag, &q, sizeof q, MSG_NOSIGNAL) != (ssize_t)sizeof q) return -1;
     static char buf[64 * 1024] __attribute__((aligned(NLMSG_ALIGNTO)));
     for (;;) {
-        ssize_t n = recv(diag, buf, sizeof buf, 0);
+        ssize_t n = recv(l->diag, buf, sizeof buf, 0);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) return -1;
         for (struct nlmsghdr *h = (struct nlmsghdr *)buf; NLMSG_OK(h, (size_t)n); h = NLMSG_NEXT(h, n)) {
@@ -215,17 +255,20 @@ static int diag_list(int family) {
                 continue;
             struct inet_diag_msg *m = NLMSG_DATA(h);
             if (m->idiag_state != TCP_LISTEN_STATE || m->idiag_family != family) continue;
-            add_found(family, (const unsigned char *)m->id.idiag_src, ntohs(m->id.idiag_sport));
+            add_found(l, family, (const unsigned char *)m->id.idiag_src, ntohs(m->id.idiag_sport), m->idiag_inode);
         }
     }
 }
 
 /* Parses one line of /proc/net/tcp{,6}: 1 a listener (recorded), 0 a socket in another state,
  * -1 not a socket (the header). */
-static int proc_line(const char *line, int family) {
+static int proc_line(struct listing *l, const char *line, int family) {
     char hex[33];
     unsigned port, state;
-    if (sscanf(line, " %*u: %32[0-9A-Fa-f]:%x %*[0-9A-Fa-f]:%*x %x", hex, &port, &state) != 3) return -1;
+    unsigned long ino;
+    if (sscanf(line, " %*u: %32[0-9A-Fa-f]:%x %*[0-9A-Fa-f]:%*x %x %*x:%*x %*x:%*x %*x %*u %*u %lu", hex, &port, &state,
+               &ino) != 4)
+        return -1;
     if (state != TCP_LISTEN_STATE) return 0;
     size_t words = family == AF_INET ? 1 : 4;
     if (strlen(hex) != words * 8) return -1;
@@ -238,14 +281,14 @@ static int proc_line(const char *line, int family) {
         uint32_t v = (uint32_t)strtoul(word, NULL, 16);
         memcpy(addr + 4 * i, &v, 4);
     }
-    add_found(family, addr, (unsigned short)port);
+    add_found(l, family, addr, (unsigned short)port, ino);
     return 1;
 }
 
 /* Re-reads an open /proc/net/tcp{,6} from its start. The kernel lists every listener before any
  * other socket (the listening table, then the established one), so reading stops at the first
  * socket in another state. 0, or -1 on a read error. */
-static int proc_list(int fd, int family) {
+static int proc_list(struct listing *l, int fd, int family) {
     static char buf[64 * 1024];
     size_t have = 0;
     if (lseek(fd, 0, SEEK_SET) != 0) return -1;
@@ -259,7 +302,7 @@ static int proc_list(int fd, int family) {
         char *line = buf, *nl;
         while ((nl = strchr(line, '\n')) != NULL) {
             *nl = 0;
-            if (proc_line(line, family) == 0) return 0;
+            if (proc_line(l, line, family) == 0) return 0;
             line = nl + 1;
         }
         have = strlen(line);
@@ -268,24 +311,24 @@ static int proc_list(int fd, int family) {
     }
 }
 
-/* Chooses how to list listeners, in the agent's namespace (where this runs at start): a sock_diag
- * netlink socket, else the /proc files; 0, or -1 if neither works. */
-static int open_listing(void) {
+/* Chooses how to list listeners, in the namespace this thread is in (that of the listing): a
+ * sock_diag netlink socket, else the /proc files; 0, or -1 if neither works. */
+static int open_listing(struct listing *l) {
     const char *mode = getenv("FORWARDER_SCAN");
     if (mode == NULL || strcmp(mode, "proc") != 0) {
-        diag = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+        l->diag = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
         struct timeval tv = {.tv_sec = 2};
-        if (diag >= 0) setsockopt(diag, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv); /* a dump never hangs us */
-        if (diag >= 0 && diag_list(AF_INET) == 0) return 0;
-        if (diag >= 0) close(diag);
-        diag = -1;
+        if (l->diag >= 0) setsockopt(l->diag, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv); /* a dump never hangs us */
+        if (l->diag >= 0 && diag_list(l, AF_INET) == 0) return 0;
+        if (l->diag >= 0) close(l->diag);
+        l->diag = -1;
     }
     const char *paths[2][2] = {{"/proc/thread-self/net/tcp", "/proc/self/net/tcp"},
                                {"/proc/thread-self/net/tcp6", "/proc/self/net/tcp6"}};
     for (int f = 0; f < 2; f++) /* /proc/self: kernels before 3.17 have no thread-self (one thread) */
-        for (int k = 0; k < 2 && proc_fd[f] < 0; k++) proc_fd[f] = open(paths[f][k], O_RDONLY | O_CLOEXEC);
-    n_found = 0;
-    return proc_fd[0] >= 0 && proc_list(proc_fd[0], AF_INET) == 0 ? 0 : -1; /* tcp6 is absent without IPv6 */
+        for (int k = 0; k < 2 && l->proc_fd[f] < 0; k++) l->proc_fd[f] = open(paths[f][k], O_RDONLY | O_CLOEXEC);
+    l->n_found = 0;
+    return l->proc_fd[0] >= 0 && proc_list(l, l->proc_fd[0], AF_INET) == 0 ? 0 : -1; /* tcp6 is absent without IPv6 */
 }
 
 static int is_any(const struct endpoint *e) {
@@ -295,32 +338,32 @@ static int is_any(const struct endpoint *e) {
 
 /* Adds 0.0.0.0:P for each `::` listener on a port P with no IPv4 listener: `::` may be dual-stack
  * (if it is not, the connections relayed to 127.0.0.1 are refused there, as they would have been). */
-static void add_dual_stack(void) {
-    int n = n_found;
+static void add_dual_stack(struct listing *l) {
+    int n = l->n_found;
     for (int i = 0; i < n; i++) {
-        if (found[i].family != AF_INET6 || !is_any(&found[i])) continue;
+        if (l->found[i].family != AF_INET6 || !is_any(&l->found[i])) continue;
         int has_v4 = 0;
-        for (int j = 0; j < n && !has_v4; j++) has_v4 = found[j].family == AF_INET && found[j].port == found[i].port;
+        for (int j = 0; j < n && !has_v4; j++) has_v4 = l->found[j].family == AF_INET && l->found[j].port == l->found[i].port;
         static const unsigned char any[16];
-        if (!has_v4) add_found(AF_INET, any, found[i].port);
+        if (!has_v4) add_found(l, AF_INET, any, l->found[i].port, 0);
     }
 }
 
-/* Fills found[] with the agent's listeners; 0, or -1 if the list could not be read (nothing is
- * closed on the strength of a failed read). */
-static int list_listeners(void) {
-    n_found = 0;
-    if (diag >= 0) {
-        if (diag_list(AF_INET) != 0 || diag_list(AF_INET6) != 0) return -1;
+/* Fills a listing's found[] with its namespace's listeners, our mirrors left out; 0, or -1 if the
+ * list could not be read (nothing is closed on the strength of a failed read). */
+static int list_listeners(struct listing *l) {
+    l->n_found = 0;
+    if (l->diag >= 0) {
+        if (diag_list(l, AF_INET) != 0 || diag_list(l, AF_INET6) != 0) return -1;
     } else {
-        if (proc_list(proc_fd[0], AF_INET) != 0) return -1;
-        if (proc_fd[1] >= 0 && proc_list(proc_fd[1], AF_INET6) != 0) return -1;
+        if (proc_list(l, l->proc_fd[0], AF_INET) != 0) return -1;
+        if (l->proc_fd[1] >= 0 && proc_list(l, l->proc_fd[1], AF_INET6) != 0) return -1;
     }
-    add_dual_stack();
+    add_dual_stack(l);
     return 0;
 }
 
-/* ---- the view's listeners ---- */
+/* ---- the mirrors ---- */
 
 /* The socket address of an endpoint; with `loopback`, a wildcard becomes 127.0.0.1 or ::1. */
 static socklen_t sockaddr_of(const struct endpoint *e, int loopback, struct sockaddr_storage *ss) {
@@ -341,20 +384,27 @@ static socklen_t sockaddr_of(const struct endpoint *e, int loopback, struct sock
     return sizeof *a;
 }
 
-static int find_listener(const struct endpoint *e) {
+static int find_listener(const struct endpoint *e, int back) {
     for (int i = 0; i < MAX_LISTENERS; i++)
-        if (listeners[i].fd >= 0 && memcmp(&listeners[i].at, e, sizeof *e) == 0) return i;
+        if (listeners[i].fd >= 0 && listeners[i].back == back && memcmp(&listeners[i].at, e, sizeof *e) == 0) return i;
     return -1;
 }
 
-static int is_found(const struct endpoint *e) {
-    for (int i = 0; i < n_found; i++)
-        if (memcmp(&found[i], e, sizeof *e) == 0) return 1;
+static int is_found(const struct listing *l, const struct endpoint *e) {
+    for (int i = 0; i < l->n_found; i++)
+        if (memcmp(&l->found[i], e, sizeof *e) == 0) return 1;
     return 0;
 }
 
-/* Binds and starts a socket (made in the view) listening at e; 0, or -1 (the port is taken there,
- * or the view lacks the address). */
+/* Whether a listing holds a listener on this port, at any address. */
+static int has_port(const struct listing *l, unsigned short port) {
+    for (int i = 0; i < l->n_found; i++)
+        if (l->found[i].port == port) return 1;
+    return 0;
+}
+
+/* Binds and starts a socket listening at e; 0, or -1 (the port is taken in its namespace, or the
+ * namespace lacks the address). */
 static int start_listening(int fd, const struct endpoint *e) {
     int one = 1;
     struct sockaddr_storage ss;
@@ -365,42 +415,53 @@ static int start_listening(int fd, const struct endpoint *e) {
     return listen(fd, SOMAXCONN);
 }
 
-/* Makes the view's listeners for the agent's listeners it lacks: the sockets are created in the
- * view (all in one visit), bound and registered back in the agent's namespace. */
-static void open_missing(void) {
+/* Whether the mirrored side's listener at e is wanted (forward: the agent's, unless the verifier took
+ * the port; back: the verifier's, where the agent listens on no address of that port). */
+static int wanted(const struct endpoint *e, int back) {
+    return back ? !has_port(&agent_list, e->port) : !yielded[e->port];
+}
+
+/* Makes the mirrors one direction lacks: the sockets are created in the namespace they listen in (a
+ * forward mirror's in the view, all in one visit), bound and registered back in the agent's. */
+static void open_missing(int back) {
+    const struct listing *src = back ? &view_list : &agent_list;
     int want[MAX_LISTENERS], fds[MAX_LISTENERS], n = 0, free_slots = 0;
     for (int i = 0; i < MAX_LISTENERS; i++) free_slots += listeners[i].fd < 0;
-    for (int i = 0; i < n_found && n < free_slots; i++)
-        if (find_listener(&found[i]) < 0 && !yielded[found[i].port]) want[n++] = i;
+    for (int i = 0; i < src->n_found && n < free_slots; i++)
+        if (find_listener(&src->found[i], back) < 0 && wanted(&src->found[i], back)) want[n++] = i;
     if (n == 0) return;
-    enter(view_ns);
-    for (int k = 0; k < n; k++) fds[k] = socket(found[want[k]].family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    enter(agent_ns);
+    if (!back) enter(view_ns);
+    for (int k = 0; k < n; k++) fds[k] = socket(src->found[want[k]].family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (!back) enter(agent_ns);
     for (int k = 0, slot = 0; k < n; k++) {
         if (fds[k] < 0) continue;
         while (listeners[slot].fd >= 0) slot++;
         struct epoll_event ev = {.events = accepting_paused ? 0 : EPOLLIN, .data.u64 = (uint64_t)LISTENER << 28 | (uint64_t)slot};
-        if (start_listening(fds[k], &found[want[k]]) != 0 || epoll_ctl(ep, EPOLL_CTL_ADD, fds[k], &ev) != 0) {
+        struct stat st;
+        if (start_listening(fds[k], &src->found[want[k]]) != 0 || fstat(fds[k], &st) != 0 ||
+            epoll_ctl(ep, EPOLL_CTL_ADD, fds[k], &ev) != 0) {
             close(fds[k]); /* tried again next round */
             continue;
         }
-        listeners[slot] = (struct listener){.at = found[want[k]], .fd = fds[k], .misses = 0};
+        listeners[slot] = (struct listener){.at = src->found[want[k]], .fd = fds[k], .back = back, .ino = st.st_ino};
     }
 }
 
-/* Closes the listeners whose agent listener is gone, and opens those that are new. */
+/* Closes the mirrors whose mirrored listener is gone (or, back, that the agent now listens on
+ * itself), and opens those that are new. */
 static void reconcile(void) {
     for (int i = 0; i < MAX_LISTENERS; i++) {
         struct listener *l = &listeners[i];
         if (l->fd < 0) continue;
-        if (is_found(&l->at)) {
+        if (is_found(l->back ? &view_list : &agent_list, &l->at) && wanted(&l->at, l->back)) {
             l->misses = 0;
         } else if (++l->misses >= MISSES_TO_CLOSE) {
             close(l->fd); /* leaves the epoll set with it */
             l->fd = -1;
         }
     }
-    open_missing();
+    open_missing(0);
+    open_missing(1);
 }
 
 /* Stops (or resumes) watching the listeners: out of descriptors, a pending connection keeps its
@@ -428,6 +489,7 @@ static void close_socket(int fd, int reset) {
 }
 
 static void close_pair(struct pair *p, int reset) {
+    serving -= p->serving;
     for (int i = 0; i < 2; i++) {
         close_socket(p->fd[i], reset);
         free(p->buf[i]);
@@ -443,7 +505,7 @@ static void close_pair(struct pair *p, int reset) {
 static int arm(struct pair *p, int i) {
     uint32_t want = 0;
     if (p->connecting) {
-        if (i == AGENT_SIDE) want = EPOLLOUT;
+        if (i == DIALED) want = EPOLLOUT;
     } else {
         if (!p->eof[i] && p->len[i] < BUF_SIZE) want |= EPOLLIN;
         if (p->len[!i] > 0) want |= EPOLLOUT;
@@ -517,9 +579,9 @@ static void on_pair(struct pair *p, int i, uint32_t events) {
     if (p->connecting) {
         int err = 0;
         socklen_t len = sizeof err;
-        if (getsockopt(p->fd[AGENT_SIDE], SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+        if (getsockopt(p->fd[DIALED], SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
         if (err != 0) {
-            close_pair(p, 1); /* refused by the agent: the view's client gets a reset */
+            close_pair(p, 1); /* refused there: the client gets a reset */
             return;
         }
         if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP))) return;
@@ -540,11 +602,20 @@ static void tune(int fd) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
-/* Relays a connection accepted at listener l to a new connection in the agent's namespace. */
+/* Relays a connection accepted at mirror l to a new connection to the mirrored listener, in the
+ * other namespace. One accepted at a back mirror is reset unless the verifier's connection to one of
+ * the agent's listeners is being relayed (the agent's processes reach the verifier's services while
+ * they answer the verifier). */
 static void start_pair(int conn, const struct listener *l) {
+    if (l->back && serving == 0) {
+        close_socket(conn, 1);
+        return;
+    }
     struct sockaddr_storage ss;
     socklen_t len = sockaddr_of(&l->at, 1, &ss);
-    int out = socket(l->at.family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0); /* in the agent's namespace */
+    if (l->back) enter(view_ns);
+    int out = socket(l->at.family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (l->back) enter(agent_ns);
     if (out < 0) {
         if (errno == EMFILE || errno == ENFILE) set_accepting(0);
         close_socket(conn, 1);
@@ -560,8 +631,10 @@ static void start_pair(int conn, const struct listener *l) {
     }
     struct pair *p = &pairs[free_pairs[--n_free]];
     p->used = 1;
-    p->fd[VIEW_SIDE] = conn;
-    p->fd[AGENT_SIDE] = out;
+    p->serving = !l->back;
+    serving += p->serving;
+    p->fd[ACCEPTED] = conn;
+    p->fd[DIALED] = out;
     p->connecting = rc != 0;
     pump(p);
 }
@@ -649,6 +722,7 @@ static void on_bind(void) {
     }
     if (mem >= 0) close(mem);
     ioctl(binds, SECCOMP_IOCTL_NOTIF_SEND, &resp);
+    fast_until = now_us() + FAST_WINDOW_MS * 1000; /* its listen(2) follows: mirror it back soon */
 }
 
 /* Dispatches one epoll event; returns 1 when the verifier's supervisor has exited. */
@@ -688,6 +762,7 @@ int main(int argc, char **argv) {
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* it holds the view's namespace: nobody may trace it */
     signal(SIGPIPE, SIG_IGN);
     enter(view_ns); /* both must be enterable; it lives in the agent's */
+    if (open_listing(&view_list) != 0) die();
     enter(agent_ns);
     for (int i = 0; i < MAX_LISTENERS; i++) listeners[i].fd = -1;
     size_pairs();
@@ -696,7 +771,7 @@ int main(int argc, char **argv) {
     if (ep < 0 || epoll_ctl(ep, EPOLL_CTL_ADD, watched, &ev) != 0) die();
     struct epoll_event bind_ev = {.events = EPOLLIN, .data.u64 = (uint64_t)BINDS << 28};
     if (binds >= 0 && epoll_ctl(ep, EPOLL_CTL_ADD, binds, &bind_ev) != 0) die();
-    if (open_listing() != 0) die();
+    if (open_listing(&agent_list) != 0) die();
 
     static struct epoll_event events[MAX_EVENTS];
     int64_t next_scan = 0;
@@ -705,7 +780,7 @@ int main(int argc, char **argv) {
         int64_t now = now_us();
         if (now >= next_scan) {
             set_accepting(1);
-            if (list_listeners() == 0) reconcile();
+            if (list_listeners(&agent_list) == 0 && list_listeners(&view_list) == 0) reconcile();
             if (!announced) { /* the view serves the agent's ports now: say so on stdout, once */
                 announced = 1;
                 int devnull = open("/dev/null", O_WRONLY | O_CLOEXEC);
@@ -718,7 +793,8 @@ int main(int argc, char **argv) {
             }
             int64_t took = now_us() - now;
             /* Listing may take at most 1/20 of the time (it is cheap with sock_diag). */
-            next_scan = now + (took * 20 > SCAN_MS * 1000 ? took * 20 : SCAN_MS * 1000);
+            int64_t every = (now < fast_until ? FAST_SCAN_MS : SCAN_MS) * 1000;
+            next_scan = now + (took * 20 > every ? took * 20 : every);
         }
         int timeout = (int)((next_scan - now_us() + 999) / 1000);
         int n = epoll_wait(ep, events, MAX_EVENTS, timeout < 0 ? 0 : timeout);
