@@ -628,7 +628,8 @@ class Box:
             tree_fd: A detached mount tree (``open_tree``): the view's ``/``.
             hostname: Its host name.
             network: Its own network: ``"none"`` (loopback only) or ``"user"``.
-            forward: Make the agent's TCP listeners reachable in the view at their addresses and ports.
+            forward: Make the agent's TCP listeners reachable in the view at their addresses and ports,
+                and the view's reachable back by the agent's processes while they serve the view.
 
         Raises:
             SandboxError: If the box is not running, or the view cannot start.
