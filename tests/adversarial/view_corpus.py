@@ -137,6 +137,24 @@ _DEPENDENCY = (
 )
 
 
+#: The tests' part of the dependency kinds: start their service, ask it, ask the agent's server.
+_DEPENDENCY_TEST = (
+    f"python3 -c {shlex.quote(_DEPENDENCY)} /logs/verifier/dep-up >/dev/null 2>&1 &\n"
+    + "dep=$!\n"
+    + "for i in $(seq 300); do [ -e /logs/verifier/dep-up ] && break; kill -0 $dep 2>/dev/null || break; "
+    + "sleep 0.1; done\n"
+    + f'token=$({_FETCH}"http://127.0.0.1:7000/" 2>/dev/null)\n'
+    + 'health=""\n'
+    + "for i in $(seq 50); do\n"
+    + f'  health=$({_FETCH}"http://127.0.0.1:8082/health" 2>/dev/null) && [ "$health" = "$token" ] && break\n'
+    + "  sleep 0.1\ndone\n"
+    + 'echo "token: $token health: $health"\n'
+    + '[ -n "$token" ] && [ "$health" = "$token" ] '
+    + _SCORE
+    + "kill $dep 2>/dev/null; wait\n"
+)
+
+
 def _fixture_test(url: str) -> str:
     """A test.sh that starts its own fixture server, waits until it has its port, fetches the expected
     value, waits 2 s, then compares the agent's answer with it.
@@ -366,21 +384,12 @@ KINDS: dict[str, Kind] = {
     ),
     # the tests start a service (it makes its own token) and ask the agent's server, whose health
     # endpoint asks that service, for it (issue #48)
-    "dependency": Kind(
+    "dependency": Kind(_HEAD + _DEPENDENCY_TEST),
+    # the same, the agent's own copy of the service stopped first (the tests restart it)
+    "dependency_restart": Kind(
         _HEAD
-        + f"python3 -c {shlex.quote(_DEPENDENCY)} /logs/verifier/dep-up >/dev/null 2>&1 &\n"
-        + "dep=$!\n"
-        + "for i in $(seq 300); do [ -e /logs/verifier/dep-up ] && break; kill -0 $dep 2>/dev/null || break; "
-        + "sleep 0.1; done\n"
-        + f'token=$({_FETCH}"http://127.0.0.1:7000/" 2>/dev/null)\n'
-        + 'health=""\n'
-        + "for i in $(seq 50); do\n"
-        + f'  health=$({_FETCH}"http://127.0.0.1:8082/health" 2>/dev/null) && [ "$health" = "$token" ] && break\n'
-        + "  sleep 0.1\ndone\n"
-        + 'echo "token: $token health: $health"\n'
-        + '[ -n "$token" ] && [ "$health" = "$token" ] '
-        + _SCORE
-        + "kill $dep 2>/dev/null; wait\n"
+        + "pkill -f agentdep.py\nfor i in $(seq 50); do pgrep -f agentdep.py >/dev/null || break; sleep 0.1; done\n"
+        + _DEPENDENCY_TEST
     ),
     "git": Kind(_HEAD + '[ "$(git -C /workdir/repo config remote.origin.url)" = https://example.com/r.git ] ' + _SCORE),
     "tls": Kind(
@@ -1327,6 +1336,16 @@ CASES: list[ViewCase] = [
         "H",
         "dependency",
         sh(run_script("/opt/health.py", HEALTH_SERVER, "python3") + " && sleep 1"),
+        deserves=1.0,
+    ),
+    ViewCase(
+        "H17 the same, the agent's own copy of that service running until the tests stop it and start theirs",
+        "H",
+        "dependency_restart",
+        sh(
+            run_script("/opt/health.py", HEALTH_SERVER, "python3"),
+            run_script("/opt/agentdep.py", FAKE_DEPENDENCY, "python3") + " && sleep 1",
+        ),
         deserves=1.0,
     ),
     ViewCase(
