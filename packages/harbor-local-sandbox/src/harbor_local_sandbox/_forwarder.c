@@ -212,7 +212,8 @@ static int is_mirror(unsigned long ino) {
 
 /* Records an endpoint once, unless it is a mirror of ours; an IPv4-mapped IPv6 address is recorded
  * as the IPv4 address. */
-static void add_found(struct listing *l, int family, const unsigned char *addr, unsigned short port, unsigned long ino) {
+static void add_found(struct listing *l, int family, const unsigned char *addr, unsigned short port,
+                      unsigned long ino) {
     static const unsigned char mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
     if (is_mirror(ino)) return;
     struct endpoint e = {.family = family, .port = port};
@@ -343,7 +344,8 @@ static void add_dual_stack(struct listing *l) {
     for (int i = 0; i < n; i++) {
         if (l->found[i].family != AF_INET6 || !is_any(&l->found[i])) continue;
         int has_v4 = 0;
-        for (int j = 0; j < n && !has_v4; j++) has_v4 = l->found[j].family == AF_INET && l->found[j].port == l->found[i].port;
+        for (int j = 0; j < n && !has_v4; j++)
+            has_v4 = l->found[j].family == AF_INET && l->found[j].port == l->found[i].port;
         static const unsigned char any[16];
         if (!has_v4) add_found(l, AF_INET, any, l->found[i].port, 0);
     }
@@ -431,7 +433,8 @@ static void open_missing(int back) {
         if (find_listener(&src->found[i], back) < 0 && wanted(&src->found[i], back)) want[n++] = i;
     if (n == 0) return;
     if (!back) enter(view_ns);
-    for (int k = 0; k < n; k++) fds[k] = socket(src->found[want[k]].family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    for (int k = 0; k < n; k++)
+        fds[k] = socket(src->found[want[k]].family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (!back) enter(agent_ns);
     for (int k = 0, slot = 0; k < n; k++) {
         if (fds[k] < 0) continue;
