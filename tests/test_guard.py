@@ -380,3 +380,63 @@ def test_site_reads_no_pth_file_the_agent_placed(tmp_path: Path, compiled: Compi
     assert world.run(code) == [1, 0]
     world.encodings = '"""The image\'s encodings."""\n'  # without the guard, both run
     assert world.run(code) == [1, 1]
+
+
+def test_no_module_the_agent_placed_in_tmp_is_imported(tmp_path: Path, compiled: CompiledGuard | None) -> None:
+    """A folder of /tmp the tests make at a fixed path (``mkdir -p``) may already hold the agent's files (issue
+    #43, class 6): a ``conftest.py`` pytest would import there, a module the tests' script imports if present.
+    Whatever their names, modules the agent placed in /tmp are passed over; the tests' own files beside them
+    (their /tmp layer) are imported."""
+    world = World(tmp_path, [], compiled)
+    grader = world.tmp / "grader"
+    world.files(
+        {
+            str(world.tmp_agent / "grader" / "conftest.py"): "WHERE = 'planted'\n",
+            str(world.tmp_agent / "grader" / "fastjson.py"): "WHERE = 'planted'\n",
+            str(world.tmp_agent / "grader" / "shared.py"): "WHERE = 'planted'\n",
+            str(grader / "helper.py"): "WHERE = 'verifier'\n",
+            # the tests' copy over the agent's file at the same path: overlayfs reports a copied-up file
+            # with the device of the layer it came from, so it keeps the agent's mark and is not imported
+            str(grader / "shared.py"): "WHERE = 'verifier'\n",
+        }
+    )
+    code = _imports(
+        [str(grader)],
+        "got = {}\n"
+        "for name in ('conftest', 'fastjson', 'helper', 'shared'):\n"
+        "    try:\n        got[name] = __import__(name).WHERE\n    except ImportError:\n        got[name] = 'refused'\n"
+        "print(json.dumps(got))",
+    )
+    expected = {"conftest": "refused", "fastjson": "refused", "helper": "verifier", "shared": "refused"}
+    assert world.run(code) == expected
+    world.encodings = '"""The image\'s encodings."""\n'  # without the guard, the agent's run
+    assert world.run(code) == {**expected, "conftest": "planted", "fastjson": "planted", "shared": "verifier"}
+
+
+def test_a_venv_the_agent_made_in_tmp_is_used_as_it_is_when_the_tests_run_it(
+    tmp_path: Path, compiled: CompiledGuard | None
+) -> None:
+    """The task asked the agent for a venv in /tmp and the tests run its Python: its packages are the agent's
+    work, imported and found as they are (its ``pyvenv.cfg`` is the agent's: the venv is the agent's)."""
+    world = World(tmp_path, ["agentmod"], compiled)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site_dir = world.tmp_agent / "avenv" / "lib" / version / "site-packages"
+    world.files(
+        {
+            str(world.tmp_agent / "avenv" / "pyvenv.cfg"): f"home = {Path(sys.base_prefix) / 'bin'}\n",
+            str(site_dir / "agentmod.py"): "WHERE = 'agent'\n",
+            str(site_dir / "agentmod-1.0.dist-info" / "METADATA"): "Metadata-Version: 2.1\nName: agentmod\nVersion: 1.0\n",
+        }
+    )
+    (world.root / "files.py").write_text(
+        (world.root / "files.py").read_text()
+        + f"os.makedirs({str(world.tmp_agent / 'avenv' / 'bin')!r}, exist_ok=True)\n"
+        + f"os.symlink({os.path.realpath(sys.executable)!r}, {str(world.tmp_agent / 'avenv' / 'bin' / 'python')!r})\n"
+    )
+    ours = world.tmp / "avenv" / "lib" / version / "site-packages"
+    code = _imports(
+        [str(ours)],
+        "import site\nsite.venv(set())\nimport agentmod\nfrom importlib.metadata import version\n"
+        "print(json.dumps([agentmod.WHERE, version('agentmod')]))",
+    )
+    assert world.run(code, python=str(world.tmp / "avenv" / "bin" / "python")) == ["agent", "1.0"]

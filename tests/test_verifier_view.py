@@ -144,7 +144,7 @@ def test_the_verifiers_python_runs_the_import_guard_the_images_python_compiled(t
     is read there). The agent's own sandbox has none of it."""
     which = (
         "-c \"import json, sys; print(json.__file__.startswith('/usr/lib/'), "
-        "[getattr(m, '__name__', '') for m in sys.meta_path].count('VerifierImportGuard'))\""
+        "hasattr(sys, '_trl_harbor_guard'))\""
     )
 
     async def scenario():
@@ -158,11 +158,11 @@ def test_the_verifiers_python_runs_the_import_guard_the_images_python_compiled(t
                 flags = "import encodings, sys; print(open(encodings.__cached__, 'rb').read()[4:8].hex())"
                 assert await _sh(view, f'python3 -c "{flags}"') == "01000000"
                 assert await _sh(view, "ls /.trl-harbor/ | grep -c '^guard-'") == "1"
-                assert await _sh(view, f"cd /workdir && python3 {which}") == "True 1"
+                assert await _sh(view, f"cd /workdir && python3 {which}") == "True True"
                 await _sh(view, "echo 'raise SystemExit(\"the source ran\")' > /.trl-harbor/guard.py")
-                assert await _sh(view, f"cd /workdir && python3 {which}") == "True 1"
+                assert await _sh(view, f"cd /workdir && python3 {which}") == "True True"
                 await _sh(view, "python3 -m venv --without-pip /tmp/v")
-                assert await _sh(view, f"cd /workdir && /tmp/v/bin/python {which}") == "True 1"
+                assert await _sh(view, f"cd /workdir && /tmp/v/bin/python {which}") == "True True"
             assert "trl-harbor" not in await _sh(env, f"tail -3 {encodings}")
             assert await _sh(env, "cd /workdir && python3 -c 'import json' 2>&1") == "the agent ran"
         finally:

@@ -19,7 +19,12 @@ verifier's runs before anything is imported from a folder:
   names the image's code imports, the test runner's, the start-up hooks ``sitecustomize`` and
   ``usercustomize`` — is looked at: if the first module of that name is one *the agent placed*, the
   search goes on past it (the image's own module, if any, is found instead) and never imports it.
-  Every other name — the agent's own modules, which tests may import — is found as Python finds it.
+  In the agent's layer of ``/tmp`` no module is imported, whatever its name: a folder the tests make
+  at a fixed path there may already hold the agent's ``conftest.py``, or a module their script
+  imports if present (a venv the agent made there, which the tests run, is the agent's work: used as
+  it is). Every other module — the agent's own in its folders, which tests may import — is found as
+  Python finds it. The guard stands in for the path finder's search itself (``PathFinder.find_spec``),
+  so finders that call it — pytest's assertion rewriter, which loads ``conftest.py`` — get it too.
 * **Who placed it.** Decided by where the file is, which the kernel reports and the agent cannot
   forge: a file in one of the agent's live folders (a mount of the agent's own tree: its device),
   or in the agent's layer of ``/tmp`` (the layer's device), is the agent's; a file of the image, of
@@ -65,15 +70,16 @@ PROVENANCE_FILE = "/.trl-harbor/provenance"
 # line that runs it, so the code is the same for every image: compiled once per image by the image's
 # own interpreter (:data:`COMPILE_GUARD`).
 GUARD_SOURCE = """# trl-harbor's import guard in the verifier's view of a sandbox (not a file of the task's image):
-# a guarded module name (GUARDED) is never imported from a file the agent placed; imports keep
-# Python's own order. Who placed a file is told by the devices in PROVENANCE (written by the view).
+# a guarded module name (GUARDED) is never imported from a file the agent placed, and no module from
+# a file the agent placed in /tmp; imports keep Python's own order. Who placed a file is told by the
+# devices in PROVENANCE (written by the view).
 import sys
 
 
 def _install():
     if getattr(sys, "_trl_harbor_guard", None) is not None:
         return
-    for position, PathFinder in enumerate(sys.meta_path):
+    for PathFinder in sys.meta_path:
         if getattr(PathFinder, "__name__", "") == "PathFinder":
             break
     else:  # no path finder: nothing to guard
@@ -101,10 +107,18 @@ def _install():
             return False
         return "/site-packages/" in path or "/dist-packages/" in path
 
+    def made_by_agent(prefix):
+        # Whether the venv at prefix (in /tmp) is one the agent made: its pyvenv.cfg is the agent's (a
+        # venv the verifier makes at a path the agent filled first has the verifier's).
+        try:
+            return stat(prefix.rstrip("/") + "/pyvenv.cfg").st_dev not in tmp_own
+        except OSError:
+            return False
+
     def agents(path, folder=False):
         # Whether the file (or folder) at path is one the agent placed: in one of its live folders
-        # (but a venv the tests run), or in its layer of /tmp (whatever venv is there: what the verifier
-        # made there is in its own layer).
+        # (but a venv the tests run), or in its layer of /tmp (but a venv the agent made there that the
+        # tests run: what the verifier made there is in its own layer).
         try:
             if not folder:
                 try:
@@ -120,9 +134,29 @@ def _install():
             where = stat(path if folder else parent(path)).st_dev
             if where == agent_dev:
                 return not chosen(path)
-            return where == tmp_dev and (folder or stat(path).st_dev not in tmp_own)
+            if where != tmp_dev:
+                return False
+            if folder:
+                return True
+            return stat(path).st_dev not in tmp_own and not (chosen(path) and made_by_agent(sys.prefix))
         except OSError:
             return True
+
+    def planted_in_tmp(path):
+        # Whether a module file is one the agent placed in its layer of /tmp (a fixed path the verifier
+        # makes there may already hold the agent's files: a conftest.py, a module it imports if present).
+        where = path
+        while where != "/":  # its folder (of an archive's member: the archive's)
+            where = parent(where)
+            try:
+                mode = stat(where).st_mode
+            except OSError:
+                continue
+            if mode & 0o170000 == 0o040000:
+                if stat(where).st_dev != tmp_dev:
+                    return False
+                return agents(path)
+        return False
 
     def absolute(entry):
         if entry.startswith("/"):
@@ -138,36 +172,36 @@ def _install():
                 return entries[index + 1 :]
         return []
 
-    class VerifierImportGuard(object):
-        # A guarded top-level name: the first module found that the agent did not place.
+    search = PathFinder.find_spec  # the path finder's own search
 
-        @classmethod
-        def find_spec(cls, name, path=None, target=None):
-            if path is not None or name not in GUARDED:
-                return None
-            entries = list(sys.path)
-            while entries:
-                spec = PathFinder.find_spec(name, entries)
-                if spec is None:
-                    break
-                if spec.origin and spec.has_location:
-                    found, folder = spec.origin, False
-                else:
-                    locations = list(spec.submodule_search_locations or ())
-                    if not locations:
-                        return spec
-                    found, folder = locations[0], True
-                if not agents(found, folder):
-                    return spec
-                entries = past(entries, found)
+    def guarded_find_spec(name, path=None, target=None):
+        # What the path finder finds, in its order, passed over when the agent placed it: for a guarded
+        # top-level name, anywhere; for any other module, in /tmp. In place of the path finder's own
+        # (finders that call it, such as pytest's assertion rewriter, which loads conftest.py, get it too).
+        guarded = path is None and name in GUARDED
+        entries = list(sys.path if path is None else path)
+        passed = False
+        while entries:
+            spec = search(name, entries, target)
+            if spec is None:
+                break
+            if spec.origin and spec.has_location:
+                found, folder = spec.origin, False
+            else:
+                locations = list(spec.submodule_search_locations or ())
+                if not locations or not guarded:
+                    return spec  # a namespace package: its modules are judged one by one
+                found, folder = locations[0], True
+            if not (agents(found, folder) if guarded else planted_in_tmp(found)):
+                return spec
+            passed = True
+            entries = past(entries, found)
+        if guarded or passed:
             raise ModuleNotFoundError("No module named %r" % name, name=name)
+        return None
 
-        @classmethod
-        def invalidate_caches(cls):
-            pass
-
-    sys.meta_path.insert(position, VerifierImportGuard)
-    sys._trl_harbor_guard = VerifierImportGuard
+    PathFinder.find_spec = staticmethod(guarded_find_spec)
+    sys._trl_harbor_guard = guarded_find_spec
 
     def veto(event, args):
         # site reads a folder's .pth files with io.open_code, an audited "open" that it skips on OSError:
