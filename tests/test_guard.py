@@ -425,7 +425,9 @@ def test_a_venv_the_agent_made_in_tmp_is_used_as_it_is_when_the_tests_run_it(
         {
             str(world.tmp_agent / "avenv" / "pyvenv.cfg"): f"home = {Path(sys.base_prefix) / 'bin'}\n",
             str(site_dir / "agentmod.py"): "WHERE = 'agent'\n",
-            str(site_dir / "agentmod-1.0.dist-info" / "METADATA"): "Metadata-Version: 2.1\nName: agentmod\nVersion: 1.0\n",
+            str(
+                site_dir / "agentmod-1.0.dist-info" / "METADATA"
+            ): "Metadata-Version: 2.1\nName: agentmod\nVersion: 1.0\n",
         }
     )
     (world.root / "files.py").write_text(

@@ -142,10 +142,7 @@ def test_the_verifiers_python_runs_the_import_guard_the_images_python_compiled(t
     starts guarded — and an agent's ``json.py`` in the working directory is not what ``import json`` gets,
     in the image's Python and in a virtual environment the verifier makes (no site folder of the image's
     is read there). The agent's own sandbox has none of it."""
-    which = (
-        "-c \"import json, sys; print(json.__file__.startswith('/usr/lib/'), "
-        "hasattr(sys, '_trl_harbor_guard'))\""
-    )
+    which = "-c \"import json, sys; print(json.__file__.startswith('/usr/lib/'), hasattr(sys, '_trl_harbor_guard'))\""
 
     async def scenario():
         env = await _started(task, tmp_path)

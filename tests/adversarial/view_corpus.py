@@ -288,7 +288,9 @@ KINDS: dict[str, Kind] = {
     ),
     # a grader script the tests copy into a folder of /tmp they make, importing a faster module if present
     "py_tmpdir": Kind(
-        _HEAD + "mkdir -p /tmp/grader && cp /tests/grade.py /tmp/grader/ && cd /tmp/grader && python3 grade.py " + _SCORE,
+        _HEAD
+        + "mkdir -p /tmp/grader && cp /tests/grade.py /tmp/grader/ && cd /tmp/grader && python3 grade.py "
+        + _SCORE,
         {"grade.py": _GRADE_OPTIONAL},
     ),
     # the tests run the Python of a venv the task asked the agent to make in /tmp
