@@ -66,10 +66,18 @@ class LinkPolicy:
         forbidden: Absolute paths no link may lead into.
         hazards: The image's own links that can lead into a forbidden place (``"into"``) or to an
             ancestor (``"ancestor"``), by path.
+        ancestors: The folders above a forbidden place (``/`` included).
+        hazards_elsewhere: The hazards in folders that are not ancestors, by name.
     """
 
     forbidden: frozenset[str] = frozenset(LINK_FORBIDDEN)
     hazards: Mapping[str, str] = field(default_factory=dict)
+    # Derived once from the two above (what the walk looks names up in).
+    ancestors: frozenset[str] = field(init=False, repr=False, compare=False)
+    _forbidden_names: frozenset[str] = field(init=False, repr=False, compare=False)
+    _ancestor_names: frozenset[str] = field(init=False, repr=False, compare=False)
+    _hazards_below_ancestor: dict[str, str] = field(init=False, repr=False, compare=False)
+    hazards_elsewhere: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ancestors = {"/"}
@@ -78,7 +86,7 @@ class LinkPolicy:
             while parent not in ancestors:
                 ancestors.add(parent)
                 parent = posixpath.dirname(parent)
-        object.__setattr__(self, "_ancestors", frozenset(ancestors))
+        object.__setattr__(self, "ancestors", frozenset(ancestors))
         object.__setattr__(self, "_forbidden_names", frozenset(posixpath.basename(p) for p in self.forbidden))
         object.__setattr__(self, "_ancestor_names", frozenset(posixpath.basename(a) for a in ancestors if a != "/"))
         below_ancestor: dict[str, str] = {}
@@ -88,12 +96,7 @@ class LinkPolicy:
             name = posixpath.basename(path)
             table[name] = "into" if "into" in (kind, table.get(name)) else kind
         object.__setattr__(self, "_hazards_below_ancestor", below_ancestor)
-        object.__setattr__(self, "_hazards_elsewhere", elsewhere)
-
-    @property
-    def ancestors(self) -> frozenset[str]:
-        """The folders above a forbidden place (``/`` included)."""
-        return self._ancestors  # type: ignore[attr-defined]
+        object.__setattr__(self, "hazards_elsewhere", elsewhere)
 
     def judge(self, target: str, base: str | None = None) -> str | None:
         """Why a link to ``target`` is refused (``None``: it is not).
@@ -129,13 +132,13 @@ class LinkPolicy:
                 return path
             kind = self.hazards.get(path)
         elif at is _SOMEWHERE:
-            if name in self._forbidden_names:  # type: ignore[attr-defined]
+            if name in self._forbidden_names:
                 return None
-            if name in self._ancestor_names:  # type: ignore[attr-defined]
+            if name in self._ancestor_names:
                 return _SOMEWHERE
-            kind = self._hazards_below_ancestor.get(name) or self._hazards_elsewhere.get(name)  # type: ignore[attr-defined]
+            kind = self._hazards_below_ancestor.get(name) or self.hazards_elsewhere.get(name)
         else:
-            kind = self._hazards_elsewhere.get(name)  # type: ignore[attr-defined]
+            kind = self.hazards_elsewhere.get(name)
         if kind == "into":
             return None
         return _SOMEWHERE if kind == "ancestor" else _ELSEWHERE
@@ -156,7 +159,7 @@ def keel_items(policy: LinkPolicy) -> list[str]:
     """
     items = [f"link-forbidden:{place}" for place in sorted(policy.forbidden)]
     below = {path: kind for path, kind in policy.hazards.items() if posixpath.dirname(path) in policy.ancestors}
-    elsewhere = policy._hazards_elsewhere  # type: ignore[attr-defined]
+    elsewhere = policy.hazards_elsewhere
     if len(below) > MAX_KEEL_HAZARDS or len(elsewhere) > MAX_KEEL_HAZARDS:
         raise ValueError(
             f"the image has {len(policy.hazards)} links that lead into the verifier's places or to a folder above "
