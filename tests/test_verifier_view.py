@@ -168,6 +168,46 @@ def test_the_verifiers_python_runs_the_import_guard_the_images_python_compiled(t
     run(scenario())
 
 
+def test_a_command_the_verifier_installs_wins_over_the_agents_of_that_name(task: Path, tmp_path: Path) -> None:
+    """Issue #43, class 5: the agent's commands under new names on ``PATH`` are the verifier's to run,
+    until the verifier installs a command of that name in another ``PATH`` folder (a later one, which the
+    shell would search after the agent's): then the agent's is gone from the view, at once — an install
+    followed by the command runs the verifier's. A command the verifier writes over the agent's in the
+    agent's own folder is the verifier's too; the agent's other commands stay; the agent's sandbox keeps
+    its own."""
+
+    def tool(says: str) -> str:
+        return f"printf '#!/bin/sh\\necho {says}\\n' > /tmp/t && chmod 755 /tmp/t"
+
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(
+                env,
+                f"{tool('agent')} && for n in checker other same; do cp /tmp/t /usr/local/bin/$n; done && "
+                "ln -s /usr/local/bin/other /usr/local/sbin/linked",
+            )
+            async with env.verifier_view() as view:
+                assert await _sh(view, "checker; other; same; linked") == "agent\nagent\nagent\nagent"
+                # an install into /usr/bin (after /usr/local/bin on PATH), run at once
+                assert await _sh(view, f"{tool('verifier')} && cp /tmp/t /usr/bin/checker && checker") == "verifier"
+                # as dpkg does: a temporary name renamed into place; a link counts as a command too
+                installed = await _sh(
+                    view, "cp /tmp/t /bin/linked.dpkg-new && mv /bin/linked.dpkg-new /bin/linked && linked"
+                )
+                assert installed == "verifier"
+                assert await _sh(view, "cp /tmp/t /usr/local/bin/same && same") == "verifier"  # over the agent's
+                assert await _sh(view, "other; command -v checker") == "agent\n/usr/bin/checker"
+                assert await _sh(view, "ls /usr/local/bin/checker 2>&1 | grep -c 'No such file'") == "1"
+            assert await _sh(env, "checker; linked; same; ls /usr/bin/checker 2>&1 | grep -c 'No such'") == (
+                "agent\nagent\nagent\n1"
+            )
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
 def test_the_verifiers_network_is_its_own_and_the_agents_services_answer_it(tmp_path: Path) -> None:
     task = make_task(tmp_path / "tasks", gold="42")
 

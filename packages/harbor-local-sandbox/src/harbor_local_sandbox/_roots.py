@@ -45,7 +45,15 @@ from harbor_local_sandbox._lifetime import new_box_name, state_root
 from harbor_local_sandbox._links import LinkPolicy, image_hazards, keel_items
 from harbor_local_sandbox._mounts import inode_bound, is_kernel_path, mount_bounded_tmpfs, mount_overlay
 from harbor_local_sandbox._userns import can_mount, in_user_namespace
-from harbor_local_sandbox._view import SearchPaths, Snapshot, guarded_names, live_paths, search_paths, snapshot
+from harbor_local_sandbox._view import (
+    SearchPaths,
+    Snapshot,
+    commands_record,
+    guarded_names,
+    live_paths,
+    search_paths,
+    snapshot,
+)
 from harbor_local_sandbox.code_places import KERNEL_PLACES, VERIFIER_ONLY
 from harbor_local_sandbox.errors import SandboxCommandError, SandboxStartError
 from harbor_local_sandbox.oci import (
@@ -89,6 +97,8 @@ DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/
 RUNAS = "/run/trl-harbor/runas"
 #: Where it (and the image's account files it reads) appear in a verifier's view.
 VIEW_PLUMBING = "/.trl-harbor"
+#: The commands the agent added to the ``PATH`` folders, for the view's supervisor (``_view.commands_record``).
+COMMANDS_FILE = f"{VIEW_PLUMBING}/commands"
 
 
 @dataclass(frozen=True)
@@ -540,6 +550,10 @@ def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
             _serve_sockets(agent_root, root, spec.sockets, live)
             files[PROVENANCE_FILE] = _provenance(agent_root, root, spec.tmpdir)
             late.append(PROVENANCE_FILE)
+            commands = commands_record(view, spec.search.path)
+            if commands:
+                files[COMMANDS_FILE] = commands
+                late.append(COMMANDS_FILE)
             for path in late:  # below a link of the image's: through the view, never following one
                 if path.endswith("/"):
                     os.close(_hostfs._open_dir(Path(view_dir, "root"), _hostfs._parts(path), create=True))

@@ -71,6 +71,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/fsuid.h>
+#include <sys/inotify.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -978,6 +979,154 @@ static int view_setup(int tree, const char *hostname, int *binds) {
     return settle_for_commands();
 }
 
+/* The verifier's commands on PATH, once installed, are the ones that run (issue #43, class 5).
+ *
+ * The view shows the commands the agent added to the image's PATH folders under new names (what it
+ * installed: the tests may run them). A command the verifier installs while it runs (apt-get, pip,
+ * a copy) may land in a later PATH folder than one of the agent's of the same name, which the shell
+ * would find first: the agent's code would run as the verifier's tool. The view lists the PATH
+ * folders ("W" records) and the agent's added commands ("A" records, whole paths) in COMMANDS_FILE;
+ * a watcher forked here removes the agent's command from the view (a whiteout in the view's own
+ * layer: the agent's sandbox keeps it) as soon as a command of that name appears in another PATH
+ * folder. An overflowed event queue is answered by a sweep of every name. */
+static int came(int fd);
+#define COMMANDS_FILE "/.trl-harbor/commands"
+#define COMMANDS_CAP (16u << 20)
+
+struct folder_id {
+    dev_t dev;
+    ino_t ino;
+};
+
+struct added_command {
+    const char *path, *name;
+    struct folder_id folder;
+    int gone;
+};
+
+static int same_folder(struct folder_id a, struct folder_id b) { return a.dev == b.dev && a.ino == b.ino; }
+
+static int folder_of(const char *path, struct folder_id *id) {
+    struct stat info;
+    if (stat(path, &info) != 0 || !S_ISDIR(info.st_mode)) return -1;
+    id->dev = info.st_dev;
+    id->ino = info.st_ino;
+    return 0;
+}
+
+static int by_name(const void *a, const void *b) {
+    return strcmp(((const struct added_command *)a)->name, ((const struct added_command *)b)->name);
+}
+
+/* Removes the agent's commands named name that are not in the folder where the verifier's appeared. */
+static void give_way(struct added_command *added, size_t n, const char *name, struct folder_id where) {
+    struct added_command key = {NULL, name, {0, 0}, 0};
+    struct added_command *hit = bsearch(&key, added, n, sizeof *added, by_name);
+    if (!hit) return;
+    while (hit > added && strcmp(hit[-1].name, name) == 0) hit--;
+    for (; hit < added + n && strcmp(hit->name, name) == 0; hit++)
+        if (!hit->gone && !same_folder(hit->folder, where) && (unlink(hit->path) == 0 || errno == ENOENT))
+            hit->gone = 1;
+}
+
+static void watch_commands_forever(char *records, size_t size, int ready) {
+    size_t n_added = 0, n_watched = 0;
+    for (size_t i = 0; i < size; i += strlen(records + i) + 1) {
+        if (records[i] == 'A') n_added++;
+        if (records[i] == 'W') n_watched++;
+    }
+    struct added_command *added = calloc(n_added + 1, sizeof *added);
+    int *wds = calloc(n_watched + 1, sizeof *wds);
+    struct folder_id *watched = calloc(n_watched + 1, sizeof *watched);
+    const char **watched_path = calloc(n_watched + 1, sizeof *watched_path);
+    int in = inotify_init1(IN_CLOEXEC);
+    if (!added || !wds || !watched || !watched_path || in < 0) _exit(1);
+    size_t a = 0, w = 0;
+    for (size_t i = 0; i < size; i += strlen(records + i) + 1) {
+        char *record = records + i;
+        if (record[0] == 'W' && folder_of(record + 1, &watched[w]) == 0) {
+            wds[w] = inotify_add_watch(in, record + 1, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR);
+            watched_path[w] = record + 1;
+            if (wds[w] >= 0) w++;
+        } else if (record[0] == 'A') {
+            char *slash = strrchr(record, '/');
+            if (!slash || slash == record + 1 || !slash[1]) continue;
+            *slash = 0;
+            int known = folder_of(record + 1, &added[a].folder) == 0;
+            *slash = '/';
+            if (!known) continue;
+            added[a].path = record + 1;
+            added[a].name = slash + 1;
+            a++;
+        }
+    }
+    n_added = a;
+    n_watched = w;
+    qsort(added, n_added, sizeof *added, by_name);
+    write_full(ready, "", 1); /* the view serves once its PATH folders are watched */
+    close(ready);
+    int sweep = 0;
+    static char events[64 * 1024] __attribute__((aligned(__alignof__(struct inotify_event))));
+    for (;;) {
+        if (sweep) {
+            for (size_t i = 0; i < n_added; i++) {
+                struct stat info;
+                for (size_t j = 0; j < n_watched && !added[i].gone; j++) {
+                    char path[PATH_MAX];
+                    if (same_folder(watched[j], added[i].folder)) continue;
+                    if (snprintf(path, sizeof path, "%s/%s", watched_path[j], added[i].name) >= (int)sizeof path)
+                        continue;
+                    if (lstat(path, &info) == 0) give_way(added, n_added, added[i].name, watched[j]);
+                }
+            }
+            sweep = 0;
+        }
+        ssize_t len = read(in, events, sizeof events);
+        if (len < 0) {
+            if (errno == EINTR) continue;
+            _exit(1);
+        }
+        for (char *p = events; p < events + len;) {
+            struct inotify_event *event = (struct inotify_event *)p;
+            p += sizeof *event + event->len;
+            if (event->mask & IN_Q_OVERFLOW) sweep = 1;
+            if (!event->len) continue;
+            for (size_t j = 0; j < n_watched; j++)
+                if (wds[j] == event->wd) {
+                    give_way(added, n_added, event->name, watched[j]);
+                    break;
+                }
+        }
+    }
+}
+
+/* Forks the watcher of the view's PATH folders when the view lists commands the agent added there. */
+static void watch_commands(void) {
+    int fd = open(COMMANDS_FILE, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return;
+    struct stat info;
+    char *records = NULL;
+    if (fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && info.st_size > 0 && info.st_size <= COMMANDS_CAP &&
+        (records = malloc((size_t)info.st_size + 1)) && read_full(fd, records, (size_t)info.st_size) == 0) {
+        records[info.st_size] = 0;
+        pid_t parent = getpid();
+        int ready[2];
+        if (pipe2(ready, O_CLOEXEC) == 0) {
+            pid_t pid = fork();
+            if (pid == 0) {
+                close(ready[0]);
+                prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+                if (getppid() != parent) _exit(0);
+                watch_commands_forever(records, (size_t)info.st_size, ready[1]);
+            }
+            close(ready[1]);
+            came(pid > 0 ? ready[0] : (close(ready[0]), -1));
+        }
+    }
+    free(records);
+    close(fd);
+}
+
 /* A request: its timeout, output cap, fields (NULL-terminated) and descriptors. */
 struct request {
     uint32_t timeout_ms, cap, nfields;
@@ -1135,6 +1284,7 @@ static void start_view(int conn, struct request *r) {
         }
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
         signal(SIGCHLD, SIG_IGN);
+        watch_commands();
         /* Listening from here makes this process the peer every connect() sees: the host learns its
          * PID, in the host's own namespace, with SO_PEERCRED (this handler exits, the view is reparented). */
         if (listen(r->fds[1], 128) != 0) {

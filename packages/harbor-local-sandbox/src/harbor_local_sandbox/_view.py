@@ -53,6 +53,7 @@ from harbor_local_sandbox._derive import derive, realised
 from harbor_local_sandbox._imports import guard_names
 from harbor_local_sandbox._links import LinkPolicy
 from harbor_local_sandbox._userns import overlay_xattr
+from harbor_local_sandbox._viewfs import IN_ROOT, open_beneath
 from harbor_local_sandbox.code_places import (
     CODE_CONFIG,
     HOOKS,
@@ -68,8 +69,8 @@ from harbor_local_sandbox.code_places import (
 from harbor_local_sandbox.errors import UnjudgeableViewError
 
 __all__ = [
-    "CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot", "guarded_names", "live_paths", "search_paths",
-    "snapshot", "stem",
+    "CODE_CONFIG", "HOOKS", "RUNNER_PACKAGES", "SearchPaths", "Snapshot", "commands_record", "guarded_names",
+    "live_paths", "search_paths", "snapshot", "stem",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -210,6 +211,9 @@ class Snapshot:
         entries: Entries of the agent's layer laid or judged (its code places only).
         libraries_added: Whether the agent added a library to a folder of the loader's (the view's
             loader cache is then remade from the image's configuration: the agent's is not seen).
+        commands: The commands the agent added to the ``PATH`` folders under new names, as laid (seen):
+            each gives way to a command of its name the verifier installs in another ``PATH`` folder
+            (the view's supervisor removes it from the view then; see :func:`commands_record`).
     """
 
     concealed: list[str] = field(default_factory=list)
@@ -218,6 +222,7 @@ class Snapshot:
     copied: int = 0
     entries: int = 0
     libraries_added: bool = False
+    commands: list[str] = field(default_factory=list)
 
 
 class _Rule:
@@ -883,7 +888,71 @@ def snapshot(
     finally:
         os.close(fd)
     walker.judge_pth_files()
-    return walker.finish()
+    result = walker.finish()
+    result.commands = _added_commands(os.fspath(target), rule)
+    return result
+
+
+def _added_commands(target: str, rule: _Rule) -> list[str]:
+    """The files and links the snapshot laid in the ``PATH`` folders under names the image does not have
+    there (what the agent installed), each folder once (``/bin`` and ``/usr/bin`` may be one); their
+    folders are opened beneath the snapshot and the image, never through a link."""
+    found: list[str] = []
+    seen: set[tuple[int, int]] = set()
+    snapshot_root = os.open(target, _DIR_FLAGS)
+    image_root = os.open(rule.lower, _DIR_FLAGS)
+    try:
+        for directory in rule.path_dirs:
+            try:
+                folder = open_beneath(snapshot_root, directory, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                continue  # the agent changed nothing there (or it is a link of the image's: its target is listed)
+            try:
+                info = os.fstat(folder)
+                if (info.st_dev, info.st_ino) in seen:
+                    continue
+                seen.add((info.st_dev, info.st_ino))
+                try:
+                    shipped = open_beneath(image_root, directory, os.O_RDONLY | os.O_DIRECTORY, resolve=IN_ROOT)
+                except OSError:
+                    shipped = None
+                try:
+                    with os.scandir(folder) as entries:
+                        for entry in entries:
+                            if not (entry.is_symlink() or entry.is_file(follow_symlinks=False)):
+                                continue  # a folder, a deletion, a socket: no command
+                            if shipped is not None and _lexists_at(shipped, entry.name):
+                                continue
+                            found.append(f"{directory}/{entry.name}")
+                finally:
+                    if shipped is not None:
+                        os.close(shipped)
+            finally:
+                os.close(folder)
+    finally:
+        os.close(snapshot_root)
+        os.close(image_root)
+    return found
+
+
+def _lexists_at(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def commands_record(snapshot: Snapshot, path_dirs: Sequence[str]) -> bytes:
+    """What the view's supervisor reads to let the verifier's commands win (``COMMANDS_FILE`` of
+    ``_supervisor.c``): a ``W`` record for each ``PATH`` folder it watches and an ``A`` record for each
+    command the agent added, NUL-terminated; empty when the agent added none (nothing is watched)."""
+    if not snapshot.commands:
+        return b""
+    folders = [d for d in path_dirs if d.startswith("/")]
+    return b"".join(b"W" + os.fsencode(d) + b"\0" for d in folders) + b"".join(
+        b"A" + os.fsencode(p) + b"\0" for p in snapshot.commands
+    )
 
 
 def live_paths(
