@@ -33,7 +33,10 @@
  *               "view" HOST        (keel; descriptors: the view's root tree, its listening socket, the
  *                                  forwarder program, optional) starts the verifier's supervisor and
  *                                  the forwarder of the agent's TCP ports (_forwarder.c); answers the
- *                                  supervisor's PID (keel numbering) once both serve;
+ *                                  supervisor's PID (keel numbering) once both serve; the
+ *                                  verifier's supervisor first forks the watcher of the view's
+ *                                  PATH folders when the view lists commands the agent added there
+ *                                  (COMMANDS_FILE, watch_commands);
  *               "unview PID"       (keel) kills every process of that verifier's network namespace;
  *   response: i32 exit code | u32 flags (1: timed out)
  *             | stdout: u64 dropped | u32 len | bytes | stderr: the same

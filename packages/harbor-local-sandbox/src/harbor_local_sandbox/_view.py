@@ -25,7 +25,9 @@ runner's own packages (:data:`RUNNER_PACKAGES`), or a Python module or test-runn
 ``/`` or another ancestor of the verifier's working directory; a link that leads into the verifier's
 own places. ``/tests``, ``/solution`` and ``/logs/verifier`` are the verifier's alone. Everything else
 the agent did there — what it installed under new names, the configuration it was asked to change —
-the verifier sees. A path that matches the task's ``allowed_changes`` is always the agent's.
+the verifier sees. A path that matches the task's ``allowed_changes`` is always the agent's. A
+command the agent added to a ``PATH`` folder gives way to one of its name the verifier installs in
+another ``PATH`` folder while it runs (:attr:`Snapshot.commands`: the view's supervisor removes it).
 
 The snapshot holds the agent's *names* as they were when grading began; its files are hard links
 to the agent's (their content and metadata are the agent's, live), except what the rule reads to
