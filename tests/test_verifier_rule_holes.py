@@ -9,6 +9,7 @@ in ``tests/adversarial/test_grading.py`` (and win there without the defences).
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -497,7 +498,8 @@ def _held_back(result, target: Path, where: str) -> None:
     "where",
     [
         "/usr/local/lib/python3.11/dist-packages/swapme.link",  # an image folder's new entry (judged by the rule)
-        "/usr/local/lib/python3.11/dist-packages/newpkg/swapme.link",  # a new package's (judged by its name)
+        # a new folder's (judged by its name; not a package name: walked, not mounted live)
+        "/usr/local/lib/python3.11/dist-packages/newpkg.libs/swapme.link",
     ],
 )
 def test_an_entry_swapped_for_a_folder_before_it_is_linked_is_held_back(layers, monkeypatch, where: str) -> None:
@@ -505,7 +507,7 @@ def test_an_entry_swapped_for_a_folder_before_it_is_linked_is_held_back(layers, 
     refuses the hard link (``EPERM``); the entry is held back as changed, and the snapshot is made —
     it is not an error of grading's (which would skip the rollout instead of scoring it)."""
     lower, upper, target = layers
-    _files(upper, {"/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py": "", "/app/answer.txt": "42"})
+    _files(upper, {"/usr/local/lib/python3.11/dist-packages/newpkg.libs/__init__.py": "", "/app/answer.txt": "42"})
     _link(upper, where, "/etc")
     entry = upper / where.lstrip("/")
 
@@ -521,14 +523,14 @@ def test_an_entry_swapped_for_a_folder_before_it_is_linked_is_held_back(layers, 
     "where",
     [
         "/usr/local/lib/python3.11/dist-packages/swapped.py",  # an image folder's new entry
-        "/usr/local/lib/python3.11/dist-packages/newpkg/swapped.py",  # a new package's
+        "/usr/local/lib/python3.11/dist-packages/newpkg.libs/swapped.py",  # a new folder's (walked)
     ],
 )
 def test_a_file_swapped_for_a_link_before_it_is_linked_is_held_back(layers, monkeypatch, where: str) -> None:
     """Judged as a file (by its name), a link by the time it is hard-linked: its target was never judged,
     so what is laid is checked after linking (the inode can no longer change what it is) and held back."""
     lower, upper, target = layers
-    _files(upper, {where: "x = 1", "/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py": ""})
+    _files(upper, {where: "x = 1", "/usr/local/lib/python3.11/dist-packages/newpkg.libs/__init__.py": ""})
     entry = upper / where.lstrip("/")
 
     def to_link() -> None:
@@ -537,15 +539,15 @@ def test_a_file_swapped_for_a_link_before_it_is_linked_is_held_back(layers, monk
 
     _swap_before(monkeypatch, "link", "swapped.py", to_link)
     _held_back(_snap(layers), target, where)
-    assert _seen(target, "/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py")  # the rest is laid
+    assert _seen(target, "/usr/local/lib/python3.11/dist-packages/newpkg.libs/__init__.py")  # the rest is laid
 
 
 def test_a_link_swapped_for_a_file_before_its_target_is_read_is_held_back(layers, monkeypatch) -> None:
-    """In a new package, listed as a link, a file by the time its target is read (``EINVAL``): held
+    """In a new folder of the agent's, listed as a link, a file by the time its target is read (``EINVAL``): held
     back as changed, not an error of grading's."""
     lower, upper, target = layers
-    where = "/usr/local/lib/python3.11/dist-packages/newpkg/flip.py"
-    _files(upper, {"/usr/local/lib/python3.11/dist-packages/newpkg/__init__.py": ""})
+    where = "/usr/local/lib/python3.11/dist-packages/newpkg.libs/flip.py"
+    _files(upper, {"/usr/local/lib/python3.11/dist-packages/newpkg.libs/__init__.py": ""})
     _link(upper, where, "__init__.py")
     entry = upper / where.lstrip("/")
 
@@ -605,3 +607,42 @@ def test_a_test_runner_command_the_agent_adds_to_path_is_not_seen(layers) -> Non
     assert not _seen(target, "/usr/local/sbin/pytest")
     assert any(c.startswith("/usr/local/sbin/pytest (the test runner's own command") for c in result.concealed)
     assert _seen(target, "/usr/local/sbin/mytool")
+
+
+def test_a_new_package_of_the_agents_is_mounted_live_where_nothing_below_it_is_judged(layers) -> None:
+    """A new top-level package in Python's import folder is left for the view to mount live (its folder
+    laid empty, its path in ``live_packages``): nothing the rule judges can be below it. Not so a package
+    whose name the image ships or imports (concealed), a folder that is not a package name (walked), nor
+    any package once the agent added a ``.pth`` file (which may name a folder of one: all are walked)."""
+    lower, upper, target = layers
+    local = "/usr/local/lib/python3.11/dist-packages"
+    _files(
+        upper,
+        {
+            f"{local}/agentpkg/__init__.py": "VALUE = 1",
+            f"{local}/agentpkg/sub/mod.py": "N = 1",
+            f"{local}/argparse/__init__.py": "planted",  # a standard-library name
+            f"{local}/agentpkg.libs/libx.so": "elf",
+            "/usr/local/share/agentdata/__init__.py": "",  # not an import folder of Python's
+        },
+    )
+    result = _snap(layers)
+    assert result.live_packages == [f"{local}/agentpkg"]
+    assert (target / local.lstrip("/") / "agentpkg").is_dir()
+    assert not any((target / local.lstrip("/") / "agentpkg").iterdir())  # a mount point: nothing laid
+    assert not _seen(target, f"{local}/argparse/__init__.py")
+    assert _seen(target, f"{local}/agentpkg.libs/libx.so")
+
+    _files(upper, {f"{local}/agentpkg_paths.pth": f"{local}/agentpkg/sub\n"})
+    for entry in sorted(target.iterdir()):
+        _remove(entry)
+    walked = _snap(layers)
+    assert walked.live_packages == []
+    assert _seen(target, f"{local}/agentpkg/sub/mod.py") and _seen(target, f"{local}/agentpkg_paths.pth")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()

@@ -208,6 +208,57 @@ def test_a_command_the_verifier_installs_wins_over_the_agents_of_that_name(task:
     run(scenario())
 
 
+def test_a_package_the_agent_installed_is_its_own_live_and_one_mount(task: Path, tmp_path: Path) -> None:
+    """A new top-level package of the agent's in Python's import folder is mounted live on the view (one
+    mount, not a link per file): the tests import it as the agent left it, and see what the agent's
+    processes change in it while they run. Its distribution metadata stays judged (a ``pytest11``
+    plug-in of the agent's is not seen), a guarded name the agent places in a folder a ``.pth`` of its
+    names is still not what the verifier imports, and the agent's sandbox keeps what the verifier writes
+    nowhere but its own layer."""
+    site = "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')"
+    install = (
+        f"D={site}; mkdir -p $D/agentpkg/sub $D/agentpkg-1.0.dist-info $D/agentplug-1.0.dist-info && "
+        'for i in $(seq 300); do echo "N = $i" > $D/agentpkg/sub/m$i.py; done && '
+        "echo 'VALUE = \"installed\"' > $D/agentpkg/__init__.py && touch $D/agentpkg/sub/__init__.py && "
+        "printf 'Metadata-Version: 2.1\\nName: agentpkg\\nVersion: 1.0\\n' > $D/agentpkg-1.0.dist-info/METADATA && "
+        "printf 'Metadata-Version: 2.1\\nName: agentplug\\nVersion: 1.0\\n' > $D/agentplug-1.0.dist-info/METADATA && "
+        "printf '[pytest11]\\nagentplugin = agentpkg\\n' > $D/agentplug-1.0.dist-info/entry_points.txt"
+    )
+    value = "python3 -c 'import agentpkg, agentpkg.sub.m300 as m; print(agentpkg.VALUE, m.N)'"
+    plugins = (
+        "python3 -c 'from importlib.metadata import entry_points, version; "
+        'print(version("agentpkg"), [e.name for e in entry_points(group="pytest11")])\''
+    )
+
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(env, install)
+            async with env.verifier_view() as view:
+                assert await _sh(view, value) == "installed 300"
+                assert await _sh(view, f"findmnt -n -o TARGET {site}/agentpkg") != ""  # a mount of its own
+                assert await _sh(view, plugins) == "1.0 []"  # the metadata judged: no plug-in of the agent's
+                await _sh(env, f"echo 'VALUE = \"changed\"' > {site}/agentpkg/__init__.py")
+                assert await _sh(view, value) == "changed 300"  # live
+            # A .pth of the agent's naming a folder of its package: the package is laid and judged entry by
+            # entry, as before, and a usercustomize there is not seen.
+            await _sh(
+                env,
+                f'D={site}; echo "$D/agentpkg/sub" > $D/agentpkg_paths.pth && '
+                "echo 'import builtins; builtins.PLANTED = 1' > $D/agentpkg/sub/usercustomize.py",
+            )
+            async with env.verifier_view() as view:
+                assert await _sh(view, f"findmnt -n -o TARGET {site}/agentpkg || echo none") == "none"
+                assert await _sh(view, value) == "changed 300"
+                planted = "python3 -c 'import builtins; print(getattr(builtins, \"PLANTED\", 0))'"
+                assert await _sh(view, planted) == "0"
+                assert await _sh(env, planted) == "1"  # the agent's own Python runs it
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
 def test_the_verifiers_network_is_its_own_and_the_agents_services_answer_it(tmp_path: Path) -> None:
     task = make_task(tmp_path / "tasks", gold="42")
 

@@ -545,7 +545,7 @@ def make_view(spec: ViewSpec) -> tuple[int, Snapshot]:
         )
         root = os.open(f"{view_dir}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            _bind_live(agent_root, root, live)
+            _bind_live(agent_root, root, [*live, *view.live_packages])
             _mount_tmp(f"{agent_dir}/upper", os.fspath(spec.image_root), root, own)
             _serve_sockets(agent_root, root, spec.sockets, live)
             files[PROVENANCE_FILE] = _provenance(agent_root, root, spec.tmpdir)

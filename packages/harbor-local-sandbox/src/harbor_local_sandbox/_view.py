@@ -213,6 +213,8 @@ class Snapshot:
         entries: Entries of the agent's layer laid or judged (its code places only).
         libraries_added: Whether the agent added a library to a folder of the loader's (the view's
             loader cache is then remade from the image's configuration: the agent's is not seen).
+        live_packages: The agent's new top-level packages in Python's import folders, mounted live
+            on their (empty) folders of the snapshot (:meth:`_Rule.live_package`).
         commands: The commands the agent added to the ``PATH`` folders under new names, as laid (seen):
             each gives way to a command of its name the verifier installs in another ``PATH`` folder
             (the view's supervisor removes it from the view then; see :func:`commands_record`).
@@ -225,6 +227,7 @@ class Snapshot:
     entries: int = 0
     libraries_added: bool = False
     commands: list[str] = field(default_factory=list)
+    live_packages: list[str] = field(default_factory=list)
 
 
 class _Rule:
@@ -245,6 +248,7 @@ class _Rule:
             d.replace("/root/", home + "/", 1) for d in search.python if d.startswith("/root/") for home in homes
         ]
         self.python_only = _sorted_dirs((*search.python, *user_sites))
+        self._python_only = frozenset(self.python_only)
         # Import folders of every interpreter (a script's own folder is on its path: PATH's too).
         self.python_dirs = _sorted_dirs((*self.python_only, *search.modules, *self.path_dirs))
         # The loader's own directories always (the ELF interpreter is /lib64's), with the image's.
@@ -317,6 +321,32 @@ class _Rule:
             and folder != self.workdir
             and not self.leads_to_verifier_only(folder)
             and not any(p.startswith(folder + "/") for p in IMPLICIT_SOCKETS)
+        )
+
+    def live_package(self, path: str) -> bool:
+        """Whether the agent's new folder ``path``, seen, is a package of its own at the top of Python's
+        import path that the view mounts live rather than laying it entry by entry.
+
+        Inside such a folder the rule decides nothing that matters to the verifier: no place it names is
+        below it; no configuration glob rooted in a folder can match there (``*/pip.conf`` matches
+        anywhere, but pip reads one only at the root of the venv it runs in, and a venv inside the
+        agent's package is the agent's work); its name is not one the image ships or imports (else it
+        was concealed); what Python finds in it is found as the package's own modules — never a hook
+        (``site`` reads ``.pth`` files in site folders only), never a top-level name (the agent's
+        ``.pth`` files make every package walked instead, and the import guard passes over a guarded
+        name the agent placed, by the device of the agent's tree); links made there go through the
+        keel. So the package is the agent's, live, as under Harbor, and an install of thousands of
+        files costs the view one mount, not a link per file.
+        """
+        name, parent = posixpath.basename(path), posixpath.dirname(path)
+        return (
+            parent in self._python_only
+            and name.isidentifier()
+            and name != "__pycache__"
+            and parent not in self.ancestors
+            and parent not in self.run_dirs
+            and self.holds_nothing_named(path)
+            and not any(start and _may_begin(path + "/", start) for start in map(_literal_start, self.config))
         )
 
     def own_entry(self, folder: str, name: str) -> str | None:
@@ -884,9 +914,11 @@ def snapshot(
     walker = _Walker(rule, os.fspath(target), copy_budget, frozenset(live), frozenset(skip))
     fd = os.open(upper, _DIR_FLAGS)
     try:
-        walker.walk(fd, "", 0)
-    except _Unjudgeable as bound:  # the layer's root holds more entries than are judged: none is seen
-        walker.conceal("/", str(bound))
+        try:
+            walker.walk(fd, "", 0)
+        except _Unjudgeable as bound:  # the layer's root holds more entries than are judged: none is seen
+            walker.conceal("/", str(bound))
+        walker.lay_live_packages(fd)
     finally:
         os.close(fd)
     walker.judge_pth_files()
@@ -1269,6 +1301,10 @@ class _Walker:
                 self.walk(fd, path[1:], depth + 1)
                 return
             why = rule.concealed_change(path, shipped_folder is not None, folder=True, link=False)
+            if why is None and shipped_folder is None and rule.live_package(path):
+                _mkdir_like(dest, info, opaque=False)  # the mount point of the agent's own package
+                self.result.live_packages.append(path)
+                return
             if why is None:  # a folder of the agent's own: laid, then judged on what was laid
                 mark = self._mark()
                 _mkdir_like(dest, info, opaque=opaque)
@@ -1402,6 +1438,28 @@ class _Walker:
             self.result.copied += copied
             return True
         return _link(dir_fd, name, dest, is_link=stat.S_ISLNK(info.st_mode))
+
+    def lay_live_packages(self, upper_fd: int) -> None:
+        """Where the agent added a ``.pth`` file, lay its live packages entry by entry after all: a ``.pth``
+        may name a folder of one, and is judged on what that folder holds (:meth:`_Rule.judge_pth`)."""
+        if not self.pth_files or not self.result.live_packages:
+            return
+        packages, self.result.live_packages = self.result.live_packages, []
+        for path in packages:
+            dest = self.target + path
+            mark = self._mark()
+            try:
+                fd = open_beneath(upper_fd, path, _DIR_FLAGS)
+            except OSError:  # gone, or swapped for a link or a file since it was listed: not seen
+                with contextlib.suppress(OSError):
+                    os.rmdir(dest)
+                continue
+            try:
+                self._own(fd, path, path.count("/"))
+            except Exception as error:
+                self._unjudged(path, dest, error, mark)
+            finally:
+                os.close(fd)
 
     def judge_pth_files(self) -> None:
         """Judge the ``.pth`` files laid, on the snapshot and the image (the folders they name included);
