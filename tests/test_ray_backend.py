@@ -116,6 +116,9 @@ def cluster():
     finally:
         ray.shutdown()
         made.shutdown()
+        # What actors killed outright left (their sandboxes' trees and mounts) goes now, not at the next
+        # sandbox this process starts (it sweeps once per process): later tests see a clean host.
+        assert not _stale_after_sweep()
 
 
 def _alive_hosts() -> list[dict]:
@@ -428,6 +431,30 @@ def test_a_killed_driver_leaves_no_actor_and_no_sandbox(cluster) -> None:
             driver.kill()
     assert _wait(lambda: not _alive_hosts(), 60), _alive_hosts()
     assert not no_process_left(marker, within=30)
+    # Its sandbox's tree and mounts (its actor killed outright) are the next sweep's, as when the next
+    # sandbox starts on the machine: after it, no tree or mount of a dead owner is left.
+    assert not _stale_after_sweep()
+
+
+def _stale_after_sweep() -> list[str]:
+    """Sweep the trees of sandboxes whose owner died (``sweep_stale``); what of them is still there."""
+    from harbor_local_sandbox._binaries import state_root
+    from harbor_local_sandbox._lifetime import sweep_stale
+
+    sweep_stale()
+    root = state_root()
+    dead = [e.name for e in root.iterdir() if e.name.split("-", 1)[0].isdigit() and not _pid_alive(e.name)]
+    mounts = [
+        line.split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if line.split()[4].startswith(f"{root}/") and not _pid_alive(line.split()[4][len(f"{root}/") :])
+    ]
+    return dead + mounts
+
+
+def _pid_alive(name: str) -> bool:
+    owner = name.split("-", 1)[0]
+    return not owner.isdigit() or Path(f"/proc/{owner}").exists()
 
 
 # ── the contract ──────────────────────────────────────────────────────────────────────────
