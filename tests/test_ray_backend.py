@@ -107,6 +107,7 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    sigterm = signal.getsignal(signal.SIGTERM)  # ray.init replaces it, and keeps it after shutdown
     made = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = [made.add_node(num_cpus=cpus) for cpus in NODE_CPUS]
     made.wait_for_nodes()
@@ -116,6 +117,7 @@ def cluster():
     finally:
         ray.shutdown()
         made.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)  # the later tests' process as it was
         # What actors killed outright left (their sandboxes' trees and mounts) goes now, not at the next
         # sandbox this process starts (it sweeps once per process): later tests see a clean host.
         assert not _stale_after_sweep()
