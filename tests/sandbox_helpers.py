@@ -306,3 +306,25 @@ def defences_off(monkeypatch: pytest.MonkeyPatch) -> dict:
     without_members(monkeypatch, LocalEnvironment, "alive")
     monkeypatch.setattr(grading, "_unsafe", lambda error: False)
     return {"agent_processes": "keep", "backend_options": isolation_off()}
+
+
+def recording_bash_env(record) -> type:
+    """A ``HarborBashEnv`` whose ``bash`` tool calls ``record(env, command, output)`` after each command
+    (for tests of a training step: which rollout ran what, and where)."""
+    from trl_harbor import HarborBashEnv
+
+    class RecordingBashEnv(HarborBashEnv):
+        def bash(self, command: str) -> str:
+            """Run a shell command in the sandbox and return its combined stdout and stderr.
+
+            Args:
+                command: The shell command to run.
+
+            Returns:
+                The command's combined stdout and stderr.
+            """
+            output = super().bash(command)
+            record(self, command, output)
+            return output
+
+    return RecordingBashEnv

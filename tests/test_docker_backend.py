@@ -30,6 +30,7 @@ import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, tiny_grpo_trainer
 from docker_daemon import public_copy
 
+from sandbox_helpers import recording_bash_env
 from trl_harbor import HarborBashEnv, HarborSpec, close_all
 from trl_harbor.cli.check import CheckResult, check_suite
 from trl_harbor.rollout.suite import TaskSuiteError
@@ -210,19 +211,7 @@ def test_grpo_step_on_docker_runs_tools_in_containers_and_scores_them(
     bad_command = "echo -n 0 > /workdir/answer.txt; cat /etc/hostname"
     outputs: list[tuple[int, str, str]] = []
 
-    class RecordingBashEnv(HarborBashEnv):
-        def bash(self, command: str) -> str:
-            """Run a shell command in the sandbox and return its combined stdout and stderr.
-
-            Args:
-                command: The shell command to run.
-
-            Returns:
-                The command's combined stdout and stderr.
-            """
-            output = super().bash(command)
-            outputs.append((id(self), command, output))
-            return output
+    RecordingBashEnv = recording_bash_env(lambda env, command, output: outputs.append((id(env), command, output)))
 
     spec = HarborSpec(suite, agent=RecordingBashEnv, environment_type="docker", preflight=True)
     harbor_reward = spec.reward_funcs

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local, tiny_grpo_trainer
 
+from sandbox_helpers import recording_bash_env
+
 GOOD_COMMAND = f"echo -n {GOLD_ANSWER} > /workdir/answer.txt"
 BAD_COMMAND = "echo -n 0 > /workdir/answer.txt"
 
@@ -28,19 +30,7 @@ def test_grpo_step_runs_tools_in_sandboxes_and_scores_them(tmp_path: Path, close
     calls: list[tuple[int, str, str]] = []  # (env id, command, output)
     scored: list[tuple[list[float], list[list[str]]]] = []
 
-    class RecordingBashEnv(HarborBashEnv):
-        def bash(self, command: str) -> str:
-            """Run a shell command in the sandbox and return its combined stdout and stderr.
-
-            Args:
-                command: The shell command to run.
-
-            Returns:
-                The command's combined stdout and stderr.
-            """
-            output = super().bash(command)
-            calls.append((id(self), command, output))
-            return output
+    RecordingBashEnv = recording_bash_env(lambda env, command, output: calls.append((id(env), command, output)))
 
     spec = HarborSpec(
         BUNDLED_SUITE,

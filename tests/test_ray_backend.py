@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_TASK, no_process_left
 
-from sandbox_helpers import make_task
+from sandbox_helpers import make_task, recording_bash_env
 from trl_harbor import runtime
 from trl_harbor.options import HarborOptions
 from trl_harbor.rollout import contract
@@ -245,19 +245,9 @@ def test_a_cpu_grpo_step_runs_its_tools_on_the_nodes(cluster, tmp_path: Path) ->
     bad_command = "echo -n 0 > /workdir/answer.txt"
     ran: list[tuple[int, str, str]] = []
 
-    class RecordingBashEnv(HarborBashEnv):
-        def bash(self, command: str) -> str:
-            """Run a shell command in the sandbox and return its combined stdout and stderr.
-
-            Args:
-                command: The shell command to run.
-
-            Returns:
-                The command's combined stdout and stderr.
-            """
-            output = super().bash(command)
-            ran.append((id(self), command, self._episode.environment.placement.node_id))
-            return output
+    RecordingBashEnv = recording_bash_env(
+        lambda env, command, output: ran.append((id(env), command, env._episode.environment.placement.node_id))
+    )
 
     spec = HarborSpec(suite, agent=RecordingBashEnv, environment_type="ray", preflight=True)
     harbor_reward = spec.reward_funcs
