@@ -358,6 +358,39 @@ def test_a_process_started_with_sigterm_ignored_goes_on_ignoring_it() -> None:
 
 @requires_local
 @pytest.mark.slow
+def test_a_coroutine_submitted_and_dropped_runs_to_its_end_through_a_collection() -> None:
+    # release() submits the previous episode's stop and drops the future. A task waiting on a stream
+    # read is held only by its reader, which the transport holds weakly: unless runtime keeps the
+    # future, the cycle collector destroys the task mid-await and the sandbox is never stopped.
+    import asyncio
+    import gc
+    import socket
+    import threading
+
+    from trl_harbor import runtime
+
+    ours, theirs = socket.socketpair()
+    read = threading.Event()
+
+    async def read_one_line() -> None:
+        reader, writer = await asyncio.open_unix_connection(sock=theirs)
+        try:
+            await reader.readline()
+            read.set()
+        finally:
+            writer.close()
+
+    runtime.submit(read_one_line())  # the future is dropped, as release() does
+    try:
+        time.sleep(0.5)  # the task is now waiting on its reader
+        for _ in range(3):
+            gc.collect()
+        ours.sendall(b"answer\n")
+        assert read.wait(timeout=10), "the submitted coroutine was destroyed before it read its answer"
+    finally:
+        ours.close()
+
+
 def test_256_concurrent_sandboxes_complete_a_batch(tmp_path: Path) -> None:
     spec = HarborSpec(BUNDLED_SUITE, environment_type="local", env_kwargs={"max_concurrent_starts": None})
     gold = {t.path.name: t.metadata["gold_answer"] for t in spec.tasks}

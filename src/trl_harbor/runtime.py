@@ -183,6 +183,11 @@ def on_loop_thread() -> bool:
 def submit[T](coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     """Start a coroutine on the shared loop without waiting for it.
 
+    The coroutine runs to its end even when the caller drops the future: the loop holds its tasks
+    weakly, and a task that waits on a stream reads through a reader its transport holds weakly too
+    (``asyncio.StreamReaderProtocol``), so an unreferenced one is a cycle the collector may destroy
+    mid-await. The future is kept here until it is done.
+
     Args:
         coro: The coroutine to run.
 
@@ -191,10 +196,17 @@ def submit[T](coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     """
     loop = get_loop()
     try:
-        return asyncio.run_coroutine_threadsafe(coro, loop)
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
     except BaseException:
         coro.close()
         raise
+    _submitted.add(future)  # (a set's add and discard are atomic: no lock)
+    future.add_done_callback(_submitted.discard)
+    return future
+
+
+#: The futures of :func:`submit` not done yet (they hold their tasks).
+_submitted: set[concurrent.futures.Future[Any]] = set()
 
 
 _limits: dict[tuple[str, int], asyncio.Semaphore] = {}
