@@ -26,9 +26,9 @@ from sandbox_helpers import live_processes_with, wait_until
 from trl_harbor import close_all
 from trl_harbor.training.agents import resolve_agent
 
-HARNESS = (
-    REPO / "examples" / "grpo_harbor" / "harnesses" / "jupyter"
-)  # re-exports trl_harbor.training.harnesses.jupyter
+# TRL's documented path (examples/grpo_harbor/harnesses is a symlink to its folder); it re-exports
+# trl_harbor.training.harnesses.jupyter
+HARNESS = REPO / "examples" / "scripts" / "harbor" / "harnesses" / "jupyter"
 AGENT = f"{HARNESS / 'env.py'}:JupyterEnv"
 GOLD_DIR = str(BUNDLED_SUITE / GOLD_TASK)
 TOOLS = ["add_and_execute_code_cell", "execute_shell_command"]
@@ -69,7 +69,8 @@ def ipykernel_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_loadable_by_path_and_by_builtin_name(env_cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
     assert env_cls.__name__ == "JupyterEnv"
     assert resolve_agent("jupyter") is env_cls
-    monkeypatch.chdir(REPO)  # the path users of the reference pass, relative to the checkout
+    monkeypatch.chdir(REPO)  # the paths users of the reference pass, relative to the checkout
+    assert resolve_agent("examples/scripts/harbor/harnesses/jupyter/env.py:JupyterEnv") is env_cls  # TRL's guide
     assert resolve_agent("examples/grpo_harbor/harnesses/jupyter/env.py:JupyterEnv") is env_cls
 
 

@@ -24,7 +24,8 @@ from sandbox_helpers import count_processes_cmd, live_processes_with, wait_until
 from trl_harbor import close_all
 from trl_harbor.training.agents import resolve_agent
 
-HARNESS = REPO / "examples" / "grpo_harbor" / "harnesses" / "terminal_notes"
+# TRL's documented path (examples/grpo_harbor/harnesses is a symlink to its folder)
+HARNESS = REPO / "examples" / "scripts" / "harbor" / "harnesses" / "terminal_notes"
 AGENT = f"{HARNESS / 'env.py'}:TerminalNotesEnv"
 GOLD_DIR = str(BUNDLED_SUITE / GOLD_TASK)
 TOOLS = sorted(
@@ -63,7 +64,8 @@ def env(env_cls: type):
 def test_loadable_by_path_and_by_builtin_name(env_cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
     assert env_cls.__name__ == "TerminalNotesEnv"
     assert resolve_agent("terminal_notes") is env_cls
-    monkeypatch.chdir(REPO)  # the path users of the reference pass, relative to the checkout
+    monkeypatch.chdir(REPO)  # the paths users of the reference pass, relative to the checkout
+    assert resolve_agent("examples/scripts/harbor/harnesses/terminal_notes/env.py:TerminalNotesEnv") is env_cls
     assert resolve_agent("examples/grpo_harbor/harnesses/terminal_notes/env.py:TerminalNotesEnv") is env_cls
     with pytest.raises(ValueError, match="terminal_notes"):
         resolve_agent("terminal-notes")

@@ -33,7 +33,7 @@ __all__ = ["AGENTS", "EXAMPLE_AGENTS", "LOOP_AGENT_NAMES", "resolve_agent"]
 #: Built-in harnesses selectable by name.
 AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv}
 
-#: The example harnesses (also loadable by their ``examples/grpo_harbor/harnesses/*/env.py`` paths),
+#: The example harnesses (also loadable by their ``examples/scripts/harbor/harnesses/*/env.py`` paths),
 #: selectable by name and imported on first selection.
 EXAMPLE_AGENTS: dict[str, str] = {
     "bash_steps": "trl_harbor.training.env:HarborBashStepsEnv",

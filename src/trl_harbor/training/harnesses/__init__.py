@@ -6,6 +6,6 @@
 
 Select them with ``HarborSpec(agent="jupyter")`` / ``agent="terminal_notes"``, or by the file
 paths the reference integration's users know
-(``examples/grpo_harbor/harnesses/jupyter/env.py:JupyterEnv``). They are imported only when
+(``examples/scripts/harbor/harnesses/jupyter/env.py:JupyterEnv``). They are imported only when
 selected.
 """

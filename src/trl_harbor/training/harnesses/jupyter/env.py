@@ -1,7 +1,7 @@
 """Jupyter harness: a stateful Python kernel in the task sandbox, plus a shell tool.
 
 Select it with ``HarborSpec(dataset, agent="jupyter")`` or
-``agent="examples/grpo_harbor/harnesses/jupyter/env.py:JupyterEnv"``.
+``agent="examples/scripts/harbor/harnesses/jupyter/env.py:JupyterEnv"``.
 
 ``_setup`` uploads ``kernel_server.py`` and ``kernel_client.py`` into the sandbox and starts
 the kernel server there as a background process (a real ``ipykernel`` driven with

@@ -1,7 +1,7 @@
 """TerminalNotes harness: 6 shell tools (with background processes) and 4 note tools.
 
 Select it with ``HarborSpec(dataset, agent="terminal_notes")`` or
-``agent="examples/grpo_harbor/harnesses/terminal_notes/env.py:TerminalNotesEnv"``.
+``agent="examples/scripts/harbor/harnesses/terminal_notes/env.py:TerminalNotesEnv"``.
 
 Background processes run in their own session (``setsid``) inside the sandbox; each has a
 folder ``/tmp/.trl_harbor_procs/<random>/`` with its output (``out``), its exit code (``rc``, once
