@@ -238,11 +238,12 @@ def test_a_cached_copy_never_recorded_complete_is_fetched_again(suite_repo, tmp_
     selection = SuiteSelection(registry_path=suite_repo["registry"], download_dir=tmp_path / "dl")
     first = resolve_suite("demo-suite@1.0", selection, progress=lambda _: None)
     task = first.task_dirs[0]
+    complete = first.digest(task)
     (task / "tests" / "test.sh").unlink()  # a partial copy: a file missing
     digest_note(task).unlink()  # ... and no record that it was ever complete
     again = resolve_suite("demo-suite@1.0", selection, progress=lambda _: None)
     assert (again.task_dirs[0] / "tests" / "test.sh").is_file()
-    assert again.digests[again.task_dirs[0]] == first.digests[task] and digest_note(again.task_dirs[0]).is_file()
+    assert again.digest(again.task_dirs[0]) == complete and digest_note(again.task_dirs[0]).is_file()
 
 
 # ── git repositories at a ref (Harbor's --repo) ─────────────────────────────────────
@@ -374,10 +375,11 @@ def test_hub_snapshot_links_become_real_files(hub: tuple[Path, str]) -> None:
     assert os.access(root / GOLD_TASK / "tests" / "test.sh", os.X_OK)
     origin = resolved.origins[resolved.task_dirs[0]]
     assert origin == {"repo_id": "someorg/harbor-suite", "revision": resolved.version, "path": f"tasks/{GOLD_TASK}"}
-    # The copy's digest is the original task's: nothing was lost on the way out of the blob store.
-    from trl_harbor.rollout.digests import task_digest
+    # The copy is the original task, to the mode bit (its tree digest), and its lock digest Harbor's content hash.
+    from trl_harbor.rollout.digests import content_hash, task_digest
 
-    assert resolved.digest(resolved.task_dirs[0]) == task_digest(BUNDLED_SUITE / GOLD_TASK)
+    assert task_digest(resolved.task_dirs[0]) == task_digest(BUNDLED_SUITE / GOLD_TASK)
+    assert resolved.digest(resolved.task_dirs[0]) == content_hash(BUNDLED_SUITE / GOLD_TASK)
 
 
 # ── each form: pinned, trained for a step, rerun from the lock, tampering refused ─────────
@@ -420,7 +422,11 @@ def test_each_form_trains_pins_reruns_and_refuses_tampering(
         GOLD_TASK,
         spec.task_dirs[0],
     )
-    assert task.digest.startswith("sha256:") and locked.options["task_names"] == [GOLD_TASK]
+    from harbor.publisher.packager import Packager
+
+    # Harbor's content hash: the digest Harbor's own lock.json records for the task.
+    assert (task.digest, task.digest_kind) == ("sha256:" + Packager.compute_content_hash(task.path)[0], "harbor")
+    assert locked.options["task_names"] == [GOLD_TASK]
     if form == "registry":
         assert (locked.version, task.source["git_commit_id"]) == ("2.0", suite_repo["second"])
         shutil.rmtree(suite_repo["repo"])  # the source is gone: the rerun needs only the cache

@@ -11,11 +11,14 @@ taken before the agent — and returns a :class:`~trl_harbor.rollout.outcome.Ver
   change. Elsewhere it runs in the agent's sandbox, after the baseline's process policy and
   tamper check (:mod:`trl_harbor.rollout.seal`).
 * **Separate verification** (``[verifier] environment_mode = "separate"``): the agent's processes
-  are stopped, the declared artifacts copied as files into a fresh verifier sandbox, and the
-  verifier runs there.
+  are stopped, the declared artifacts (Harbor's list of them) copied as files into a fresh verifier
+  sandbox, and the verifier runs there. The copy is grading's own: Harbor's ``ArtifactHandler``
+  treats a failed download as best effort, where grading tells a refused one from a lost backend.
 * **In place, whatever the backend offers** (:func:`grade_in_place`, for ``trl-harbor check`` only):
   a rollout already graded in the view graded once more in the agent's sandbox itself, unsealed, as
   Harbor's trial grades it: whether the view, not the solution, fails a reference solution.
+* **The verifier** is Harbor's, made by Harbor's ``VerifierFactory`` as Harbor's trial makes it
+  (the trial's default verifier settings), wherever it runs.
 * **Failures** are classified by where the fault is, asked of the backend, not of a shell the agent
   could break. The verifier ran and wrote no usable reward in a sandbox the backend still runs: the
   rollout broke its own verification (0). The sandbox stopped answering: an infrastructure failure,
@@ -347,7 +350,8 @@ async def _stop_agent(environment: BaseEnvironment, baseline: Baseline) -> int:
 
 
 async def _run_verifier(environment: BaseEnvironment, context: Context, *, bundled: bool = False) -> dict[str, float]:
-    from harbor.verifier.verifier import Verifier
+    from harbor.models.trial.config import VerifierConfig
+    from harbor.verifier.factory import VerifierFactory
 
     step = context.step
     timeout = context.task.config.verifier.timeout_sec
@@ -355,7 +359,9 @@ async def _run_verifier(environment: BaseEnvironment, context: Context, *, bundl
     if step is not None:
         timeout = step.verifier.timeout_sec if step.verifier.timeout_sec is not None else timeout
         env = step.verifier.env or None
-    verifier = Verifier(
+    # Harbor's factory with a trial's default verifier settings: its own Verifier, every log kept.
+    verifier = VerifierFactory.create_verifier_from_config(
+        VerifierConfig(),
         task=context.task,
         trial_paths=context.paths,
         environment=environment,
@@ -408,12 +414,19 @@ async def _copy_artifacts(source: BaseEnvironment, target: BaseEnvironment, cont
     Raises:
         _BackendFault: When the copy fails for another reason (unmarked: the backend's, the host's).
     """
+    from harbor.models.task.artifacts import with_convention_entry
     from harbor.models.trial.paths import EnvironmentPaths
 
-    paths = [str(EnvironmentPaths.for_os(source.os).artifacts_dir)]
+    # Which paths: Harbor's list (``/logs/artifacts`` first unless declared, then the task's and the
+    # step's). Not Harbor's copy (``ArtifactHandler``): it swallows a failed download, which grading
+    # must classify (refused: the rollout's; else the backend's).
     step = context.step
-    for artifact in [*context.task.config.artifacts, *(step.artifacts if step is not None else [])]:
-        paths.append(artifact if isinstance(artifact, str) else artifact.source)
+    declared = [*context.task.config.artifacts, *(step.artifacts if step is not None else [])]
+    convention = EnvironmentPaths.for_os(source.os).artifacts_dir.as_posix()
+    try:
+        paths = [artifact.source for artifact in with_convention_entry(declared, convention_source=convention)]
+    except ValueError as exc:  # a source Harbor refuses (``..``): the task's, never the rollout's
+        raise _BackendFault(f"the task's artifacts are not valid for Harbor: {exc}") from exc
     staging = Path(tempfile.mkdtemp(prefix="artifacts_", dir=context.paths.trial_dir))
     for index, path in enumerate(paths):
         local = staging / str(index)

@@ -22,8 +22,9 @@ a path: ``./x``, ``/x``, ``~/x``, ``a/b/c``)
 with ``hub:``. Registry, package and repository datasets are resolved by Harbor's own registry
 clients and downloaded by Harbor's task client into Harbor's task cache (or ``download_dir``),
 each task pinned to a commit or a content hash; Hugging Face snapshots are copied out of the hub
-cache as real files. Every fetched task's content digest is recorded beside it and checked on
-reuse, so an altered cached task is refused, naming it. Harbor is asynchronous: its coroutines
+cache as real files. Every fetched task's tree digest is recorded beside it and checked on
+reuse, so an altered cached task is refused, naming it; a lock records Harbor's content hash
+(:mod:`trl_harbor.rollout.digests`). Harbor is asynchronous: its coroutines
 run on the process-wide loop (:func:`trl_harbor.runtime.run`).
 """
 
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from trl_harbor import runtime
-from trl_harbor.rollout.digests import read_digest_note, task_digest, write_digest_note
+from trl_harbor.rollout.digests import HARBOR_HASH, lock_digest, read_digest_note, task_digest, write_digest_note
 from trl_harbor.rollout.suite import (
     TaskInfo,
     TaskSuiteError,
@@ -239,7 +240,7 @@ def _named(given: str, kind: str, rest: str, revision: str | None) -> DatasetSou
 
 @dataclass
 class ResolvedSuite:
-    """A suite found (and fetched): its task folders, where each came from, and their digests.
+    """A suite found (and fetched): its task folders, where each came from, and their lock digests.
 
     Attributes:
         source: The parsed dataset.
@@ -249,7 +250,8 @@ class ResolvedSuite:
         task_dirs: The task folders, sorted by name (a lock's: in its order), filters applied.
         names: Each task folder's task name (a package task's ``org/name``; else the folder's name).
         origins: Each task folder's source record (:class:`~trl_harbor.rollout.suite_lock.LockedTask`'s ``source``).
-        digests: The digests computed so far (every fetched task's; a local suite's on demand).
+        digests: The lock digests computed so far, with their kind (``(digest, kind)``,
+            :func:`~trl_harbor.rollout.digests.lock_digest`: Harbor's content hash where Harbor has one).
         indices: A lock's recorded ``task_index`` of each folder (``None``: positions in ``task_dirs``).
         lock_of: The lock it was read from (``None``: resolved afresh).
     """
@@ -261,12 +263,12 @@ class ResolvedSuite:
     task_dirs: list[Path]
     names: dict[Path, str] = field(default_factory=dict)
     origins: dict[Path, dict[str, Any]] = field(default_factory=dict)
-    digests: dict[Path, str] = field(default_factory=dict)
+    digests: dict[Path, tuple[str, str]] = field(default_factory=dict)
     indices: dict[Path, int] | None = None
     lock_of: LockedSuite | None = None
 
     def digest(self, task_dir: Path) -> str:
-        """A task folder's digest (computed once).
+        """A task folder's lock digest: Harbor's content hash, as Harbor's ``lock.json`` has it (computed once).
 
         Args:
             task_dir: One of :attr:`task_dirs`.
@@ -274,8 +276,11 @@ class ResolvedSuite:
         Returns:
             ``sha256:<hex>``.
         """
+        return self._lock_digest(task_dir)[0]
+
+    def _lock_digest(self, task_dir: Path) -> tuple[str, str]:
         if task_dir not in self.digests:
-            self.digests[task_dir] = task_digest(task_dir)
+            self.digests[task_dir] = lock_digest(task_dir)
         return self.digests[task_dir]
 
     def lock(self, selected: Sequence[tuple[int, TaskInfo]], options: dict[str, Any]) -> LockedSuite:
@@ -293,13 +298,15 @@ class ResolvedSuite:
         tasks = []
         for index, info in selected:
             path = by_path.get(info.path, info.path)
+            digest, kind = self._lock_digest(path)
             tasks.append(
                 LockedTask(
                     name=self.names.get(path, path.name),
                     index=index,
                     path=info.path,
-                    digest=self.digest(path),
+                    digest=digest,
                     source=self.origins.get(path, {"path": str(info.path)}),
+                    digest_kind=kind,
                 )
             )
         if self.lock_of is not None:  # a rerun records what the first run asked for
@@ -389,14 +396,18 @@ def _resolve_folder(source: DatasetSource, selection: SuiteSelection, progress: 
             rel = task_dir.relative_to(root.parent).as_posix()
             origin = {"repo_id": source.location, "revision": version, "path": rel}
             resolved.origins[task_dir] = origin
-            resolved.digests[task_dir] = _checked_digest(task_dir, task_dir.name, origin, source.given, fresh=False)
+            _check_cached_copy(task_dir, task_dir.name, origin, source.given, fresh=False)
         else:
             resolved.origins[task_dir] = {"path": str(task_dir.resolve())}
     return resolved
 
 
-def _checked_digest(task_dir: Path, name: str, origin: dict[str, Any], dataset: str, *, fresh: bool) -> str:
-    """A fetched task's digest: recorded beside it when it was fetched, checked against that when reused."""
+def _check_cached_copy(task_dir: Path, name: str, origin: dict[str, Any], dataset: str, *, fresh: bool) -> None:
+    """A fetched task's tree digest: recorded beside it when it was fetched, checked against that when reused.
+
+    The tree digest, not Harbor's content hash (which the lock records): it also sees what Harbor's hash
+    ignores in a cached copy — a mode bit, a link, a file outside the folders Harbor publishes.
+    """
     digest = task_digest(task_dir)
     recorded = None if fresh else read_digest_note(task_dir)
     if recorded is None:
@@ -407,7 +418,6 @@ def _checked_digest(task_dir: Path, name: str, origin: dict[str, Any], dataset: 
             f"(digest {digest}, recorded {recorded}). Fix: delete {task_dir} (or pass overwrite=True / "
             "--overwrite) to fetch the pinned version again; edit a task in a local copy of the suite instead."
         )
-    return digest
 
 
 # ── registries, Harbor Hub packages and git repositories: Harbor's clients ────────────────
@@ -557,7 +567,7 @@ def _resolve_harbor(
         resolved.origins[path] = origin
         fresh = not result.cached
         fetched += fresh
-        resolved.digests[path] = _checked_digest(path, task_id.get_name(), origin, source.given, fresh=fresh)
+        _check_cached_copy(path, task_id.get_name(), origin, source.given, fresh=fresh)
     progress(
         f"trl-harbor: {source.given}: {len(task_ids)} task(s) ready in {time.monotonic() - start:.1f} s "
         f"({fetched} fetched, {len(task_ids) - fetched} from the cache {root})"
@@ -631,6 +641,9 @@ def resolve_lock(
 ) -> ResolvedSuite:
     """The tasks a suite lock pins, each checked against its digest (and fetched again when its copy is gone).
 
+    Each digest is recomputed by the kind the lock records (Harbor's content hash; the tree digest in a
+    version 1 lock, or where Harbor had none), so an older lock is checked, never mismatched.
+
     Args:
         lock: ``path/suite.lock.json``, with ``#N`` or ``#DATASET`` when it holds several suites.
         download_dir: Where a task whose cached copy is gone is fetched again (default: where
@@ -658,13 +671,14 @@ def resolve_lock(
         try:
             if not path.is_dir():
                 path = _fetch_again(locked, task, download_dir, say)
-            digest = task_digest(path)
-        except (TaskSuiteError, OSError) as exc:
+            digest, kind = lock_digest(path, task.digest_kind)
+        except (TaskSuiteError, OSError, ValueError) as exc:
             problems.append(f"task {task.name!r}: {exc}")
             continue
         if digest != task.digest:
+            what = "Harbor's content hash" if kind == HARBOR_HASH else "tree digest"
             problems.append(
-                f"task {task.name!r} ({path}): its content differs from the lock (digest {digest}, locked "
+                f"task {task.name!r} ({path}): its content differs from the lock ({what} {digest}, locked "
                 f"{task.digest}). Fix: restore the task (delete a cached copy to fetch the pinned version "
                 "again), or resolve the dataset afresh instead of rerunning from this lock."
             )
@@ -672,7 +686,8 @@ def resolve_lock(
         resolved.task_dirs.append(path)
         resolved.names[path] = task.name
         resolved.origins[path] = task.source
-        resolved.digests[path] = digest
+        if kind == HARBOR_HASH:  # not a tree digest (an older lock's): the rerun's lock gets Harbor's hash
+            resolved.digests[path] = (digest, kind)
         assert resolved.indices is not None
         resolved.indices[path] = task.index
     if problems:

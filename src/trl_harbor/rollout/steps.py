@@ -2,25 +2,36 @@
 
 A multi-step task is one rollout: each step is staged (:func:`stage`: its ``workdir/`` files, its
 ``setup.sh``, its healthcheck), worked on by the agent, and graded like a whole task; a step below
-its ``min_reward`` ends the rollout (:func:`meets_min_reward`); before the next step, what the
-previous step's verifier left is removed (:func:`advance`). The steps' rewards are combined by the
-task's ``multi_step_reward_strategy`` (:func:`combine`): ``final`` takes the last step's, ``mean``
-the per-entry mean over the steps that were graded, missing entries counting 0 — Harbor's
-``Trial._aggregate_step_rewards`` — except that a step whose verification the rollout broke
-counts as 0 (Harbor leaves it out, which would make breaking a hard step's verifier pay).
-``HarborOptions.unreached_steps="zero"`` counts the steps a
-rollout never reached as 0 instead: under Harbor's mean, a policy that stops after an easy first
-step scores more than one that attempts the hard second step.
+its ``min_reward`` ends the rollout (:func:`meets_min_reward`, Harbor's
+``MultiStepTrial._min_reward_failure``); before the next step, what the previous step's verifier
+left is removed (:func:`advance`).
 
-Harbor keeps these as methods of its trial classes (they need a running trial); this module
-follows them and ``tests/test_task_shapes.py`` checks it against them.
+The steps' rewards are combined (:func:`combine`) by Harbor's own ``Trial._select_multi_step_reward``
+and ``Trial._aggregate_step_rewards``, called on a stand-in that holds only the task and the steps'
+results: ``final`` takes the last step's, ``mean`` the per-entry mean over the steps with a verifier
+result, missing entries counting 0. trl-harbor differs in three ways, each a change of what Harbor's
+functions are given or of what is done with their result, never a rule of its own:
+
+* a step whose verification the rollout broke counts as 0: it is given to Harbor with empty
+  rewards, where Harbor's trial has no result for it and leaves it out (which would make breaking
+  a hard step's verifier pay);
+* ``HarborOptions.unreached_steps="zero"`` gives Harbor an empty result for every step the rollout
+  never reached: under Harbor's mean, a policy that stops after an easy first step scores more than
+  one that attempts the hard second step;
+* a step lost to the infrastructure makes its verification the rollout's (the loss is attributed
+  and settled by ``on_infra_error``, not scored).
+
+``tests/test_harbor_semantics.py`` runs Harbor's functions and these on generated inputs and fails on
+any difference but these three.
 """
 
 from __future__ import annotations
 
+import functools
 import shlex
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from trl_harbor.rollout.outcome import Cause, Failure, RewardError, Verification, select_reward
 
@@ -28,6 +39,7 @@ if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.config import StepConfig
     from harbor.models.task.task import Task
+    from harbor.models.trial.result import StepResult
 
     from trl_harbor.options import HarborOptions
     from trl_harbor.rollout.backends import Backend, VerifierPlacement
@@ -90,7 +102,10 @@ async def advance(
 
 
 def meets_min_reward(rewards: dict[str, float], threshold: float | dict[str, float] | None) -> bool:
-    """Harbor's ``min_reward`` gate: a number gates ``reward``; a table gates each entry (missing: fails).
+    """Harbor's ``min_reward`` gate (``MultiStepTrial._min_reward_failure``): whether the next step may follow.
+
+    A number gates ``reward``, a table each of its entries; a missing entry fails. No threshold passes,
+    as Harbor passes a step without ``min_reward``.
 
     Args:
         rewards: A step's rewards.
@@ -101,8 +116,84 @@ def meets_min_reward(rewards: dict[str, float], threshold: float | dict[str, flo
     """
     if threshold is None:
         return True
-    gates = {"reward": threshold} if isinstance(threshold, (int, float)) else threshold
-    return all(rewards.get(key, float("-inf")) >= value for key, value in gates.items())
+    from harbor.trial.multi_step import MultiStepTrial
+
+    return MultiStepTrial._min_reward_failure(rewards, threshold) is None
+
+
+@functools.cache
+def _harbor_trial_rewards() -> type:
+    """A stand-in for Harbor's trial holding just what its two reward methods read: ``task`` and ``result``.
+
+    The methods are Harbor's own, taken from ``Trial`` as they are; no trial (sandbox, agent, folders)
+    is built to call them.
+    """
+    from harbor.trial.trial import Trial
+
+    class TrialRewards:
+        _select_multi_step_reward = Trial._select_multi_step_reward
+        _aggregate_step_rewards = Trial._aggregate_step_rewards
+
+        def __init__(self, task: object, step_results: list[object]) -> None:
+            self.task = task
+            self.result = SimpleNamespace(step_results=step_results)
+
+    return TrialRewards
+
+
+def _harbor_rewards(task: Task, step_results: Sequence[StepResult]) -> dict[str, float]:
+    """The rewards Harbor's multi-step trial settles on for ``step_results`` (``_select_multi_step_reward``).
+
+    Args:
+        task: The task (its ``multi_step_reward_strategy``).
+        step_results: Harbor's step results, in order, one per step reached.
+
+    Returns:
+        The combined rewards; ``{}`` where Harbor has no verifier result (scored 0).
+    """
+    result = _harbor_trial_rewards()(task, list(step_results))._select_multi_step_reward()
+    return dict(result.rewards or {}) if result is not None else {}
+
+
+def _as_harbor(steps: Sequence[StepConfig], outcomes: Sequence[Verification], unreached: str) -> list[StepResult]:
+    """The steps' results as Harbor's trial would hold them, with trl-harbor's two differences made inputs.
+
+    A step whose verification the rollout broke has an empty verifier result (Harbor's trial has none,
+    and leaves it out of the mean; here it counts, as 0). Under ``unreached_steps="zero"`` every step
+    never reached has one too (Harbor has no result for it), so the mean divides by every step and
+    ``final`` takes the last step's, 0 when it was never reached.
+    """
+    from harbor.models.trial.result import StepResult
+    from harbor.models.verifier.result import VerifierResult
+
+    rewards = [{} if outcome.cause is not None else dict(outcome.rewards) for outcome in outcomes]
+    if unreached == "zero":
+        rewards += [{}] * (len(steps) - len(outcomes))
+    return [
+        StepResult(step_name=step.name, verifier_result=VerifierResult(rewards=entries))
+        for step, entries in zip(steps, rewards, strict=False)
+    ]
+
+
+def _details(
+    steps: Sequence[StepConfig], outcomes: Sequence[Verification], unreached: str, failure: Failure | None
+) -> dict[str, Any]:
+    """What the rollout's verification keeps of its steps: reasons, rewards per step, changes, the first cause."""
+    names = [step.name for step in steps]
+    reasons = [f"step {name!r}: {o.reason}" for name, o in zip(names, outcomes, strict=False) if o.reason]
+    if len(outcomes) < len(steps):
+        counted = "scored 0" if unreached == "zero" else "not counted, as in Harbor"
+        reasons.append(f"{len(steps) - len(outcomes)} of {len(steps)} steps never reached ({counted})")
+    if failure is not None and not any(failure.reason in r for r in reasons):
+        reasons.append(failure.reason)
+    return {
+        "reason": "; ".join(reasons),
+        "concealed": tuple(c for o in outcomes for c in o.concealed),
+        "tampered": tuple(c for o in outcomes for c in o.tampered),
+        "killed": sum(o.killed for o in outcomes),
+        "steps": tuple((name, dict(o.rewards)) for name, o in zip(names, outcomes, strict=False)),
+        "cause": next((o.cause for o in outcomes if o.cause is not None), None),
+    }
 
 
 def combine(
@@ -115,6 +206,10 @@ def combine(
 ) -> Verification:
     """One verification of a multi-step rollout from its steps' (see the module docstring).
 
+    The rewards are Harbor's (:func:`_harbor_rewards`) over the steps as :func:`_as_harbor` gives
+    them; a step lost to the infrastructure makes its verification the rollout's, so that the loss
+    is attributed (and settled by ``on_infra_error``) rather than scored.
+
     Args:
         task: The task (its ``multi_step_reward_strategy``).
         steps: Its steps.
@@ -126,34 +221,11 @@ def combine(
     Returns:
         The rollout's verification (its scalar not yet settled for ``on_infra_error``).
     """
-    from harbor.models.task.config import MultiStepRewardStrategy
-
-    lost = next((o for o in outcomes if o.cause is not None and o.cause.infra), None)
+    lost = next((outcome for outcome in outcomes if outcome.infra), None)
     if lost is not None:
         return lost
-    names = [step.name for step in steps]
-    graded = list(outcomes)  # a step whose verification the rollout broke counts, as 0 (Harbor leaves it out)
-    if task.config.multi_step_reward_strategy is MultiStepRewardStrategy.FINAL:  # the last step graded
-        reached = len(outcomes) == len(steps)
-        combined = dict(outcomes[-1].rewards) if reached or options.unreached_steps == "skip" else {}
-    else:
-        count = len(steps) if options.unreached_steps == "zero" else len(graded)
-        keys = {key for o in graded for key in o.rewards}
-        combined = {key: sum(o.rewards.get(key, 0.0) for o in graded) / count for key in keys} if count else {}
-    reasons = [f"step {name!r}: {o.reason}" for name, o in zip(names, outcomes, strict=False) if o.reason]
-    if len(outcomes) < len(steps):
-        counted = "scored 0" if options.unreached_steps == "zero" else "not counted, as in Harbor"
-        reasons.append(f"{len(steps) - len(outcomes)} of {len(steps)} steps never reached ({counted})")
-    if failure is not None and not any(failure.reason in r for r in reasons):
-        reasons.append(failure.reason)
-    details = {
-        "reason": "; ".join(reasons),
-        "concealed": tuple(c for o in outcomes for c in o.concealed),
-        "tampered": tuple(c for o in outcomes for c in o.tampered),
-        "killed": sum(o.killed for o in outcomes),
-        "steps": tuple((name, dict(o.rewards)) for name, o in zip(names, outcomes, strict=False)),
-        "cause": next((o.cause for o in outcomes if o.cause is not None), None),
-    }
+    combined = _harbor_rewards(task, _as_harbor(steps, outcomes, options.unreached_steps))
+    details = _details(steps, outcomes, options.unreached_steps, failure)
     if not combined:
         return Verification(0.0, **details)
     try:

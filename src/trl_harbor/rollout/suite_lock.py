@@ -4,12 +4,21 @@ A run writes ``suite.lock.json`` into its output folder. For each suite it recor
 asked for (the dataset string, registry, filters, selection), what that resolved to (the
 dataset's name and version, the Hugging Face commit, the git commit of each task) and, per task,
 its name, its position in the suite, the folder it was read from (a cache folder for fetched
-suites) and its content digest (:func:`trl_harbor.rollout.digests.task_digest`).
+suites) and its digest: Harbor's content hash (:func:`trl_harbor.rollout.digests.content_hash`),
+the same ``sha256:...`` string Harbor's own ``lock.json`` records for that task
+(``"digest_kind": "harbor"``); only where Harbor cannot hash the folder, trl-harbor's tree digest
+(:func:`trl_harbor.rollout.digests.task_digest`, ``"digest_kind": "trl-harbor"``).
 
 Passing the lock back as the dataset (``HarborSpec("run/suite.lock.json")``, ``trl-harbor train
 --dataset run/suite.lock.json``) reruns on exactly those tasks: each is read from its recorded
 folder, fetched again from its pinned source when that folder is gone, and refused when its
-digest differs (:func:`trl_harbor.rollout.sources.resolve_lock`).
+digest differs (:func:`trl_harbor.rollout.sources.resolve_lock`), each digest recomputed by its kind.
+
+**Locks of earlier versions.** A lock of format version 1 (trl-harbor before Harbor's content hash)
+holds tree digests and no ``digest_kind``: it is read as such, every task checked against its tree
+digest, recomputed; it never meets Harbor's hash, so it cannot mismatch silently, and a run from it
+writes a version 2 lock with Harbor's hashes. A ``digest_kind`` this version does not know is
+refused, naming the lock, the field and the fix.
 
 .. code-block:: json
 
@@ -17,8 +26,8 @@ digest differs (:func:`trl_harbor.rollout.sources.resolve_lock`).
      "suites": [{"dataset": "terminal-bench@2.0", "kind": "registry", "name": "terminal-bench",
                  "version": "2.0", "root": "/home/me/.cache/harbor/tasks", "options": {...},
                  "tasks": [{"name": "hello-world", "index": 0, "path": "/home/me/.cache/harbor/tasks/Ab3/hello-world",
-                            "digest": "sha256:...", "source": {"git_url": "...", "git_commit_id": "...",
-                                                               "path": "tasks/hello-world"}}]}]}
+                            "digest": "sha256:...", "digest_kind": "harbor",
+                            "source": {"git_url": "...", "git_commit_id": "...", "path": "tasks/hello-world"}}]}]}
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from trl_harbor.rollout.digests import DIGEST_PREFIX
+from trl_harbor.rollout.digests import DIGEST_PREFIX, HARBOR_HASH, TREE_DIGEST
 from trl_harbor.rollout.suite import TaskSuiteError
 
 __all__ = [
@@ -49,7 +58,9 @@ __all__ = [
 LOCK_FILENAME = "suite.lock.json"
 #: The ``format`` key every lock carries (and by which a lock is told from other JSON files).
 LOCK_FORMAT = "trl-harbor-suite-lock"
-_VERSION = 1
+_VERSION = 2
+#: The versions read: 1 holds tree digests only (no ``digest_kind``).
+_READABLE = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -60,10 +71,12 @@ class LockedTask:
         name: The task's folder name.
         index: Its position in the suite as resolved (the dataset's ``task_index``).
         path: The folder it was read from.
-        digest: Its content digest (``sha256:...``).
+        digest: Its digest (``sha256:...``), of kind ``digest_kind``.
         source: Where it came from: ``{"path"}`` (a local suite), ``{"repo_id", "revision",
             "path"}`` (Hugging Face), ``{"git_url", "git_commit_id", "path"}`` (a git task of a
             registry or repository), ``{"package", "ref"}`` (a Harbor Hub package).
+        digest_kind: ``"harbor"``: Harbor's content hash, as in Harbor's ``lock.json``;
+            ``"trl-harbor"``: the tree digest (where Harbor has none, and in version 1 locks).
     """
 
     name: str
@@ -71,6 +84,7 @@ class LockedTask:
     path: Path
     digest: str
     source: dict[str, Any] = field(default_factory=dict)
+    digest_kind: str = HARBOR_HASH
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form.
@@ -79,7 +93,7 @@ class LockedTask:
             The task's fields, the path as a string.
         """
         return {"name": self.name, "index": self.index, "path": str(self.path), "digest": self.digest,
-                "source": self.source}  # fmt: skip
+                "digest_kind": self.digest_kind, "source": self.source}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -122,12 +136,13 @@ class LockedSuite:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str) -> LockedSuite:
+    def from_dict(cls, data: Any, where: str, format_version: int = _VERSION) -> LockedSuite:
         """Read one suite of a lock, checking every field.
 
         Args:
             data: The suite's JSON object.
             where: The lock and the suite's position, for messages.
+            format_version: The lock's format version (1: every digest is a tree digest).
 
         Returns:
             The suite.
@@ -143,10 +158,18 @@ class LockedSuite:
                 digest = str(task["digest"])
                 if not digest.startswith(DIGEST_PREFIX):
                     raise ValueError(f"tasks[{i}].digest {digest!r} is not 'sha256:<hex>'")
+                kind = TREE_DIGEST if format_version == 1 else str(task.get("digest_kind", HARBOR_HASH))
+                if kind not in (HARBOR_HASH, TREE_DIGEST):
+                    raise ValueError(
+                        f"tasks[{i}].digest_kind {kind!r} is not {HARBOR_HASH!r} or {TREE_DIGEST!r} "
+                        "(written by a newer trl-harbor?)"
+                    )
                 source = task.get("source") or {}
                 if not isinstance(source, dict):
                     raise ValueError(f"tasks[{i}].source must be an object")
-                tasks.append(LockedTask(str(task["name"]), int(task["index"]), Path(task["path"]), digest, source))
+                tasks.append(
+                    LockedTask(str(task["name"]), int(task["index"]), Path(task["path"]), digest, source, kind)
+                )
             options = data.get("options") or {}
             if not isinstance(options, dict):
                 raise ValueError("options must be an object")
@@ -162,7 +185,8 @@ class LockedSuite:
         except (KeyError, TypeError, ValueError) as exc:
             detail = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
             raise TaskSuiteError(
-                f"{where}: {detail}. Fix: use the suite.lock.json a trl-harbor run wrote, unedited."
+                f"{where}: {detail}. Fix: use the suite.lock.json a trl-harbor run wrote, unedited, with that "
+                "trl-harbor version; or resolve the dataset again."
             ) from exc
 
 
@@ -224,15 +248,16 @@ def read_lock(dataset: str | Path) -> list[LockedSuite]:
         ) from exc
     if not isinstance(data, dict) or data.get("format") != LOCK_FORMAT:
         raise TaskSuiteError(f'{path}: not a trl-harbor suite lock (no "format": "{LOCK_FORMAT}").')
-    if data.get("format_version") != _VERSION:
+    version = data.get("format_version")
+    if version not in _READABLE:
         raise TaskSuiteError(
-            f"{path}: lock format version {data.get('format_version')!r}; this trl-harbor reads version {_VERSION}. "
+            f"{path}: lock format version {version!r}; this trl-harbor reads versions {list(_READABLE)}. "
             "Fix: use the trl-harbor version that wrote it, or resolve the dataset again."
         )
     raw = data.get("suites")
     if not isinstance(raw, list) or not raw:
         raise TaskSuiteError(f"{path}: the lock holds no suite. Fix: pass the suite.lock.json a trl-harbor run wrote.")
-    suites = [LockedSuite.from_dict(item, f"{path} suites[{i}]") for i, item in enumerate(raw)]
+    suites = [LockedSuite.from_dict(item, f"{path} suites[{i}]", version) for i, item in enumerate(raw)]
     if selector is None:
         return suites
     if selector.isdigit() and int(selector) < len(suites):
