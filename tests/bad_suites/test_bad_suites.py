@@ -123,6 +123,10 @@ SPEC_ERRORS: dict[str, tuple[Callable[[Path], None], str]] = {
         _link("environment/data.txt", lambda t: Path("/etc/passwd")),
         r"environment/data\.txt.*links to /etc/passwd, outside the suite",
     ),
+    "an artifact path with '..'": (
+        _toml('version = "1.0"', 'version = "1.0"\nartifacts = ["/logs/../../etc"]'),
+        r"Harbor rejects the task: .*Artifact source must not contain '\.\.'.*Fix",
+    ),
     "unset ${VAR} in [verifier.env]": (
         _append_toml('[verifier.env]\nTOKEN = "${TRL_HARBOR_SURELY_UNSET_VARIABLE}"\n'),
         r"TOKEN.*Fix: set it on this machine",
