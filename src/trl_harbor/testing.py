@@ -8,7 +8,12 @@ so that after the assistant header it samples one of a few scripted tool calls a
 ends its turn: a random tiny model would almost never emit a valid tool call, and tests of
 the tool loop need real calls.
 
-Requires the ``train`` extra (torch, transformers, trl, tokenizers).
+Requires the ``train`` extra (torch, transformers, trl, tokenizers); each function imports what it
+needs when called.
+
+:func:`check_backend` (from :mod:`trl_harbor.rollout.conformance`, loaded on first use) checks that a
+Harbor backend does what trl-harbor's rollout core relies on, as Gymnasium's ``check_env`` checks an
+environment: it needs Harbor only, not the ``train`` extra.
 """
 
 from __future__ import annotations
@@ -21,14 +26,31 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
+    from trl_harbor.rollout.conformance import BackendConformanceError, ConformanceReport, check_backend
+
 __all__ = [
     "SPECIAL_TOKENS",
+    "BackendConformanceError",
+    "ConformanceReport",
     "build_model",
     "build_tokenizer",
+    "check_backend",
     "qwen3_chat_template",
     "script_tool_calls",
     "tool_call_text",
 ]
+
+#: The backend conformance check's public names, loaded from the rollout core on first use.
+_CONFORMANCE = ("BackendConformanceError", "ConformanceReport", "check_backend")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CONFORMANCE:
+        from trl_harbor.rollout import conformance
+
+        return getattr(conformance, name)
+    raise AttributeError(f"module 'trl_harbor.testing' has no attribute {name!r}")
+
 
 #: Control tokens (skipped when decoding) and the Qwen3 markup tokens (kept when decoding).
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

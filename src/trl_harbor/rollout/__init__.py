@@ -15,6 +15,8 @@
 * :mod:`~trl_harbor.rollout.contract` — what it can use of a backend beyond Harbor's interface,
   as protocols; :mod:`~trl_harbor.rollout.backends` — an ``environment_type`` resolved once, its
   class's facts, the verifier's placement, sandboxes created through Harbor's factory;
+  :mod:`~trl_harbor.rollout.conformance` — :func:`check_backend`, that contract checked on a
+  live sandbox of a backend (``trl_harbor.testing.check_backend``);
 * the suite: :mod:`~trl_harbor.rollout.suite` (task folders read once),
   :mod:`~trl_harbor.rollout.sources` (every dataset form Harbor's CLI takes),
   :mod:`~trl_harbor.rollout.suite_lock`, :mod:`~trl_harbor.rollout.digests`;
