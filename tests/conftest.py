@@ -35,10 +35,21 @@ GOLD_ANSWER = "51.46"
 #: skipped: where bubblewrap is missing they fail, as they should.
 requires_local = pytest.mark.local
 
+#: The markers of the tests that need more than this interpreter: sandboxes (``local``), the private
+#: Docker daemon (``docker``), a Ray cluster (``ray``), or minutes (``slow``). The fast tier (docs/testing.md)
+#: runs the rest: ``scripts/test.sh --fast``, or ``TRL_HARBOR_FAST_TIER=1`` for any pytest command.
+FULL_TIER_MARKERS = ("local", "docker", "ray", "slow")
+#: Set (to 1) for the fast tier: the full tier's tests are deselected, and a test that starts a sandbox fails.
+FAST_TIER = os.environ.get("TRL_HARBOR_FAST_TIER", "") not in ("", "0")
+TESTS = Path(__file__).resolve().parent
 
-@pytest.fixture(scope="session", autouse=True)
+
+@pytest.fixture(scope="session")
 def bundled_images() -> Iterator[None]:
     """Build the bundled suite's images once, up front (the local sandbox's default root is the task's image).
+
+    Requested by every collected test marked ``local`` or ``ray`` (:func:`pytest_collection_modifyitems`), first of
+    its fixtures: the first of them builds, before its own setup; a session without one builds nothing.
 
     A cold build (Debian bootstrapped with mmdebstrap where no registry is reachable, then one
     shared ``apt-get install python3`` layer) takes about a minute; tests should not pay it inside
@@ -229,6 +240,71 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     global _CONFIG
     _CONFIG = config
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The fast tier deselects the full tier's tests; every other session gives each ``local`` or ``ray``
+    test :func:`bundled_images` (a test outside this folder cannot see the fixture: it is built there only
+    if a test here ran first)."""
+    if FAST_TIER:
+        kept = [item for item in items if not any(item.get_closest_marker(m) for m in FULL_TIER_MARKERS)]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+            items[:] = kept
+        return
+    for item in items:
+        fixtures = getattr(item, "fixturenames", None)
+        if (
+            (item.get_closest_marker("local") or item.get_closest_marker("ray"))  # Ray's nodes run local sandboxes
+            and fixtures is not None
+            and "bundled_images" not in fixtures
+            and item.path.is_relative_to(TESTS)
+        ):
+            fixtures.insert(0, "bundled_images")
+
+
+#: What the fast tier's tests tried to start (the sandbox kind), by test; each fails at its teardown.
+_STARTED: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fast_tier_starts_no_sandbox() -> Iterator[None]:
+    """In the fast tier, starting a local sandbox (looking up bubblewrap) or a Docker one is refused
+    (``SandboxUnavailableError``), recorded, and fails the test (:func:`_no_sandbox_was_started`): a
+    sandbox test without its marker fails there instead of passing on a machine that has bubblewrap."""
+    if not FAST_TIER:
+        yield
+        return
+    import importlib
+
+    from harbor.environments.docker.docker import DockerEnvironment
+    from harbor_local_sandbox.errors import SandboxUnavailableError
+
+    def refused(what: str):
+        def start(*args, **kwargs):
+            _STARTED.append(what)
+            raise SandboxUnavailableError(f"the fast tier starts no {what}: mark the test {what.split()[0]!r}")
+
+        return start
+
+    patch = pytest.MonkeyPatch()
+    for name in ("_binaries", "_box", "_diagnose", "local"):
+        module = importlib.import_module(f"harbor_local_sandbox.{name}")
+        if hasattr(module, "bwrap_path"):
+            patch.setattr(module, "bwrap_path", refused("local sandbox (bubblewrap)"))
+    patch.setattr(DockerEnvironment, "start", refused("docker sandbox"))
+    yield
+    patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def _no_sandbox_was_started(_fast_tier_starts_no_sandbox: None) -> Iterator[None]:
+    """Fail a fast-tier test (at its teardown) that tried to start a sandbox, in its own or a shared fixture."""
+    yield
+    if _STARTED:
+        started = sorted(set(_STARTED))
+        _STARTED.clear()
+        pytest.fail(f"a fast-tier test tried to start a {', a '.join(started)}: mark it (docs/testing.md)", False)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

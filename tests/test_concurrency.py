@@ -391,6 +391,7 @@ def test_a_coroutine_submitted_and_dropped_runs_to_its_end_through_a_collection(
         ours.close()
 
 
+@requires_local
 def test_256_concurrent_sandboxes_complete_a_batch(tmp_path: Path) -> None:
     spec = HarborSpec(BUNDLED_SUITE, environment_type="local", env_kwargs={"max_concurrent_starts": None})
     gold = {t.path.name: t.metadata["gold_answer"] for t in spec.tasks}

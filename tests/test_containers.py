@@ -87,6 +87,7 @@ def in_container(
         assert name not in "\n".join(daemon.lines("ps", "-a", "--format", "{{.Names}}"))
 
 
+@pytest.mark.docker
 def test_default_settings_fail_at_the_preflight_naming_cause_and_fix(docker_daemon) -> None:
     """Docker's defaults: seccomp forbids the namespaces; with seccomp off, /proc is masked. Each says the fix."""
     check = '"$PY" -m trl_harbor.cli check "$SUITE" -t orders_count'
@@ -116,6 +117,8 @@ def test_default_settings_fail_at_the_preflight_naming_cause_and_fix(docker_daem
     assert "/root/cache, which is on an overlay file system" in message and "--tmpfs /cache:exec" in message, message
 
 
+@pytest.mark.docker
+@pytest.mark.local  # the local sandbox, inside the container
 def test_documented_settings_run_the_bundled_suite_on_task_images(docker_daemon) -> None:
     """No capability added: task images build (buildah) and run in the container's root's own user namespace
     (``_userns.py``, as without root): the whole suite passes."""
@@ -148,6 +151,7 @@ def _report(done: subprocess.CompletedProcess) -> dict:
 # -- explain(): the branches no machine here can show (a pod, a hardened kernel, podman) --------------------------
 
 
+@pytest.mark.local
 def test_on_this_host_the_probe_finds_nothing() -> None:
     """Real: bubblewrap makes its namespaces here, so the preflight adds nothing (and costs one bwrap)."""
     from harbor_local_sandbox._diagnose import bwrap_problem, namespace_problem, probe

@@ -40,8 +40,9 @@ def compiled(request: pytest.FixtureRequest) -> CompiledGuard | None:
     return _compiled_here() if request.param == "compiled" else None
 
 
-#: An overlay in a user namespace of its own (without root) keeps its metadata in user xattrs.
-_USERXATTR = "" if os.geteuid() == 0 else ",userxattr"
+#: An overlay in a user namespace of its own (without root) keeps its metadata in user xattrs, and the
+#: kernel then takes ``redirect_dir=nofollow``, not ``off`` (as ``harbor_local_sandbox._mounts`` mounts it).
+_OVERLAY_OPTIONS = ",redirect_dir=off" if os.geteuid() == 0 else ",redirect_dir=nofollow,userxattr"
 
 
 class World:
@@ -84,7 +85,7 @@ class World:
                 f"mount -t tmpfs own {self.root / 'tmp_own'}",
                 f"mkdir -p {self.root / 'tmp_own/upper'} {self.root / 'tmp_own/work'}",
                 f"mount -t overlay tmp -o lowerdir={self.tmp_agent},upperdir={self.root / 'tmp_own/upper'},"
-                f"workdir={self.root / 'tmp_own/work'},xino=off,metacopy=off,redirect_dir=off{_USERXATTR} {self.tmp}",
+                f"workdir={self.root / 'tmp_own/work'},xino=off,metacopy=off{_OVERLAY_OPTIONS} {self.tmp}",
                 # the test's own files, written once the mounts are there
                 f"{shlex.quote(sys.executable)} {shlex.quote(str(self.root / 'files.py'))}",
                 f"cd {shlex.quote(str(cwd or self.root))}",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sandbox_helpers import BUNDLED_SUITE, make_task
 from trl_harbor.cli import main as cli_main
 from trl_harbor.cli.check import check_suite
@@ -29,6 +31,7 @@ def test_bundled_suite_is_large_and_varied_enough() -> None:
     assert any("reward.json" in (t.path / "tests" / "grade.py").read_text() for t in suite.tasks)
 
 
+@pytest.mark.local
 def test_every_bundled_task_scores_one_with_oracle_and_zero_with_nothing() -> None:
     """Harbor's own OracleAgent and Verifier, in real local sandboxes."""
     results = check_suite(BUNDLED_TASKS, "local", concurrency=8)
@@ -37,6 +40,7 @@ def test_every_bundled_task_scores_one_with_oracle_and_zero_with_nothing() -> No
     assert {r.oracle.reward for r in results} == {1.0} and {r.nop.reward for r in results} == {0.0}
 
 
+@pytest.mark.local
 def test_check_reports_a_task_whose_grader_accepts_doing_nothing(tmp_path: Path, capsys) -> None:
     good = make_task(tmp_path / "suite", name="good")
     lenient = make_task(tmp_path / "suite", name="lenient")

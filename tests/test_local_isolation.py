@@ -14,6 +14,9 @@ from harbor_local_sandbox._hostfs import UnsafePathError
 
 from sandbox_helpers import REPO, make_task, open_env, run
 
+#: Every test here starts a local sandbox (bubblewrap).
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture
 def task(tmp_path: Path) -> Path:

@@ -24,6 +24,9 @@ from sandbox_helpers import (
     wait_until,
 )
 
+#: Every test here starts a local sandbox (bubblewrap).
+pytestmark = pytest.mark.local
+
 
 @pytest.fixture
 def task(tmp_path: Path) -> Path:

@@ -17,6 +17,9 @@ from harbor_local_sandbox._mounts import inode_bound
 
 from sandbox_helpers import make_task, open_env, run
 
+#: Every test here starts a local sandbox (bubblewrap).
+pytestmark = pytest.mark.local
+
 BOUND_MB = 64
 
 

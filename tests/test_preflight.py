@@ -74,6 +74,7 @@ def test_a_loop_agent_checks_the_backend_before_its_first_batch(no_docker_daemon
         spec.rollout_func(prompts=[], trainer=None)
 
 
+@requires_local
 def test_local_backend_passes_and_bad_backends_are_named() -> None:
     _first_environment(HarborSpec(BUNDLED_SUITE, environment_type="local", preflight=True))
     with pytest.raises(BackendUnavailableError, match=r"'no_such_module_xyz:Env'.*No module named"):
@@ -116,6 +117,7 @@ print(json.dumps({"built": True}))
 """
 
 
+@requires_local
 @unprivileged_test
 @pytest.mark.parametrize("subids", [True, False], ids=["subordinate-ids", "one-id"])
 def test_without_root_task_images_pass_the_preflight(subids: bool) -> None:

@@ -220,7 +220,7 @@ class NotebookEnv(HarborEnv):
 '''
 
 
-@pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="needs bubblewrap")
+@pytest.mark.local
 def test_a_harness_written_for_the_reference_runs_with_only_its_import_changed(
     tmp_path: Path, bundled_suite: Path
 ) -> None:

@@ -307,6 +307,7 @@ def test_corpus_through_each_harness_on_an_image_root(image_arena: Arena, harnes
     _assert_contained(run_corpus(image_arena, harness, f"{harness}@image", _cases(harness)))
 
 
+@requires_local
 def test_zz_table_no_leaks() -> None:
     """Every case through every harness tried, none leaked; the table is printed."""
     print("\n" + render(RESULTS))

@@ -234,6 +234,15 @@ def test_the_descriptor_probe_finds_an_inherited_host_descriptor(tmp_path: Path)
     assert f"INHERITED fd {fd} -> {host_file} (fchmod allowed)" in result.stdout, result.stdout
 
 
+@requires_local
 def test_zz_grading_table() -> None:
-    """The table of every grading case, both ways (also printed at the end of the session)."""
+    """Every grading case ran both ways (defended; undefended where it has an undefended expectation) and
+    held; the table is printed (also at the end of the session)."""
     print("\n" + render_grading(GRADING))
+    ran = sorted((outcome.run, outcome.case) for outcome in GRADING)
+    expected = sorted(
+        [("defended", case.name) for case in CASES]
+        + [("undefended", case.name) for case in CASES if case.undefended is not NOT_RUN]
+    )
+    assert ran == expected, f"{len(ran)} of {len(expected)} case runs recorded (an earlier test stopped)"
+    _assert_all_held(GRADING)

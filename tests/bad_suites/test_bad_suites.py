@@ -239,6 +239,7 @@ def test_broken_verifications_cost_one_rollout_each_with_their_reason(tmp_path: 
     assert metrics["harbor/infra_failures"] == 2.0
 
 
+@pytest.mark.local
 def test_zz_table() -> None:
     """Every broken suite was tried; the table of outcomes is printed."""
     width = max(len(name) for name, *_ in ROWS) if ROWS else 10

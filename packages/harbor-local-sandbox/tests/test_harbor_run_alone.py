@@ -9,6 +9,7 @@ import time
 import tomllib
 from pathlib import Path
 
+import pytest
 from harbor_alone import plugin_venv  # noqa: F401 - the session fixture
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -60,6 +61,7 @@ def test_pip_sees_the_package_and_nothing_of_trl(plugin_venv) -> None:  # noqa: 
     assert "editable_project_location" not in installed["harbor-local-sandbox"]  # a real install, not the source
 
 
+@pytest.mark.local
 def test_harbor_run_with_the_plugin_alone_passes_the_bundled_suite(plugin_venv, tmp_path: Path) -> None:  # noqa: F811
     """Harbor's own CLI, oracle and verifier, with only this package as the environment, on all bundled tasks."""
     assert len(BUNDLED_TASKS) == 15, BUNDLED_TASKS

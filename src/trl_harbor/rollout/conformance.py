@@ -712,8 +712,14 @@ class _Checker:
         )
         mark = await self._background("list")
         try:
-            after = await env.list_processes()  # type: ignore[union-attr]
-            new = set(after) - set(before)
+            # Polled, within the grace: a process caught mid-exec may not show yet (its environ reads empty).
+            deadline = asyncio.get_running_loop().time() + self.grace
+            while True:
+                after = await env.list_processes()  # type: ignore[union-attr]
+                new = set(after) - set(before)
+                if new or asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.2)
             _expect(bool(new), "a process started in the sandbox is not in list_processes()")
             _expect(
                 all(e.count(":") == 1 and all(p.isdigit() for p in e.split(":")) for e in after),
