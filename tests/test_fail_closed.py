@@ -27,6 +27,7 @@ import os
 import pickle
 import shlex
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -150,14 +151,46 @@ def _chain(root: Path, relative: str, depth: int, name: bytes = b"d") -> None:
         os.close(fd)
 
 
+def _remove_deep(top: Path) -> None:
+    """Remove a tree deeper than ``rmtree`` can (one descriptor a level, paths past ``PATH_MAX``): each
+    level's folder moved up in place of its parent, one at a time; pytest's own clean-up of its temporary
+    folders fails on such a tree, and every later ``tmp_path`` with it."""
+    hold = top.with_name(f".{top.name}.next")
+    while os.path.lexists(top):
+        folders = []
+        for entry in os.scandir(top):
+            if entry.is_dir(follow_symlinks=False):
+                folders.append(Path(entry.path))
+            else:
+                os.unlink(entry.path)
+        for sibling in folders[1:]:
+            _remove_deep(sibling)
+        if not folders:
+            os.rmdir(top)
+            return
+        folders[0].rename(hold)
+        os.rmdir(top)
+        hold.rename(top)
+
+
+@pytest.fixture
+def deep_tmp_path(tmp_path: Path) -> Iterator[Path]:
+    """``tmp_path``, whatever deep trees a test makes in it removed after it."""
+    yield tmp_path
+    for child in list(tmp_path.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            _remove_deep(child)
+
+
 def _refused(root: Path, target: Path) -> BaseException:
     with pytest.raises(Exception) as raised:
         _hostfs.download_dir(root, "/art", target)
     return raised.value
 
 
-def test_an_artifact_tree_thousands_of_folders_deep_is_the_rollouts(tmp_path: Path) -> None:
+def test_an_artifact_tree_thousands_of_folders_deep_is_the_rollouts(deep_tmp_path: Path) -> None:
     """3,000 folders deep: the copy raised ``RecursionError`` (or ``ENAMETOOLONG``), unmarked: a skip."""
+    tmp_path = deep_tmp_path
     (tmp_path / "sandbox" / "art").mkdir(parents=True)
     _chain(tmp_path / "sandbox", "/art", 3000)
     error = _refused(tmp_path / "sandbox", tmp_path / "host")
@@ -165,7 +198,8 @@ def test_an_artifact_tree_thousands_of_folders_deep_is_the_rollouts(tmp_path: Pa
     assert "deep" in str(error)
 
 
-def test_an_artifact_path_longer_than_the_host_allows_is_the_rollouts(tmp_path: Path) -> None:
+def test_an_artifact_path_longer_than_the_host_allows_is_the_rollouts(deep_tmp_path: Path) -> None:
+    tmp_path = deep_tmp_path
     (tmp_path / "sandbox" / "art").mkdir(parents=True)
     _chain(tmp_path / "sandbox", "/art", 18, name=b"n" * 255)  # 4,608 bytes below the artifact
     error = _refused(tmp_path / "sandbox", tmp_path / "host")
