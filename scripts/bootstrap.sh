@@ -90,7 +90,7 @@ fi
 
 # --- the project's virtual environment -----------------------------------------
 stamp=".venv/.bootstrap-stamp"
-want="$(cat pyproject.toml packages/harbor-local-sandbox/pyproject.toml "$0" | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml packages/harbor-local-sandbox/{pyproject.toml,setup.py,src/harbor_local_sandbox/_*.c} "$0" | sha256sum | cut -d' ' -f1)"
 if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
   say "creating .venv with $PY"
   rm -rf .venv

@@ -126,8 +126,6 @@ def without_the_local_sandbox(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     any import of it fails; the modules already loaded come back afterwards."""
     for name in [m for m in sys.modules if m == "harbor_local_sandbox" or m.startswith("harbor_local_sandbox.")]:
         monkeypatch.delitem(sys.modules, name)
-    for name in [m for m in sys.modules if m.startswith("trl_harbor.sandboxes")]:
-        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [_Absent("harbor_local_sandbox"), *sys.meta_path])
     yield
 

@@ -180,7 +180,7 @@ def run_unprivileged(
     the host's ``/dev/shm``), and when this interpreter lives in root's home (pyenv), that home is
     hidden behind an empty tmpfs with only the interpreter bound back, so that the user can run it.
     The script gets ``argv[1]`` = a work folder it owns and ``argv[2]`` = this tests folder (for
-    ``sandbox_helpers``); ``TRL_HARBOR_STATE_DIR`` names the state root.
+    ``sandbox_helpers``); ``HARBOR_LOCAL_SANDBOX_STATE_DIR`` names the state root.
 
     Args:
         script: The Python source to run.
@@ -224,8 +224,8 @@ def run_unprivileged(
                 "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                 "HOME": f"{work}/home",
                 "TMPDIR": f"{work}/tmp",
-                "TRL_HARBOR_CACHE_DIR": f"{work}/cache",
-                "TRL_HARBOR_STATE_DIR": f"{work}/state",
+                "HARBOR_LOCAL_SANDBOX_CACHE_DIR": f"{work}/cache",
+                "HARBOR_LOCAL_SANDBOX_STATE_DIR": f"{work}/state",
                 "HARBOR_TELEMETRY": "0",
             },
         )

@@ -18,17 +18,16 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trl_harbor"
 
-#: What the package's top level holds: the foundations, the four folders, the public helpers and the
-#: deprecated alias of the local sandbox (``sandboxes/``, for one release).
+#: What the package's top level holds: the foundations, the four folders and the public helpers.
 TOP_LEVEL = {
     "__init__.py", "runtime.py", "progress.py", "options.py", "testing.py", "py.typed",
-    "rollout", "training", "loop", "cli", "sandboxes",
+    "rollout", "training", "loop", "cli",
 }  # fmt: skip
 
 #: Lower layers first; a module may import only modules of its own layer or of layers below. A module's
 #: layer is its longest key here (``rollout.suite`` before ``rollout``).
 LAYERS: list[set[str]] = [
-    {"runtime", "progress", "options", "sandboxes", "rollout.digests", "rollout.contract", "loop.capture",
+    {"runtime", "progress", "options", "rollout.digests", "rollout.contract", "loop.capture",
      "training.trl_compat", "training.shared_prefix", "training.tools", "training", "loop"},
     {"rollout.suite", "rollout.suite_lock", "rollout.backends"},
     {"rollout.sources", "rollout.preflight"},
@@ -174,7 +173,6 @@ ALLOWED = {
     "loop.capture": ({"loop.capture"}, "anything of trl_harbor outside it (the endpoint serves any trainer and any agent)"),
     "training": ({"training", "rollout", "loop", "runtime", "progress", "options", "trl_harbor"}, "the command line"),
     "loop": ({"loop", "training", "rollout", "runtime", "progress", "options", "trl_harbor"}, "the command line"),
-    "sandboxes": (set(), "anything of trl_harbor (it only re-exports harbor_local_sandbox)"),
 }  # fmt: skip
 
 
@@ -193,12 +191,12 @@ def test_forbidden_imports(folder: str) -> None:
 
 def test_only_the_backend_alias_names_the_local_sandbox_package() -> None:
     """The integration reaches the local sandbox through Harbor's factory, by the alias of
-    ``rollout/backends.py``: no other module imports ``harbor_local_sandbox`` or names it (the deprecated
-    ``sandboxes/`` alias aside), so ``env``, ``images``, ``train`` and the rest hold no special case."""
+    ``rollout/backends.py``: no other module imports ``harbor_local_sandbox`` or names it (``images`` gets the
+    package's image command from there too), so ``env``, ``train`` and the rest hold no special case."""
     offending = []
     for path in PACKAGE.rglob("*.py"):
         relative = path.relative_to(PACKAGE).as_posix()
-        if relative == "rollout/backends.py" or relative.startswith("sandboxes/"):
+        if relative == "rollout/backends.py":
             continue
         tree = ast.parse(path.read_text())
         docstrings = {  # prose may name the package; code may not

@@ -80,8 +80,8 @@ def _processes_of(pid: int) -> list[int]:
 
 def _leftovers(pid: int) -> list[str]:
     found = [p.name for p in state_root().iterdir() if p.name.startswith(f"{pid}-")]
-    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/trl-harbor/{pid}-*")]
-    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"trl-harbor/{pid}-*")]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/harbor-local-sandbox/{pid}-*")]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"harbor-local-sandbox/{pid}-*")]
     return found
 
 

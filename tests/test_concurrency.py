@@ -160,7 +160,7 @@ def _leftovers(pid: int) -> list[str]:
     import tempfile
 
     found = [p.name for p in state_root().iterdir() if p.name.startswith(f"{pid}-")]
-    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/trl-harbor/{pid}-*")]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/harbor-local-sandbox/{pid}-*")]
     trials = Path(tempfile.gettempdir()) / f"trl-harbor-trials-{os.getuid()}"
     pattern = f"{pid}-*/*" if pid == os.getpid() else f"{pid}-*"
     found += [str(p) for p in trials.glob(pattern)]

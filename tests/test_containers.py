@@ -70,7 +70,7 @@ def in_container(
     extra = [arg for key, path in files.items() for arg in ("-v", f"{path}:/run/{key}:ro")]
     env = {
         "PYTHONPATH": str(REPO / "src"), "HARBOR_TELEMETRY": "0", "HF_HUB_OFFLINE": "1", "TRL_HARBOR_PREFLIGHT": "1",
-        "TRL_HARBOR_CACHE_DIR": "/cache", "PY": sys.executable, "SUITE": str(SUITE), **(env or {}),
+        "HARBOR_LOCAL_SANDBOX_CACHE_DIR": "/cache", "PY": sys.executable, "SUITE": str(SUITE), **(env or {}),
     }  # fmt: skip
     prologue = "set -e; if [ -d /run/host-containers ]; then cp -r /run/host-containers /etc/containers; fi; cd /tmp\n"
     command = [
@@ -110,7 +110,7 @@ def test_default_settings_fail_at_the_preflight_naming_cause_and_fix(docker_daem
 
     # Everything granted, but the image cache on the container's own overlay root: buildah could not build there.
     on_overlay = in_container(
-        docker_daemon, DOCUMENTED, check, timeout=120, env={"TRL_HARBOR_CACHE_DIR": "/root/cache"}
+        docker_daemon, DOCUMENTED, check, timeout=120, env={"HARBOR_LOCAL_SANDBOX_CACHE_DIR": "/root/cache"}
     )
     assert on_overlay.returncode == 2, on_overlay.stdout[-2000:] + on_overlay.stderr[-2000:]
     message = " ".join(on_overlay.stderr.split())
@@ -206,6 +206,7 @@ def test_cache_problem_only_on_an_overlay_without_fuse() -> None:
     mounts = "overlay / overlay rw 0 0\ntmpfs /cache tmpfs rw 0 0\n"
     assert file_system_of(Path("/cache/images/x"), mounts) == "tmpfs"
     assert file_system_of(Path("/cachex"), mounts) == "overlay"  # a prefix of the name is not the mount
-    assert "on an overlay file system" in cache_problem(Path("/root/.cache/trl-harbor"), mounts, fuse=False)
-    assert cache_problem(Path("/root/.cache/trl-harbor"), mounts, fuse=True) is None  # fuse-overlayfs can work
+    cache = Path("/root/.cache/harbor-local-sandbox")
+    assert "on an overlay file system" in cache_problem(cache, mounts, fuse=False)
+    assert cache_problem(cache, mounts, fuse=True) is None  # fuse-overlayfs can work
     assert cache_problem(Path("/cache"), mounts, fuse=False) is None

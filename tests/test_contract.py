@@ -8,7 +8,6 @@ backend meets none, and grading then takes the path Harbor's interface alone all
 from __future__ import annotations
 
 import ast
-import warnings
 from pathlib import Path
 
 import pytest
@@ -42,11 +41,6 @@ def test_backend_facts_come_from_the_class_not_the_string() -> None:
     subclass = resolve_backend("harbor_local_sandbox.latency:LatencyLocalEnvironment")
     assert subclass.kind == "local-latency"  # its own type(), and the local sandbox's capabilities
     assert not subclass.supports_compose and subclass.image_store() is not None
-    with warnings.catch_warnings():  # the old import path, kept for one release, warns
-        warnings.simplefilter("ignore", DeprecationWarning)
-        legacy = resolve_backend("trl_harbor.sandboxes.local:LocalEnvironment")
-        assert legacy.environment_class is resolve_backend("local").environment_class
-    assert legacy.kind == "local"
 
 
 def test_the_image_store_follows_the_backend_options(tmp_path: Path) -> None:

@@ -94,7 +94,7 @@ def _hub_cache(cache: Path, repo_id: str, commit: str, tasks: list[str]) -> Path
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, str]]:
     """An offline hub cache holding ``someorg/harbor-suite`` (two tasks) at a commit of this test's own.
 
-    trl-harbor's cache is left where it is (the sandboxes' image cache lives there too); the commit,
+    trl-harbor's cache is left where it is (a user's models live there too); the commit,
     which names the snapshot's copy in it, is unique, and that copy is removed afterwards.
     """
     import uuid

@@ -607,7 +607,7 @@ def test_the_layer_table_is_the_architecture_tests() -> None:
         if [h.lower() for h in header[:2]] == ["layer", "module"]:
             for row in rows:
                 written[int(row[0])] |= set(re.findall(r"`([\w.]+)`", row[1]))
-    packages = {"training", "loop", "sandboxes"}  # package folders and the deprecated alias: no row of their own
+    packages = {"training", "loop"}  # package folders: no row of their own
     assert {n: sorted(m) for n, m in written.items()} == {n: sorted(layer - packages) for n, layer in enumerate(layers)}
 
 

@@ -114,7 +114,7 @@ def _check_runs(tmp_path: Path, runs: int, command: list[str], name: str) -> Non
             state.mkdir()
             # litellm (Harbor imports it) fetches its model price list from GitHub on import unless told not to.
             environ = {
-                **os.environ, "TRL_HARBOR_STATE_DIR": str(state), "HARBOR_TELEMETRY": "0",
+                **os.environ, "HARBOR_LOCAL_SANDBOX_STATE_DIR": str(state), "HARBOR_TELEMETRY": "0",
                 "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             }  # fmt: skip
             done = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=900)

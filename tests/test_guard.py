@@ -64,10 +64,10 @@ class World:
         self.provenance_file = root / "plumbing" / "provenance"
         files = guard_files(str(self.lib), b'"""The image\'s encodings."""\n', guarded, compiled)
         for path, content in files.items():
-            # the view's plumbing is /.trl-harbor; here, a folder of the test's
+            # the view's plumbing is /.harbor-local-sandbox; here, a folder of the test's
             if isinstance(content, bytes) and path.endswith("__init__.py"):
-                content = content.replace(b"/.trl-harbor/", plumbing.encode())
-            Path(path.replace("/.trl-harbor/", plumbing)).write_bytes(
+                content = content.replace(b"/.harbor-local-sandbox/", plumbing.encode())
+            Path(path.replace("/.harbor-local-sandbox/", plumbing)).write_bytes(
                 content if isinstance(content, bytes) else content.encode()
             )
         self.encodings = (self.lib / "encodings" / "__init__.py").read_text()
@@ -324,7 +324,7 @@ def test_the_probe_compiles_the_views_encodings_once() -> None:
     assert pyc[:4] == importlib.util.MAGIC_NUMBER
     assert int.from_bytes(pyc[4:8], "little") == 0b01  # hash-based, the source not checked
     code = marshal.loads(pyc[16:])
-    assert "_trl_harbor_guard" in code.co_names
+    assert "_harbor_local_sandbox_guard" in code.co_names
     assert compiled.pyc_path == importlib.util.cache_from_source(code.co_filename)
 
 

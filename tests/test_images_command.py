@@ -114,3 +114,20 @@ def test_a_backend_without_an_image_cache_is_refused_by_name(tmp_path: Path) -> 
         _images("list", "-e", "docker", "--cache-dir", str(tmp_path))
     store = images.image_store("harbor_local_sandbox.local:LocalEnvironment", tmp_path / "cache", host_trust=False)
     assert store is images.image_store("local", tmp_path / "cache", host_trust=False)  # one store, either name
+
+
+def test_it_is_the_local_sandbox_packages_command(tmp_path: Path, capsys) -> None:
+    """One implementation: ``trl-harbor images`` runs the package's, with ``-e`` added (same output)."""
+    from trl_harbor.rollout.backends import local_sandbox_cli
+
+    module = local_sandbox_cli()
+    assert module is not None and module.__name__ == "harbor_local_sandbox.cli"
+    assert _images("list", "--cache-dir", str(tmp_path / "cache")) == 0
+    ours = capsys.readouterr().out
+    assert module.main(["images", "list", "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert capsys.readouterr().out == ours and "0 image(s); cache" in ours
+
+
+def test_without_the_local_sandbox_package_it_names_the_install(without_the_local_sandbox) -> None:
+    with pytest.raises(SystemExit, match=r"pip install 'trl-harbor\[local\]'"):
+        _images("list", "-e", "local")

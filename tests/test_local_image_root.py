@@ -240,7 +240,7 @@ def test_uv_trusts_the_host_ca_at_build_and_in_the_sandbox(loopback_registry, ca
         )
     )
     assert results[0].stdout.strip() == "six", results[0].stdout + results[0].stderr
-    bundle = "/run/trl-harbor/host-ca.crt"
+    bundle = "/run/harbor-local-sandbox/host-ca.crt"
     assert results[1].stdout.split() == [
         f"GIT_SSL_CAINFO={bundle}", f"NODE_EXTRA_CA_CERTS={bundle}", f"PIP_CERT={bundle}", f"REQUESTS_CA_BUNDLE={bundle}",
         f"SSL_CERT_FILE={bundle}", "UV_NATIVE_TLS=1",

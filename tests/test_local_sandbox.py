@@ -52,9 +52,9 @@ def test_exec_runs_commands_with_cwd_env_and_exit_code(task: Path, tmp_path: Pat
 
 def test_a_state_folder_deeper_than_a_unix_socket_path_allows(task: Path, tmp_path: Path, monkeypatch) -> None:
     """A unix socket's path has at most 107 bytes; the supervisor's lives in the sandbox's state folder,
-    which a deep ``TRL_HARBOR_STATE_DIR`` (a CI's workspace, a pytest tmp folder) makes longer."""
+    which a deep ``HARBOR_LOCAL_SANDBOX_STATE_DIR`` (a CI's workspace, a pytest tmp folder) makes longer."""
     deep = tmp_path / ("d" * 60) / ("e" * 60)
-    monkeypatch.setenv("TRL_HARBOR_STATE_DIR", str(deep))
+    monkeypatch.setenv("HARBOR_LOCAL_SANDBOX_STATE_DIR", str(deep))
 
     async def scenario():
         env = open_env(task, tmp_path)
@@ -238,7 +238,7 @@ def test_stop_leaves_no_process_directory_or_cgroup(task: Path, tmp_path: Path) 
     box_dir = run(scenario())
     assert wait_until(lambda: not live_processes_with(marker))
     assert not box_dir.exists()
-    assert not [p for p in Path("/sys/fs/cgroup").glob(f"*/trl-harbor/{box_dir.name}")]
+    assert not [p for p in Path("/sys/fs/cgroup").glob(f"*/harbor-local-sandbox/{box_dir.name}")]
 
 
 def test_sandboxes_die_with_their_parent_process(task: Path, tmp_path: Path) -> None:
@@ -268,7 +268,7 @@ def test_sandboxes_die_with_their_parent_process(task: Path, tmp_path: Path) -> 
     assert box_dir.exists()
     sweep_stale()
     assert not box_dir.exists()
-    assert not [p for p in Path("/sys/fs/cgroup").glob(f"*/trl-harbor/{box_dir.name}")]
+    assert not [p for p in Path("/sys/fs/cgroup").glob(f"*/harbor-local-sandbox/{box_dir.name}")]
 
 
 def test_many_sandboxes_start_concurrently(task: Path, tmp_path: Path) -> None:
@@ -470,11 +470,11 @@ def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tm
             await second.start(force_build=False)
             box = second._sandbox.running_box()
             assert box._proc.pid == launcher_pid  # the parked launcher became this box's bubblewrap
-            memory = ROOT / "memory" / "trl-harbor" / group
+            memory = ROOT / "memory" / "harbor-local-sandbox" / group
             # The agent's leaf has the task's limit; the box (its keel, a verifier) as much again.
             assert int((memory / "agent" / "memory.limit_in_bytes").read_text()) == 512 * 1024 * 1024
             assert int((memory / "memory.limit_in_bytes").read_text()) == 2 * 512 * 1024 * 1024
-            assert f"memory:/trl-harbor/{group}/keel" in Path(f"/proc/{box.init_pid}/cgroup").read_text()
+            assert f"memory:/harbor-local-sandbox/{group}/keel" in Path(f"/proc/{box.init_pid}/cgroup").read_text()
             agent = await second.exec("cat /proc/self/cgroup")
             assert "memory:/../agent" in agent.stdout  # its cgroup namespace is rooted at the keel's leaf
             hog = await second.exec(
@@ -490,7 +490,7 @@ def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tm
                 break
             await asyncio.sleep(0.01)
         release_parked()
-        left = [p for p in ROOT.glob(f"*/trl-harbor/{os.getpid()}-parked-*")]
+        left = [p for p in ROOT.glob(f"*/harbor-local-sandbox/{os.getpid()}-parked-*")]
         assert left == [], left
 
     run(scenario())

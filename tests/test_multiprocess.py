@@ -63,7 +63,7 @@ def _launch(out: Path, max_steps: int, state: Path, model: Path) -> subprocess.P
         "--max_tool_calling_iterations", "1", "--logging_steps", "1", "--report_to", "none",
     ]  # fmt: skip
     env = {**os.environ, "HARBOR_TELEMETRY": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TRL_HARBOR_STATE_DIR": str(state)}  # fmt: skip
+           "HARBOR_LOCAL_SANDBOX_STATE_DIR": str(state)}  # fmt: skip
     return subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=as_a_foreground_job
     )
@@ -121,7 +121,7 @@ class _Run:
             if "workers" in left and not any((self.state / "workers").iterdir()):
                 left.remove("workers")  # the (empty) folder of root's view workers' sockets: no sandbox's
             left += [
-                str(p) for pid in self.pids for p in Path("/sys/fs/cgroup").glob(f"**/trl-harbor/{pid}-*")
+                str(p) for pid in self.pids for p in Path("/sys/fs/cgroup").glob(f"**/harbor-local-sandbox/{pid}-*")
             ]  # fmt: skip
             left += [f"process {pid}" for pid in self.running_sandboxes()]
             if not left or time.monotonic() > deadline:

@@ -89,23 +89,6 @@ def test_local_backend_passes_and_bad_backends_are_named() -> None:
         HarborSpec(BUNDLED_SUITE, environment_type="dockr", preflight=True)
 
 
-def test_the_removed_host_root_is_refused_at_spec_build_with_the_fix() -> None:
-    """``root="host"`` (removed: task images run wherever it ran) names the option and the fix; the old
-    default, ``root="image"``, is what every sandbox is, and still accepted."""
-    with pytest.raises(BackendUnavailableError, match=r"root='host': the host root was removed.*Remove the 'root'"):
-        _first_environment(
-            HarborSpec(
-                BUNDLED_SUITE,
-                environment_type="local",
-                env_kwargs={"backend_options": {"root": "host"}},
-                preflight=True,
-            )
-        )
-    from harbor_local_sandbox.local import LocalEnvironment
-
-    assert LocalEnvironment.parse_options({"root": "image", "pids_max": 64}).pids_max == 64
-
-
 _NOT_ROOT = """
 import json, logging, sys
 from trl_harbor import HarborSpec

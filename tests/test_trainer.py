@@ -407,7 +407,7 @@ ASYNC_GRPO_TOOLS = {
 def _leftovers() -> list[str]:
     pid = os.getpid()
     found = [p.name for p in state_root().iterdir() if p.name.startswith(f"{pid}-")]
-    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/trl-harbor/{pid}-*")]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/harbor-local-sandbox/{pid}-*")]
     return found
 
 

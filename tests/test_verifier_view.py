@@ -142,7 +142,7 @@ def test_the_verifiers_python_runs_the_import_guard_the_images_python_compiled(t
     starts guarded — and an agent's ``json.py`` in the working directory is not what ``import json`` gets,
     in the image's Python and in a virtual environment the verifier makes (no site folder of the image's
     is read there). The agent's own sandbox has none of it."""
-    which = "-c \"import json, sys; print(json.__file__.startswith('/usr/lib/'), hasattr(sys, '_trl_harbor_guard'))\""
+    which = "-c \"import json, sys; print(json.__file__.startswith('/usr/lib/'), hasattr(sys, '_harbor_local_sandbox_guard'))\""
 
     async def scenario():
         env = await _started(task, tmp_path)
@@ -150,17 +150,17 @@ def test_the_verifiers_python_runs_the_import_guard_the_images_python_compiled(t
             await _sh(env, "echo 'raise SystemExit(\"the agent ran\")' > /workdir/json.py")
             async with env.verifier_view() as view:
                 encodings = await _sh(view, "python3 -c 'import encodings; print(encodings.__file__)'")
-                assert "_trl_harbor_guard()" in await _sh(view, f"tail -5 {encodings}")
+                assert "_harbor_local_sandbox_guard()" in await _sh(view, f"tail -5 {encodings}")
                 # the module is loaded from the probe's bytecode (an unchecked .pyc): no start compiles it
                 flags = "import encodings, sys; print(open(encodings.__cached__, 'rb').read()[4:8].hex())"
                 assert await _sh(view, f'python3 -c "{flags}"') == "01000000"
-                assert await _sh(view, "ls /.trl-harbor/ | grep -c '^guard-'") == "1"
+                assert await _sh(view, "ls /.harbor-local-sandbox/ | grep -c '^guard-'") == "1"
                 assert await _sh(view, f"cd /workdir && python3 {which}") == "True True"
-                await _sh(view, "echo 'raise SystemExit(\"the source ran\")' > /.trl-harbor/guard.py")
+                await _sh(view, "echo 'raise SystemExit(\"the source ran\")' > /.harbor-local-sandbox/guard.py")
                 assert await _sh(view, f"cd /workdir && python3 {which}") == "True True"
                 await _sh(view, "python3 -m venv --without-pip /tmp/v")
                 assert await _sh(view, f"cd /workdir && /tmp/v/bin/python {which}") == "True True"
-            assert "trl-harbor" not in await _sh(env, f"tail -3 {encodings}")
+            assert "harbor-local-sandbox" not in await _sh(env, f"tail -3 {encodings}")
             assert await _sh(env, "cd /workdir && python3 -c 'import json' 2>&1") == "the agent ran"
         finally:
             await env.stop(delete=True)

@@ -142,7 +142,7 @@ def own_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]:
     close_all()
     base = Path(tempfile.mkdtemp(prefix="adv-", dir="/tmp"))  # short: the sandboxes' sockets live under it
     with small_tmpfs(base / "state", 1024, inodes=6000) as state, small_tmpfs(base / "trials", 256) as trials:
-        monkeypatch.setenv("TRL_HARBOR_STATE_DIR", str(state))
+        monkeypatch.setenv("HARBOR_LOCAL_SANDBOX_STATE_DIR", str(state))
         trial_root = Path(tempfile.mkdtemp(dir=trials))
         monkeypatch.setattr(episode_module, "_trial_root", lambda: trial_root)
         yield {"state": state, "trials": trials}

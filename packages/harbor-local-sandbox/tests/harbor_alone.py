@@ -1,10 +1,11 @@
 """The fixture of harbor-local-sandbox's own tests: the package installed alone, with Harbor, in a fresh venv.
 
-(A module of its own, not a ``conftest.py``: trl-harbor's suite runs these tests in the same session, and
-its tests import their own ``conftest`` by name.)
+(A module of its own, not a ``conftest.py``: the suite of the repository that holds the package runs these
+tests in the same session, and its tests import their own ``conftest`` by name.)
 
-The package must work for Harbor users who never install TRL or trl-harbor, so its tests do not import it
-from the interpreter running pytest (trl-harbor's dev venv has both): they install it, non-editable, with
+The package must work for Harbor users who never install a trainer, neither TRL nor the project of the
+repository it lives in (:data:`HOST_PROJECT`), so these tests do not drive it from the interpreter running
+pytest (that project's dev venv has both): they install it, non-editable, with
 the Harbor version installed here and nothing else, into a virtual environment of its own, and drive it
 from there. Making that venv takes about a minute; it is cached and reused until its inputs change.
 """
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +58,21 @@ for name in sys.argv[1:]:
         found[name] = {"error": type(error).__name__, "message": str(error)}
 print(json.dumps(found))
 """
-PROBED_MODULES = ("harbor_local_sandbox.local", "trl_harbor", "trl")
+
+
+def _host_project() -> str | None:
+    """The project of the repository that holds this package (its root's ``pyproject.toml``), if any."""
+    try:
+        return tomllib.loads((PACKAGE_DIR.parents[1] / "pyproject.toml").read_text())["project"]["name"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return None
+
+
+#: The distribution of the repository that holds this package (a trainer built on it), which it must not need.
+HOST_PROJECT = _host_project()
+#: Modules a Harbor user's venv lacks, which the package must not need: a trainer's (TRL, the host project's).
+TRAINER_MODULES: tuple[str, ...] = ("trl", *([HOST_PROJECT.replace("-", "_")] if HOST_PROJECT else []))
+PROBED_MODULES = ("harbor_local_sandbox.local", *TRAINER_MODULES)
 
 
 @dataclass(frozen=True)
@@ -88,8 +104,8 @@ class PluginVenv:
     def env(self, **extra: str) -> dict[str, str]:
         """This process's environment, as the venv's activation script would make it, plus ``extra``.
 
-        The cache and certificate variables pass through (the sandbox's images and helpers live in
-        ``$TRL_HARBOR_CACHE_DIR``); ``PYTHONPATH`` and the like do not, as they could put the dev venv's
+        The cache and certificate variables pass through (the sandbox's images live in
+        ``$HARBOR_LOCAL_SANDBOX_CACHE_DIR``); ``PYTHONPATH`` and the like do not, as they could put the dev venv's
         packages in front of the venv's.
         """
         env = {key: value for key, value in os.environ.items() if key not in _LEAKY_VARIABLES}
@@ -98,12 +114,12 @@ class PluginVenv:
         return {**env, **extra}
 
     def import_problems(self) -> list[str]:
-        """What is wrong with its imports: the plug-in must import from the venv, TRL and trl-harbor not at all."""
+        """What is wrong with its imports: the plug-in must import from the venv, a trainer's modules not at all."""
         problems = []
         plugin = self.imports["harbor_local_sandbox.local"]
         if not Path(plugin.get("file", "/")).resolve().is_relative_to(self.path.resolve()):
             problems.append(f"harbor_local_sandbox.local does not import from the venv: {plugin}")
-        for name in ("trl_harbor", "trl"):
+        for name in TRAINER_MODULES:
             if self.imports[name] != {"error": "ModuleNotFoundError", "missing": name}:
                 problems.append(f"{name} should be missing from the venv: {self.imports[name]}")
         return problems
@@ -116,9 +132,9 @@ class PluginVenv:
 
 
 def _cache_root() -> Path:
-    """``$TRL_HARBOR_CACHE_DIR/test-venvs``, else ``~/.cache/trl-harbor/test-venvs``."""
-    configured = os.environ.get("TRL_HARBOR_CACHE_DIR")
-    base = Path(configured) if configured else Path.home() / ".cache" / "trl-harbor"
+    """``$HARBOR_LOCAL_SANDBOX_CACHE_DIR/test-venvs``, else ``~/.cache/harbor-local-sandbox/test-venvs``."""
+    configured = os.environ.get("HARBOR_LOCAL_SANDBOX_CACHE_DIR")
+    base = Path(configured) if configured else Path.home() / ".cache" / "harbor-local-sandbox"
     return base / "test-venvs"
 
 
@@ -216,7 +232,7 @@ def make_plugin_venv() -> PluginVenv:
 
 @pytest.fixture(scope="session")
 def plugin_venv() -> PluginVenv:
-    """The package and Harbor alone in a cached venv, checked to have neither TRL nor trl-harbor."""
+    """The package and Harbor alone in a cached venv, checked to have no trainer's modules (:data:`TRAINER_MODULES`)."""
     venv = make_plugin_venv()
     how = "reused" if venv.reused else "made or updated"
     print(f"harbor-local-sandbox test venv {how} in {venv.setup_seconds:.1f} s: {venv.path}")

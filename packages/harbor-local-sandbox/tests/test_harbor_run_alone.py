@@ -1,23 +1,49 @@
-"""The package as Harbor users get it: installed with Harbor alone (no TRL, no trl-harbor), run by `harbor run`."""
+"""The package as Harbor users get it: installed with Harbor alone (no trainer), run by `harbor run`.
+
+`harbor run` uses the package as a platform wheel built from this repository, installed beside Harbor alone,
+with every C compiler on ``PATH`` replaced by one that fails loudly: the helpers come built, nothing is compiled.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import importlib.util
 import json
+import platform
 import re
+import shutil
+import struct
+import subprocess
+import sys
 import time
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
-from harbor_alone import plugin_venv  # noqa: F401 - the session fixture
+from harbor_alone import (  # noqa: F401 - plugin_venv: the session fixture
+    HOST_PROJECT,
+    TRAINER_MODULES,
+    PluginVenv,
+    _base_python,
+    _check,
+    _locked,
+    _not_source,
+    plugin_venv,
+)
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 BUNDLED_SUITE = PACKAGE_DIR.parents[1] / "examples" / "tasks"
 #: The bundled suite's tasks: its folders that hold a task.toml.
 BUNDLED_TASKS = sorted(path.parent for path in BUNDLED_SUITE.glob("*/task.toml"))
-#: Distributions the package must not bring in (trl-harbor's and a trainer's, not Harbor's).
-FORBIDDEN = {"trl", "trl-harbor", "torch", "transformers"}
+#: Distributions the package must not bring in (a trainer's, the host project's; not Harbor's).
+FORBIDDEN = {"trl", "torch", "transformers", *([HOST_PROJECT] if HOST_PROJECT else [])}
+#: The helpers a wheel carries (setup.py), the static ones run inside task images of any C library.
+STATIC_HELPERS = ("supervisor", "runas", "nouserns", "forwarder")
+HELPERS = (*STATIC_HELPERS, "launcher")
+#: The programs that would compile or link C: on the wheel's run each is a script that fails loudly.
+COMPILERS = ("cc", "gcc", "clang", "c89", "c99", "tcc", "ld", "as", f"{platform.machine()}-linux-gnu-gcc")
 
 
 def _normalized(name: str) -> str:
@@ -26,12 +52,13 @@ def _normalized(name: str) -> str:
 
 
 def test_the_plugin_imports_in_the_venv_and_trl_does_not(plugin_venv) -> None:  # noqa: F811
-    """The venv proves the package needs neither trl-harbor nor TRL: both are missing there, the plug-in is not."""
+    """The venv proves the package needs no trainer (TRL, the host project): both are missing, the plug-in is not."""
     plugin = plugin_venv.imports["harbor_local_sandbox.local"]
     assert "file" in plugin, plugin
     assert Path(plugin["file"]).resolve().is_relative_to(plugin_venv.path.resolve()), plugin
-    assert plugin_venv.imports["trl_harbor"] == {"error": "ModuleNotFoundError", "missing": "trl_harbor"}
-    assert plugin_venv.imports["trl"] == {"error": "ModuleNotFoundError", "missing": "trl"}
+    assert "trl" in TRAINER_MODULES, TRAINER_MODULES
+    for name in TRAINER_MODULES:
+        assert plugin_venv.imports[name] == {"error": "ModuleNotFoundError", "missing": name}
 
 
 def test_the_ray_backend_imports_without_ray_and_names_the_extra(plugin_venv) -> None:  # noqa: F811
@@ -61,20 +88,129 @@ def test_pip_sees_the_package_and_nothing_of_trl(plugin_venv) -> None:  # noqa: 
     assert "editable_project_location" not in installed["harbor-local-sandbox"]  # a real install, not the source
 
 
+def _wheel_builder() -> list[str]:
+    """``pip wheel`` offline (no build isolation) with this interpreter when it has setuptools >= 77, else with
+    build isolation (pip fetches setuptools)."""
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q"]
+    if importlib.util.find_spec("setuptools") is not None:
+        major = int(importlib.metadata.version("setuptools").split(".")[0])
+        if major >= 77:
+            return [*command, "--no-build-isolation"]
+    return command
+
+
+@pytest.fixture(scope="module")
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel of the package built from this repository (from a clean copy: no build outputs, no editable helpers)."""
+    scratch = tmp_path_factory.mktemp("wheel")
+    source = scratch / "harbor-local-sandbox"
+    shutil.copytree(PACKAGE_DIR, source, ignore=lambda folder, names: _not_source(folder, names) | {"_bin"})
+    built = subprocess.run(
+        [*_wheel_builder(), "-w", str(scratch / "dist"), str(source)], capture_output=True, text=True, timeout=900
+    )
+    _check(built, "pip wheel harbor-local-sandbox")
+    (wheel,) = (scratch / "dist").glob("harbor_local_sandbox-*.whl")
+    return wheel
+
+
+def _is_static(program: bytes) -> bool:
+    """Whether an ELF program asks for no interpreter (no ``PT_INTERP``): linked statically, it runs on any libc."""
+    assert program[:4] == b"\x7fELF", program[:16]
+    if program[4] == 2:  # 64-bit
+        (phoff,) = struct.unpack_from("<Q", program, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", program, 0x36)
+    else:
+        (phoff,) = struct.unpack_from("<I", program, 0x1C)
+        phentsize, phnum = struct.unpack_from("<HH", program, 0x2A)
+    pt_interp = 3
+    return all(struct.unpack_from("<I", program, phoff + i * phentsize)[0] != pt_interp for i in range(phnum))
+
+
+def test_the_wheel_is_a_platform_wheel_that_holds_the_helpers_built(built_wheel: Path) -> None:
+    """The helpers are built with the package: a wheel for this machine (any Python 3) holds them, linked as needed."""
+    name, version, python, abi, tag = built_wheel.stem.split("-")
+    assert (name, python, abi) == ("harbor_local_sandbox", "py3", "none"), built_wheel.name
+    assert tag == f"linux_{platform.machine()}", built_wheel.name  # not "any": the helpers are programs
+    with zipfile.ZipFile(built_wheel) as wheel:
+        metadata = wheel.read(f"{name}-{version}.dist-info/WHEEL").decode()
+        assert "Root-Is-Purelib: false" in metadata, metadata
+        manifest = json.loads(wheel.read("harbor_local_sandbox/_bin/manifest.json"))
+        assert set(manifest["helpers"]) == set(HELPERS), manifest
+        for helper in HELPERS:
+            info = wheel.getinfo(f"harbor_local_sandbox/_bin/{helper}")
+            assert (info.external_attr >> 16) & 0o111, f"{helper} is not executable in the wheel"
+            source = wheel.read(f"harbor_local_sandbox/_{helper}.c")
+            assert manifest["helpers"][helper]["source_sha256"] == hashlib.sha256(source).hexdigest(), helper
+            assert manifest["helpers"][helper]["built"], manifest["helpers"][helper]
+            program = wheel.read(f"harbor_local_sandbox/_bin/{helper}")
+            assert _is_static(program) == (helper in STATIC_HELPERS), helper
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(plugin_venv: PluginVenv, built_wheel: Path) -> PluginVenv:  # noqa: F811
+    """A venv with Harbor alone (made once, beside the plugin venv) and the wheel, reinstalled on every session."""
+    path = plugin_venv.path.with_name(plugin_venv.path.name + "-wheel")
+    stamp = path / ".harbor-local-sandbox-wheel-venv.json"
+    harbor_version = importlib.metadata.version("harbor")
+    venv = PluginVenv(path, reused=stamp.exists(), setup_seconds=0.0)
+    with _locked(path.with_name(path.name + ".lock")):
+        if not stamp.exists() or json.loads(stamp.read_text()).get("harbor") != harbor_version:
+            shutil.rmtree(path, ignore_errors=True)
+            made = subprocess.run(
+                [_base_python(), "-m", "venv", str(path)], capture_output=True, text=True, timeout=300, env=venv.env()
+            )
+            _check(made, f"venv {path}")
+            _check(venv.run(venv.python, "-m", "pip", "install", f"harbor=={harbor_version}", timeout=1500), "harbor")
+            stamp.write_text(json.dumps({"harbor": harbor_version}))
+        installed = venv.run(
+            venv.python, "-m", "pip", "install", "--no-deps", "--force-reinstall", built_wheel, timeout=600
+        )
+        _check(installed, f"pip install {built_wheel.name}")
+    return venv
+
+
+def _failing_compilers(folder: Path, marker: Path) -> None:
+    """Put on ``folder`` a script for each of :data:`COMPILERS` that leaves its command line in ``marker`` and fails."""
+    folder.mkdir()
+    for name in COMPILERS:
+        script = folder / name
+        script.write_text(
+            "#!/bin/sh\n"
+            f'echo "$0 $*" >> {marker}\n'
+            'echo "$0: harbor-local-sandbox compiled something at run time" >&2\n'
+            "exit 97\n"
+        )
+        script.chmod(0o755)
+
+
 @pytest.mark.local
-def test_harbor_run_with_the_plugin_alone_passes_the_bundled_suite(plugin_venv, tmp_path: Path) -> None:  # noqa: F811
-    """Harbor's own CLI, oracle and verifier, with only this package as the environment, on all bundled tasks."""
+def test_harbor_run_with_the_plugin_alone_passes_the_bundled_suite(wheel_venv: PluginVenv, tmp_path: Path) -> None:
+    """Harbor's own CLI, oracle and verifier, with only this package (its wheel) as the environment, on all bundled
+    tasks, with no C compiler that works: 15/15, and no compiler ran."""
     assert len(BUNDLED_TASKS) == 15, BUNDLED_TASKS
+    probe = wheel_venv.run(
+        wheel_venv.python, "-I", "-c",
+        "import harbor_local_sandbox._binaries as b; print(b.HELPERS_DIR); print(b.static_binary('supervisor'))",
+    )  # fmt: skip
+    _check(probe, "the helpers' probe")
+    helpers_dir, supervisor = probe.stdout.split()
+    assert Path(helpers_dir).is_relative_to(wheel_venv.path), helpers_dir  # the wheel's, not a checkout's
+    assert Path(supervisor).parent == Path(helpers_dir), supervisor
+    marker = tmp_path / "compiled"
+    _failing_compilers(tmp_path / "compilers", marker)
+    env = wheel_venv.env(HARBOR_TELEMETRY="0", LITELLM_LOCAL_MODEL_COST_MAP="True")
+    env.pop("CC", None)
+    env["PATH"] = f"{tmp_path / 'compilers'}:{env['PATH']}"
     jobs = tmp_path / "jobs"
     started = time.monotonic()
-    completed = plugin_venv.run(
-        plugin_venv.bin / "harbor", "run", "-p", BUNDLED_SUITE, "-a", "oracle",
+    completed = wheel_venv.run(
+        wheel_venv.bin / "harbor", "run", "-p", BUNDLED_SUITE, "-a", "oracle",
         "-e", "harbor_local_sandbox.local:LocalEnvironment", "-n", "4", "-o", jobs, "-y",
-        timeout=900, cwd=tmp_path,
         # litellm (Harbor imports it) fetches its model price list from GitHub on import unless told not to.
-        env=plugin_venv.env(HARBOR_TELEMETRY="0", LITELLM_LOCAL_MODEL_COST_MAP="True"),
+        timeout=900, cwd=tmp_path, env=env,
     )  # fmt: skip
     print(f"harbor run took {time.monotonic() - started:.1f} s")
+    assert not marker.exists(), f"a C compiler ran during `harbor run`:\n{marker.read_text()}"
     errors = "".join(f"\n{path}:\n{path.read_text()[-2000:]}" for path in sorted(jobs.glob("**/exception.txt")))
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:] + errors
     (result_file,) = jobs.glob("*/result.json")

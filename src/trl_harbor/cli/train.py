@@ -609,8 +609,6 @@ def _introduce(harbor: HarborTrainArguments, plan: _Plan, timings: dict[str, flo
 
 def _prebuild_images(plan: _Plan, print_fn) -> float | None:
     """Build the task images of backends that keep an image cache up front, so their cost shows once, as one line."""
-    from trl_harbor.cli.images import ImagesBuilt, build_images
-
     # A mix's backends are its specs'; a backend without an image cache (Docker, cloud) builds its own way.
     specs = [*getattr(plan.spec, "specs", [plan.spec]), *([plan.heldout] if plan.heldout is not None else [])]
     stores: dict[int, tuple[object, set[Path]]] = {}
@@ -620,9 +618,12 @@ def _prebuild_images(plan: _Plan, print_fn) -> float | None:
             stores.setdefault(id(store), (store, set()))[1].update(t.path for t in spec.tasks)
     if not stores:
         return None
-    counts = ImagesBuilt()
-    for store, task_dirs in stores.values():
-        counts += build_images(sorted(task_dirs), store)
+    from trl_harbor.cli.images import build_images  # the local sandbox's (every image cache is its package's)
+
+    built = [build_images(sorted(task_dirs), store) for store, task_dirs in stores.values()]
+    counts = built[0]
+    for more in built[1:]:
+        counts += more
     if counts.failed:  # the sandboxes' own start reports why, task by task
         print_fn(f"  images  {len(counts.failed)} task image(s) failed to build ({counts.seconds:.0f} s); "
                  "their sandboxes will say why")  # fmt: skip

@@ -33,6 +33,7 @@ __all__ = [
     "Backend",
     "VerifierPlacement",
     "create_environment",
+    "local_sandbox_cli",
     "network_plan",
     "parse_backend_options",
     "release_idle",
@@ -48,6 +49,10 @@ RAY_ENVIRONMENT_IMPORT_PATH = "harbor_local_sandbox.ray_cluster:RayEnvironment"
 
 #: Short names trl-harbor adds to Harbor's own environment types.
 BUILTIN_ALIASES = {"local": LOCAL_ENVIRONMENT_IMPORT_PATH, "ray": RAY_ENVIRONMENT_IMPORT_PATH}
+
+#: The same package's command line for its image cache (``harbor-local-sandbox images``), which
+#: ``trl-harbor images`` runs (:func:`local_sandbox_cli`).
+LOCAL_SANDBOX_CLI = "harbor_local_sandbox.cli"
 
 #: How to install each alias's package (its import path's top module), for the error when it is missing.
 _ALIAS_INSTALL = {"local": "pip install 'trl-harbor[local]'", "ray": "pip install 'trl-harbor[ray]'"}
@@ -221,6 +226,19 @@ def resolve_backend(environment_type: str, options: dict[str, Any] | None = None
             "or a Harbor environment plug-in as 'package.module:ClassName'"
         ) from None
     return Backend(environment_type, TrialEnvironmentConfig(type=kind, kwargs=dict(options or {})))
+
+
+def local_sandbox_cli() -> Any | None:
+    """The local sandbox's image-cache command line (:data:`LOCAL_SANDBOX_CLI`: ``ImagesCommand``,
+    ``build_images``, ``ImagesBuilt``), or ``None`` when its package is not installed."""
+    import importlib
+
+    try:
+        return importlib.import_module(LOCAL_SANDBOX_CLI)
+    except ModuleNotFoundError as error:
+        if error.name != LOCAL_SANDBOX_CLI.split(".", 1)[0]:
+            raise  # the package is there, something it needs is not: say so
+        return None
 
 
 def release_idle() -> None:

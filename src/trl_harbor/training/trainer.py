@@ -51,7 +51,6 @@ from trl_harbor import progress
 from trl_harbor.training import trl_compat
 
 __all__ = [
-    "SUPPORTED_TRL_VERSIONS",
     "TESTED_TRL_VERSIONS",
     "ConcurrentToolsMixin",
     "HarborGRPOTrainer",
@@ -64,9 +63,6 @@ logger = logging.getLogger(__name__)
 #: The TRL releases the mixin is tested against (for the docs and a log line: what decides
 #: whether the mixin runs tool calls concurrently is :func:`concurrent_tools_supported`).
 TESTED_TRL_VERSIONS: tuple[str, ...] = ("1.16.0",)
-
-#: Deprecated alias of :data:`TESTED_TRL_VERSIONS` (the mixin is no longer pinned to them).
-SUPPORTED_TRL_VERSIONS: tuple[str, ...] = TESTED_TRL_VERSIONS
 
 _warned_classes: weakref.WeakSet[type] = weakref.WeakSet()
 _logged_untested = False

@@ -2,8 +2,8 @@
 
 :class:`~harbor_local_sandbox.local.LocalEnvironment` is a Harbor ``BaseEnvironment`` plug-in: Harbor
 loads it by its import path (``harbor run -e harbor_local_sandbox.local:LocalEnvironment``), and
-trl-harbor by its alias (``environment_type="local"``). It needs Harbor and nothing else of Python;
-bubblewrap, a C compiler and (for images) buildah on the machine.
+trainers that load Harbor environments by theirs. It needs Harbor and nothing else of Python;
+bubblewrap and (for images) buildah on the machine; its C helpers are built with the package.
 
 Beyond Harbor's interface it offers what a trainer's grading needs (an isolated view of the sandbox
 for the verifier, liveness, resource exhaustion, the sandbox's processes and file fingerprints, read
@@ -14,7 +14,7 @@ Importing this package imports nothing of Harbor: the environment loads with its
 
 from importlib.metadata import PackageNotFoundError, version
 
-#: What Harbor's ``-e``/``--environment-import-path`` (and trl-harbor's ``environment_type``) takes.
+#: What Harbor's ``-e``/``--environment-import-path`` (and a trainer's environment setting) takes.
 IMPORT_PATH = "harbor_local_sandbox.local:LocalEnvironment"
 
 try:  # the version is written once, in pyproject.toml

@@ -214,7 +214,7 @@ def _rlimits(config: BoxConfig, cgroups: bool) -> list[int]:
 
 def _private_mounts(owned_dir: Path | None) -> list[str]:
     """The launcher's ``--private-mounts`` prefix for a box's bubblewrap (``_launcher.c``): a mount table of
-    the box's own, without the other sandboxes' trees (empty if the launcher cannot be compiled, or for
+    the box's own, without the other sandboxes' trees (empty if the package was built without its launcher, or for
     a tree elsewhere).
 
     bubblewrap copies the whole table into the box and reads it whole for every mount it makes, so
@@ -360,8 +360,8 @@ async def _park() -> None:
 
 
 async def _new_parked() -> _Parked | None:
-    """A launcher started and moved into fresh cgroups (``None`` without a compiler or cgroups)."""
-    binary = await asyncio.to_thread(launcher_binary)  # compiled once (the first time: a C compiler run)
+    """A launcher started and moved into fresh cgroups (``None``: built without it, or no cgroups)."""
+    binary = await asyncio.to_thread(launcher_binary)  # built with the package (_binaries.py)
     if binary is None:
         return None
     cgroups = Cgroups(_lifetime.new_box_name("parked"), None, None, None)
@@ -876,7 +876,8 @@ class SupervisorClient:
     @property
     def address(self) -> str:
         """The socket's path as ``bind`` and ``connect`` take it: a unix socket's path has at most 107
-        bytes, so a longer one (a deep ``TRL_HARBOR_STATE_DIR``) is reached through its folder's descriptor."""
+        bytes, so a longer one (a deep ``HARBOR_LOCAL_SANDBOX_STATE_DIR``) is reached through its folder's
+        descriptor."""
         if len(os.fsencode(self.socket_path)) < 100:
             return str(self.socket_path)
         if self._dir_fd is None:

@@ -18,14 +18,16 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 ROOT = Path("/sys/fs/cgroup")
+#: The cgroup under each controller (v1) or the root (v2) that holds every box's.
+CGROUP_PARENT = "harbor-local-sandbox"
 #: The one thread that moves processes between cgroups: the kernel runs moves one at a time (under
 #: its cgroup mutex), and a move waiting on a grace period must not hold a worker of the loop's
 #: default executor, which every start's other file work needs.
-_MOVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-harbor-cgroup-moves")
+_MOVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harbor-local-sandbox-cgroups")
 
 
 class Cgroups:
-    """The cgroups of one box: ``trl-harbor/<name>`` in each controller, with two leaves.
+    """The cgroups of one box: ``harbor-local-sandbox/<name>`` in each controller, with two leaves.
 
     ``agent`` holds the agent's supervisor and every process of the agent, under the task's
     limits (``None``: no such limit); ``keel`` holds the rest of the box — bubblewrap, its keel
@@ -89,9 +91,9 @@ class Cgroups:
         if mode == "v1":
             for controller in ("memory", "pids", "cpu"):
                 if (ROOT / controller).is_dir():
-                    self._make(ROOT / controller / "trl-harbor" / self.name, controller if limits else None)
+                    self._make(ROOT / controller / CGROUP_PARENT / self.name, controller if limits else None)
         elif mode == "v2":
-            parent = ROOT / "trl-harbor"
+            parent = ROOT / CGROUP_PARENT
             if not parent.exists():
                 parent.mkdir()
                 (parent / "cgroup.subtree_control").write_text("+memory +pids +cpu")
@@ -222,7 +224,7 @@ def _rmdir_when_empty(path: Path) -> None:
 
 def remove_stale(is_stale: Callable[[str], bool]) -> None:
     """Kill and remove the cgroups of boxes whose name ``is_stale`` (their owner died without removing them)."""
-    for parent in (*ROOT.glob("*/trl-harbor"), ROOT / "trl-harbor"):
+    for parent in (*ROOT.glob(f"*/{CGROUP_PARENT}"), ROOT / CGROUP_PARENT):
         with contextlib.suppress(OSError):
             for entry in os.scandir(parent):
                 if entry.is_dir() and is_stale(entry.name):

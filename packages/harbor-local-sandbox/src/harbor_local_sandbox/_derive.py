@@ -1177,13 +1177,13 @@ def derive(
     )
     if derived.truncated:
         logger.warning(
-            "trl-harbor: the image at %s is too large to derive all its code places (read %d ELF files, "
+            "harbor-local-sandbox: the image at %s is too large to derive all its code places (read %d ELF files, "
             "listed at most %d entries): some binaries' RUNPATHs, interpreters or package folders are not known",
             root, derived.elf_files, MAX_LISTED,
         )  # fmt: skip
     if derived.relative:
         logger.warning(
-            "trl-harbor: binaries of the image at %s name RUNPATH folders relative to the working directory "
+            "harbor-local-sandbox: binaries of the image at %s name RUNPATH folders relative to the working directory "
             "(%s): libraries the agent adds there are loaded by them",
             root, ", ".join(repr(r) for r in sorted(derived.relative)[:5]),
         )  # fmt: skip

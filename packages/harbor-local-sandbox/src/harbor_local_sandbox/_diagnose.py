@@ -243,7 +243,7 @@ def probe(directory: Path | None = None) -> dict:
     Args:
         directory: Where its scratch folder goes (default: the temporary directory).
     """
-    with tempfile.TemporaryDirectory(prefix="trl-harbor-probe-", dir=directory) as work:
+    with tempfile.TemporaryDirectory(prefix="harbor-local-sandbox-probe-", dir=directory) as work:
         done = subprocess.run(
             [sys.executable, "-I", "-S", "-c", _PROBE, work], capture_output=True, text=True, timeout=60, cwd="/"
         )
@@ -301,7 +301,8 @@ def cache_problem(cache_dir: Path, mounts_text: str | None = None, fuse: bool | 
     ``fuse-overlayfs``, which needs ``/dev/fuse`` (a container has none by default).
 
     Args:
-        cache_dir: The image cache (``cache_dir`` option, ``TRL_HARBOR_CACHE_DIR``, ``~/.cache/trl-harbor``).
+        cache_dir: The image cache (``cache_dir`` option, ``HARBOR_LOCAL_SANDBOX_CACHE_DIR``,
+            ``~/.cache/harbor-local-sandbox``).
         mounts_text: ``/proc/self/mounts`` (default: this process's).
         fuse: Whether ``/dev/fuse`` exists (default: looked up).
     """
@@ -311,6 +312,6 @@ def cache_problem(cache_dir: Path, mounts_text: str | None = None, fuse: bool | 
     return (
         f"the local sandbox builds task images in {cache_dir}, which is on an overlay file system (a "
         "container's own root): buildah cannot stack its layers there, and its fallback (fuse-overlayfs) "
-        "needs /dev/fuse. Fix: put the cache on a volume or a tmpfs (TRL_HARBOR_CACHE_DIR=/cache with "
+        "needs /dev/fuse. Fix: put the cache on a volume or a tmpfs (HARBOR_LOCAL_SANDBOX_CACHE_DIR=/cache with "
         "`docker run -v cache:/cache` or `--tmpfs /cache:exec`; in a pod, an emptyDir), or the cache_dir option"
     )

@@ -1,6 +1,6 @@
 """Fingerprints of an image-rooted sandbox's files, read from the host: nothing runs in the sandbox.
 
-A trainer's seal (trl-harbor's ``rollout.seal``, used where the verifier is not isolated:
+A trainer's seal (used where the verifier is not isolated:
 ``verifier_isolation=False``) compares them before and after the agent's turn. The image never
 changes, and everything the sandbox changed is in its overlay's upper folder (``redirect_dir`` and
 ``metacopy`` off: new and changed entries, whiteouts, opaque folders). So the image is listed once

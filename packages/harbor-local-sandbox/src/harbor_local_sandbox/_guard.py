@@ -60,16 +60,16 @@ __all__ = [
 
 #: Where the view keeps the guard's source, its code as the image's Python compiled it (the magic number
 #: in hexadecimal appended), the names it guards, and the devices that tell who placed a file (its plumbing).
-GUARD_FILE = "/.trl-harbor/guard.py"
-GUARD_CODE_FILE = "/.trl-harbor/guard-"
-GUARDED_FILE = "/.trl-harbor/guarded"
-PROVENANCE_FILE = "/.trl-harbor/provenance"
+GUARD_FILE = "/.harbor-local-sandbox/guard.py"
+GUARD_CODE_FILE = "/.harbor-local-sandbox/guard-"
+GUARDED_FILE = "/.harbor-local-sandbox/guarded"
+PROVENANCE_FILE = "/.harbor-local-sandbox/provenance"
 
 # Comments, not docstrings; no import but sys and posix (the line runs while ``encodings`` is being
 # imported: ``open`` and ``os`` may not be there yet). Its data (GUARDED, PROVENANCE) come from the
 # line that runs it, so the code is the same for every image: compiled once per image by the image's
 # own interpreter (:data:`COMPILE_GUARD`).
-GUARD_SOURCE = """# trl-harbor's import guard in the verifier's view of a sandbox (not a file of the task's image):
+GUARD_SOURCE = """# harbor-local-sandbox's import guard in the verifier's view of a sandbox (not the image's):
 # a guarded module name (GUARDED) is never imported from a file the agent placed, and no module from
 # a file the agent placed in /tmp; imports keep Python's own order. Who placed a file is told by the
 # devices in PROVENANCE (written by the view).
@@ -77,7 +77,7 @@ import sys
 
 
 def _install():
-    if getattr(sys, "_trl_harbor_guard", None) is not None:
+    if getattr(sys, "_harbor_local_sandbox_guard", None) is not None:
         return
     for PathFinder in sys.meta_path:
         if getattr(PathFinder, "__name__", "") == "PathFinder":
@@ -201,7 +201,7 @@ def _install():
         return None
 
     PathFinder.find_spec = staticmethod(guarded_find_spec)
-    sys._trl_harbor_guard = guarded_find_spec
+    sys._harbor_local_sandbox_guard = guarded_find_spec
 
     def veto(event, args):
         # site reads a folder's .pth files with io.open_code, an audited "open" that it skips on OSError:
@@ -251,8 +251,8 @@ except Exception:  # never the cause of a verifier's failure
 #: and builtins: ``open`` and ``os`` may not be there yet while ``encodings`` is imported.
 ENCODINGS_SUFFIX = f"""
 
-# trl-harbor's import guard (the verifier's view only: _guard.py of harbor-local-sandbox)
-def _trl_harbor_guard():
+# harbor-local-sandbox's import guard (the verifier's view only: its _guard.py)
+def _harbor_local_sandbox_guard():
     import marshal, posix, sys
 
     def read(path):
@@ -273,14 +273,14 @@ def _trl_harbor_guard():
     except (OSError, ValueError, EOFError, TypeError):
         code = compile(read({GUARD_FILE!r}), {GUARD_FILE!r}, "exec")
     names = frozenset(read({GUARDED_FILE!r}).decode().split())
-    exec(code, {{"__name__": "trl_harbor_guard", "GUARDED": names, "PROVENANCE": {PROVENANCE_FILE!r}}})
+    exec(code, {{"__name__": "harbor_local_sandbox_guard", "GUARDED": names, "PROVENANCE": {PROVENANCE_FILE!r}}})
 
 
 try:
-    _trl_harbor_guard()
+    _harbor_local_sandbox_guard()
 except Exception:
     pass
-del _trl_harbor_guard
+del _harbor_local_sandbox_guard
 """
 
 #: Python 3 code (run by the image's interpreter in its first sandbox, before anything of an agent's
@@ -293,7 +293,7 @@ COMPILE_GUARD = (
     "import marshal, sys\n"
     "magic = getattr(sys.modules.get('_frozen_importlib_external'), 'MAGIC_NUMBER', None)\n"
     "if magic:\n"
-    f"    code = compile(bytes.fromhex('{GUARD_SOURCE.encode().hex()}'), '<trl-harbor guard>', 'exec')\n"
+    f"    code = compile(bytes.fromhex('{GUARD_SOURCE.encode().hex()}'), '<harbor-local-sandbox guard>', 'exec')\n"
     "    print('#guard', magic.hex(), marshal.dumps(code).hex())\n"
     "    import encodings, importlib.util\n"
     "    from importlib._bootstrap_external import _code_to_hash_pyc\n"

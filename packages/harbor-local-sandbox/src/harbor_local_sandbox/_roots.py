@@ -94,9 +94,9 @@ MAX_SERVED_SOCKETS = 64
 #: ``docker run``'s PATH when the image sets none.
 DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Where the user-switching helper appears inside image-rooted sandboxes.
-RUNAS = "/run/trl-harbor/runas"
+RUNAS = "/run/harbor-local-sandbox/runas"
 #: Where it (and the image's account files it reads) appear in a verifier's view.
-VIEW_PLUMBING = "/.trl-harbor"
+VIEW_PLUMBING = "/.harbor-local-sandbox"
 #: The commands the agent added to the ``PATH`` folders, for the view's supervisor (``_view.commands_record``).
 COMMANDS_FILE = f"{VIEW_PLUMBING}/commands"
 
@@ -153,7 +153,7 @@ class ImageRoot:
 
     @classmethod
     def preflight(cls) -> None:
-        """Check for buildah, a static C compiler, and, without root's ``CAP_SYS_ADMIN``, that this user's
+        """Check for buildah, the package's built helpers, and, without root's ``CAP_SYS_ADMIN``, that this user's
         holder starts (``SandboxUnavailableError``; ``_userns.py``)."""
         buildah_path()
         if not can_mount():  # not root, or root without CAP_SYS_ADMIN (a container's, usually)
@@ -164,7 +164,7 @@ class ImageRoot:
                     "To build and run images as Docker does, %s",
                     _userns.SINGLE_ID_LIMITS, _userns.SUBID_FIX,
                 )  # fmt: skip
-        static_binary("supervisor")  # compiled once and cached; its error names the packages
+        static_binary("supervisor")  # built with the package; its error says how to reinstall
 
     async def start(self, force_build: bool, **box: Any) -> None:
         """Build (or reuse) the task's image, make the tree, start the box (``LocalEnvironment.start``).
@@ -219,7 +219,9 @@ class ImageRoot:
             self.closing.difference_update(pending)
             for outcome in await asyncio.gather(*pending, return_exceptions=True):
                 if isinstance(outcome, Exception):  # the sandbox still stops; the view's failure is said
-                    logger.warning("trl-harbor: tearing down a verifier's view of %s failed: %r", self.task, outcome)
+                    logger.warning(
+                        "harbor-local-sandbox: tearing down a verifier's view of %s failed: %r", self.task, outcome
+                    )
         if self.box is not None:
             await self.box.kill()
             self.box = None

@@ -58,7 +58,7 @@ int main(int argc, char **argv) {
     char name[256] = "", home[1024] = "/", buf[4096], value[1024];
     /* A verifier's view binds the image's own account files here: the verifier's user is the image's,
      * whatever the agent wrote into /etc/passwd (which the tests still see as the agent left it). */
-    FILE *passwd = fopen("/run/trl-harbor/passwd", "r");
+    FILE *passwd = fopen("/run/harbor-local-sandbox/passwd", "r");
     if (!passwd) passwd = fopen("/etc/passwd", "r");
     if (passwd) {
         while (fgets(buf, sizeof buf, passwd)) {
@@ -86,7 +86,7 @@ int main(int argc, char **argv) {
     gid_t groups[MAX_GROUPS];
     int ngroups = 0;
     int group_found = group == NULL;
-    FILE *etc_group = fopen("/run/trl-harbor/group", "r");
+    FILE *etc_group = fopen("/run/harbor-local-sandbox/group", "r");
     if (!etc_group) etc_group = fopen("/etc/group", "r");
     if (etc_group) {
         char gname[256], gid_text[64], members[2048];

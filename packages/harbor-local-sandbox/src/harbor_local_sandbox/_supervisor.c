@@ -993,7 +993,7 @@ static int view_setup(int tree, const char *hostname, int *binds) {
  * layer: the agent's sandbox keeps it) as soon as a command of that name appears in another PATH
  * folder. An overflowed event queue is answered by a sweep of every name. */
 static int came(int fd);
-#define COMMANDS_FILE "/.trl-harbor/commands"
+#define COMMANDS_FILE "/.harbor-local-sandbox/commands"
 #define COMMANDS_CAP (16u << 20)
 
 struct folder_id {

@@ -117,7 +117,7 @@ def id_ranges() -> IdRanges:
     except KeyError:
         names = (str(uid),)
     subuid, subgid = _subordinate("/etc/subuid", names), _subordinate("/etc/subgid", names)
-    if os.environ.get("TRL_HARBOR_IDS") == "single" or not (subuid and subgid):
+    if os.environ.get("HARBOR_LOCAL_SANDBOX_IDS") == "single" or not (subuid and subgid):
         return IdRanges(uid, gid, None, None, 1)
     if not (which("newuidmap") and which("newgidmap")):
         return IdRanges(uid, gid, None, None, 1)
@@ -233,7 +233,7 @@ def _serving_process(socket_path: Path, main: str) -> subprocess.Popen:
     """Start ``python -I`` running this module's ``main`` on ``socket_path``, its standard streams piped."""
     src = str(Path(__file__).resolve().parents[1])  # the folder that holds this package, for its imports
     env = {"PATH": SYSTEM_PATH, "PYTHONPATH": src, "HOME": os.environ.get("HOME", "/"), "LANG": "C.UTF-8"}
-    for name in ("TMPDIR", "TRL_HARBOR_STATE_DIR", "TRL_HARBOR_CACHE_DIR"):
+    for name in ("TMPDIR", "HARBOR_LOCAL_SANDBOX_STATE_DIR", "HARBOR_LOCAL_SANDBOX_CACHE_DIR"):
         if name in os.environ:
             env[name] = os.environ[name]
     return subprocess.Popen(

@@ -6,9 +6,8 @@ Every consumer reads this module and nothing else for these facts:
 * the sandbox's keel (``_supervisor.c``): which links of the agent's it refuses — it is given
   :data:`LINK_FORBIDDEN` (and the image's own links that lead there, :mod:`._links`) on its command
   line when a sandbox starts, never a list of its own;
-* the seal of backends without a view (trl-harbor's ``rollout/integrity.py``, which holds this very
-  file: ``code_places.py`` there is a link to this one, so that Docker grading reads the same table
-  without needing this package).
+* a trainer's seal of backends without a view, which may hold this very file (a link to this one),
+  so that its Docker grading reads the same table without needing this package.
 
 It is pure data (standard library only, no import of this package) for that reason, with the one
 function every consumer needs to read a task's ``allowed_changes`` alike (:func:`allowed_changes`). The search paths
@@ -92,7 +91,9 @@ RUNNER_CONFIG: tuple[str, ...] = (
 )  # fmt: skip
 
 #: Paths that are the verifier's alone: its tests, the solution, its outputs, the view's plumbing.
-VERIFIER_ONLY: tuple[str, ...] = ("/tests", "/solution", "/logs/verifier", "/run/trl-harbor", "/.trl-harbor")
+VERIFIER_ONLY: tuple[str, ...] = (
+    "/tests", "/solution", "/logs/verifier", "/run/harbor-local-sandbox", "/.harbor-local-sandbox",
+)  # fmt: skip
 
 #: The kernel's places in the verifier's root (its own, mounted by its supervisor).
 KERNEL_PLACES: tuple[str, ...] = ("/proc", "/dev", "/sys")
@@ -101,15 +102,15 @@ KERNEL_PLACES: tuple[str, ...] = ("/proc", "/dev", "/sys")
 #: own places, its ``/proc`` (``/dev/fd``, ``/dev/std*`` and ``/dev/core`` lead there too), and where
 #: its own temporary files are (``/tmp`` and ``/dev/shm`` are layers of the verifier's).
 LINK_FORBIDDEN: tuple[str, ...] = (
-    "/tests", "/solution", "/logs/verifier", "/.trl-harbor", "/proc", "/tmp", "/dev/shm", "/dev/fd", "/dev/stdin",
-    "/dev/stdout", "/dev/stderr", "/dev/core",
+    "/tests", "/solution", "/logs/verifier", "/.harbor-local-sandbox", "/proc", "/tmp", "/dev/shm", "/dev/fd",
+    "/dev/stdin", "/dev/stdout", "/dev/stderr", "/dev/core",
 )  # fmt: skip
 
 #: Where the C library looks for daemons to answer its lookups (users, hosts) without being configured to.
 IMPLICIT_SOCKETS: tuple[str, ...] = ("/run/nscd/", "/var/run/nscd/", "/run/systemd/userdb/", "/var/run/systemd/userdb/")
 
 #: The sandbox's own plumbing (mount points of the helpers bound in): never the agent's, never reported.
-PLUMBING = "/run/trl-harbor"
+PLUMBING = "/run/harbor-local-sandbox"
 
 
 _HOOK_NAMES = re.compile("|".join(f"(?:{re.escape(glob).replace(chr(92) + '*', '.*')})" for glob in HOOKS))

@@ -27,8 +27,8 @@ class UnjudgeableViewError(SandboxError):
     """A verifier's view refused for what the agent left in its sandbox: content the view's rule could not
     judge and could not leave out of the view either (``_view.snapshot``).
 
-    ``tampered`` marks it as the rollout's doing for a trainer's grading (trl-harbor's ``RefusedView``
-    protocol: the rollout scores 0, cause ``tampered``), which imports nothing of this package's. A
+    ``tampered`` marks it as the rollout's doing for a trainer's grading (a ``RefusedView`` protocol, as a
+    trainer declares it: the rollout scores 0, cause ``tampered``), which imports nothing of this package's. A
     failure of the view's own making — of this package's code on its own data, of the host — is
     never one of these.
     """

@@ -10,7 +10,7 @@ Use it from Harbor itself::
 
     harbor run -p examples/tasks -a oracle -e harbor_local_sandbox.local:LocalEnvironment
 
-or from trl-harbor with ``environment_type="local"``.
+or from a trainer that loads Harbor environments.
 
 What the agent sees: the task's image, built from its Dockerfile by buildah (``FROM``
 included), as a private copy-on-write root — nothing of the host; ``/tests`` and ``/solution``
@@ -31,7 +31,7 @@ from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
 from harbor.environments.options import EnvironmentOptions
 from harbor.models.task.config import NetworkMode
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from harbor_local_sandbox import _hostfs
 from harbor_local_sandbox._binaries import bwrap_path, default_cache_dir
@@ -76,7 +76,8 @@ class LocalEnvironmentOptions(EnvironmentOptions):
             ``[environment] storage_mb`` sets none: its tree is a tmpfs of that size, so a write past
             it fails (``ENOSPC``), as on a full disk under Docker. Holds without root.
         pids_max: Maximum number of processes in one sandbox (fork-bomb containment).
-        cache_dir: Where built images are cached (default ``~/.cache/trl-harbor``).
+        cache_dir: Where built images are cached (default ``~/.cache/harbor-local-sandbox``,
+            ``HARBOR_LOCAL_SANDBOX_CACHE_DIR`` overrides).
         host_trust: Forward the host's proxy settings and CA certificates to image builds
             and image-rooted sandboxes (for networks that intercept TLS).
         verifier_isolation: Verify in a sibling of the sandbox that sees the
@@ -93,25 +94,11 @@ class LocalEnvironmentOptions(EnvironmentOptions):
     host_trust: bool = True
     verifier_isolation: bool = True
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_host_root(cls, data: Any) -> Any:
-        """``root="image"`` (once the default of two roots) is what every sandbox is; ``"host"`` is gone."""
-        if isinstance(data, dict) and "root" in data:
-            if data["root"] != "image":
-                raise ValueError(
-                    f"root={data['root']!r}: the host root was removed; every local sandbox runs the task's "
-                    "own image, as root, without root and in containers (docs/local-sandbox.md). Remove the "
-                    "'root' option."
-                )
-            data = {key: value for key, value in data.items() if key != "root"}
-        return data
-
 
 class _GradingSupport:
     """What rollout grading can ask of a local sandbox beyond Harbor's interface: an isolated view for
     the verifier, whether it still runs, which limits its agent exhausted, its processes and its files
-    (a trainer's grading, such as trl-harbor's, finds them structurally: any backend may offer them)."""
+    (a trainer's grading finds them structurally: any backend may offer them)."""
 
     _sandbox: ImageRoot
     local_options: LocalEnvironmentOptions
@@ -296,7 +283,7 @@ class LocalEnvironment(_GradingSupport, BaseEnvironment):
         Raises:
             SandboxUnavailableError: If bubblewrap is missing or cannot make a sandbox's namespaces
                 here (in a container: the message names the cause and the container settings that
-                allow them), or buildah or a C compiler that links statically is missing, or (without
+                allow them), or buildah or the package's built helpers are missing, or (without
                 root's ``CAP_SYS_ADMIN``) this user's namespace holder cannot start, or the image cache
                 is on an overlay (a container's own root) without ``/dev/fuse``.
         """
@@ -318,7 +305,8 @@ class LocalEnvironment(_GradingSupport, BaseEnvironment):
         """The image cache this backend's sandboxes use for ``cache_dir`` (list, build ahead, prune, load).
 
         Args:
-            cache_dir: The cache root (``None``: ``$TRL_HARBOR_CACHE_DIR`` or ``~/.cache/trl-harbor``).
+            cache_dir: The cache root (``None``: ``$HARBOR_LOCAL_SANDBOX_CACHE_DIR`` or
+                ``~/.cache/harbor-local-sandbox``).
             host_trust: Forward the host's proxy settings and CA certificates to builds.
 
         Returns:

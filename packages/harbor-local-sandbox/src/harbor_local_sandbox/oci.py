@@ -10,14 +10,14 @@ mounts read-only under its own copy-on-write layer (see ``_roots.py``).
 Registries are found the way every containers tool finds them: ``registries.conf``
 (mirrors, insecure registries, short-name aliases; ``CONTAINERS_REGISTRIES_CONF``
 overrides its path) and ``auth.json`` (``REGISTRY_AUTH_FILE``). Nothing here is
-trl-harbor specific.
+specific to one trainer.
 
-Cache layout under ``<cache_dir>`` (default ``~/.cache/trl-harbor``, ``TRL_HARBOR_CACHE_DIR``
-overrides):
+Cache layout under ``<cache_dir>`` (default ``~/.cache/harbor-local-sandbox``,
+``HARBOR_LOCAL_SANDBOX_CACHE_DIR`` overrides):
 
 * ``containers/`` -- buildah's storage: base images and the task images built on them,
   one copy per layer however many tasks share it. Each task image has one buildah
-  container, ``trl-harbor-<key>``, whose mounted root (an overlay of the image's layers,
+  container, ``harbor-local-sandbox-<key>``, whose mounted root (an overlay of the image's layers,
   plus the mount points sandboxes need) is the *image root* sandboxes start from: disk
   use is per layer, not per task and not per sandbox;
 * ``images/<key>/image.json`` -- the task image's :class:`ImageRecord` (``ENV``,
@@ -60,11 +60,11 @@ from harbor_local_sandbox.errors import BaseImageUnavailableError, ImageBuildErr
 logger = logging.getLogger(__name__)
 
 #: Part of every image key: bump when a change here changes what a build produces.
-BUILDER_VERSION = "oci-2"
+BUILDER_VERSION = "oci-3"
 #: Proxy settings ``docker build`` passes to ``RUN`` without persisting them (predefined ARGs).
 PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "FTP_PROXY", "NO_PROXY", "ALL_PROXY")
 #: Where the host's CA bundle appears inside builds and sandboxes.
-HOST_CA_BUNDLE = "/run/trl-harbor/host-ca.crt"
+HOST_CA_BUNDLE = "/run/harbor-local-sandbox/host-ca.crt"
 _DEFAULT_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 _EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
 
@@ -658,7 +658,7 @@ class ImageStore:
     async def _container_of(self, image_id: str, key: str, task_name: str, workdir: str | None) -> str:
         """A buildah container of the built image, mounted and prepared: its root is the image's root
         (no copy, layers shared)."""
-        container = f"trl-harbor-{key}"
+        container = f"harbor-local-sandbox-{key}"
         await self.buildah.run("rm", container)  # left by an earlier build of this key, if any
         rc, _, stderr = await self.buildah.run("from", "--quiet", "--pull=false", "--name", container, image_id)
         if rc != 0:
@@ -776,7 +776,7 @@ def _hold_mounts(cache_dir: Path) -> None:
 
 #: Folders every image root gets, as ``docker run`` provides them: mount points, and
 #: Harbor's log folders (volumes under Docker), writable by every user of the image.
-MOUNT_POINTS = ("proc", "dev", "sys", "tmp", "run/trl-harbor")
+MOUNT_POINTS = ("proc", "dev", "sys", "tmp", "run/harbor-local-sandbox")
 LOG_DIRS = ("logs/agent", "logs/verifier", "logs/artifacts")
 
 
@@ -886,5 +886,5 @@ def _pull_error(ref: str, output: str, cache_dir: Path) -> str:
         f"({_registries_conf()}; see `man containers-registries.conf`, [[registry]] ... [[registry.mirror]]); "
         "or load the image from an archive made where it can be pulled (`skopeo copy docker://IMAGE "
         "oci-archive:FILE`, or `docker save`) with "
-        f"`trl-harbor images load FILE {ref.split(',')[0]} --cache-dir {cache_dir}`."
+        f"`harbor-local-sandbox images load FILE {ref.split(',')[0]} --cache-dir {cache_dir}`."
     )
