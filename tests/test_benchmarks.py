@@ -22,3 +22,19 @@ def test_every_benchmark_imports() -> None:
         [sys.executable, "-c", code, *scripts], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_peers_without_nitrobox_says_how_to_install_it() -> None:
+    """``benchmarks/peers.py`` with nitrobox absent (hidden here, installed or not): a message saying how to
+    install it, exit 0, no table, and no sandbox started (it needs neither root nor an image)."""
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['nitrobox'] = None  # import nitrobox raises ImportError\n"
+        "sys.argv = ['peers.py', '--rounds', '1', '--concurrent', '2']\n"
+        "runpy.run_path('peers.py', run_name='__main__')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "nitrobox is not installed" in result.stdout, result.stdout
+    assert "pip install" in result.stdout and "nitrobox" in result.stdout.splitlines()[-1]
+    assert "nitrobox ÷ local" not in result.stdout and "round 1/" not in result.stdout
