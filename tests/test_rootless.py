@@ -10,9 +10,9 @@ The same tests as for root run (the two that read a tree do it where it is mount
 ``test_local_image_root.py`` (``COPY`` into ``/etc`` and ``/usr/local/bin``, users and ``useradd``,
 ``ENTRYPOINT``, pip and uv behind this machine's TLS interception, apt at build and verify time,
 Harbor's oracle and verifier as the task's users, the fingerprints, a killed owner's sandbox swept),
-``test_local_isolation.py`` (no network unless allowed, the task's tests and solution out of reach,
+the package's ``test_local_isolation.py`` (no network unless allowed, the task's tests and solution out of reach,
 planted links), a multi-stage build, each box's own mount table and process limit
-(``test_local_sandbox.py``: RLIMIT_NPROC, counted per user namespace, where root has cgroups); and
+(the package's ``test_local_sandbox.py``: RLIMIT_NPROC, counted per user namespace, where root has cgroups); and
 the bundled suite passes ``trl-harbor check``.
 """
 
@@ -66,10 +66,13 @@ def test_the_root_tests_of_task_images_and_isolation_pass_without_root() -> None
     out = _as_nobody(
         "import pytest\n"
         "sys.exit(pytest.main(['-p', 'no:cacheprovider', '-q', '-o', 'addopts=', "
-        "'tests/test_local_image_root.py', 'tests/test_local_isolation.py', 'tests/test_verifier_view.py', "
+        "'tests/test_local_image_root.py', 'packages/harbor-local-sandbox/tests/test_local_isolation.py', "
+        "'tests/test_verifier_view.py', "
         "'tests/test_local_oci.py::test_multi_stage_build_exports_root_and_config', "
-        "'tests/test_local_sandbox.py::test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees', "
-        "'tests/test_local_sandbox.py::test_a_sandbox_has_its_own_process_limit', '-k', 'not root_workers']))\n",
+        "'packages/harbor-local-sandbox/tests/test_local_sandbox.py::"
+        "test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees', "
+        "'packages/harbor-local-sandbox/tests/test_local_sandbox.py::test_a_sandbox_has_its_own_process_limit', "
+        "'-k', 'not root_workers']))\n",
         timeout=2400,
     )
     summary = out.strip().splitlines()[-1]

@@ -219,3 +219,45 @@ def test_harbor_run_with_the_plugin_alone_passes_the_bundled_suite(wheel_venv: P
     assert stats["n_completed_trials"] == len(BUNDLED_TASKS)
     (evaluation,) = stats["evals"].values()
     assert evaluation["metrics"][0]["reward"] == 1.0, evaluation
+
+
+def _pinned(name: str, otherwise: str) -> str:
+    """``name==`` this interpreter's version of it, else ``otherwise`` (where it is not installed here)."""
+    try:
+        return f"{name}=={importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return otherwise
+
+
+#: The package's tests run in the venv (the fast subset): not this module (it makes venvs and wheels itself),
+#: nor the walk's fuzzing (a minute of random layers, the same code as test_links.py's).
+_NOT_IN_THE_VENV = ("test_harbor_run_alone.py", "test_walk_fuzz.py")
+
+
+@pytest.mark.local
+def test_the_package_tests_run_with_harbor_and_the_package_alone(plugin_venv: PluginVenv) -> None:  # noqa: F811
+    """The package's own tests need Harbor and the package, nothing of a trainer: their fast subset
+    (``-m "not local"``) passes in the venv of Harbor and the package alone, with pytest and the package's build
+    requirement (setuptools: test_binaries.py runs its setup.py) added, this interpreter's versions, from the
+    index the venv's Harbor came from; no trainer's module imports there."""
+    tools = [f"{name}=={importlib.metadata.version(name)}" for name in ("pytest", "pytest-timeout")]
+    tools.append(_pinned("setuptools", otherwise="setuptools>=77"))
+    _check(plugin_venv.run(plugin_venv.python, "-m", "pip", "install", "-q", *tools, timeout=600), "pip install pytest")
+    env = plugin_venv.env(HARBOR_TELEMETRY="0", LITELLM_LOCAL_MODEL_COST_MAP="True")
+    # The trainers are missing where pytest runs (its folder, the venv's paths), not only in an isolated probe.
+    probe = plugin_venv.run(
+        plugin_venv.python, "-c", "import importlib.util, sys; print([n for n in sys.argv[1:] if importlib.util.find_spec(n)])",
+        *TRAINER_MODULES, cwd=PACKAGE_DIR, env=env,
+    )  # fmt: skip
+    _check(probe, "the trainers' probe")
+    assert probe.stdout.strip() == "[]", probe.stdout
+    ignored = [f"--ignore=tests/{name}" for name in _NOT_IN_THE_VENV]
+    started = time.monotonic()
+    completed = plugin_venv.run(
+        plugin_venv.python, "-m", "pytest", "-q", "-m", "not local", "-p", "no:cacheprovider", *ignored, "tests",
+        cwd=PACKAGE_DIR, env=env, timeout=900,
+    )  # fmt: skip
+    print(f"the package's tests took {time.monotonic() - started:.1f} s in the venv")
+    summary = completed.stdout.strip().splitlines()[-1:] or [""]
+    assert completed.returncode == 0, completed.stdout[-6000:] + completed.stderr[-3000:]
+    assert " passed" in summary[0] and "failed" not in summary[0] and "error" not in summary[0], summary

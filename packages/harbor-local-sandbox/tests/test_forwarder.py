@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import requires_local
 from harbor_local_sandbox._binaries import static_binary
+from sandbox_testing import requires_local
 
 pytestmark = [
     requires_local,

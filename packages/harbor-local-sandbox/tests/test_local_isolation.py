@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 from harbor_local_sandbox._hostfs import UnsafePathError
-
-from sandbox_helpers import REPO, make_task, open_env, run
+from sandbox_testing import REPO, make_task, open_env, run, task_base_image  # noqa: F401 - the session fixture
 
 #: Every test here starts a local sandbox (bubblewrap).
-pytestmark = pytest.mark.local
+pytestmark = [pytest.mark.local, pytest.mark.usefixtures("task_base_image")]
 
 
 @pytest.fixture
@@ -51,7 +50,7 @@ def loopback_server():
 
 
 def test_agent_cannot_find_the_gold_answer_tests_or_host_files(task: Path, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("TRL_HARBOR_TEST_SECRET", "host-secret-value")
+    monkeypatch.setenv("HARBOR_LOCAL_SANDBOX_TEST_SECRET", "host-secret-value")
     hub_cache = Path.home() / ".cache" / "huggingface"
 
     async def scenario():
@@ -141,7 +140,7 @@ def test_network_allowed_task_still_cannot_reach_host_loopback(tmp_path: Path, l
 def host_dir(tmp_path: Path):
     """A folder of the host's outside ``/tmp`` (links into ``/tmp`` are the verifier's places: the agent
     cannot make them), for the agent's links to point at."""
-    base = Path(tempfile.mkdtemp(prefix="trl-harbor-host-", dir="/var/tmp"))
+    base = Path(tempfile.mkdtemp(prefix="harbor-local-sandbox-host-", dir="/var/tmp"))
     base.chmod(0o755)
     yield base
     shutil.rmtree(base, ignore_errors=True)

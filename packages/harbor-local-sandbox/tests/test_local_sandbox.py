@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 from harbor_local_sandbox._lifetime import state_root, sweep_stale
 from harbor_local_sandbox.local import SandboxCommandError, SandboxTimeoutError
-
-from sandbox_helpers import (
+from sandbox_testing import (  # noqa: F401 - task_base_image: the session fixture
     count_processes_cmd,
     live_processes_with,
     make_task,
     open_env,
     run,
+    task_base_image,
     wait_until,
 )
 
 #: Every test here starts a local sandbox (bubblewrap).
-pytestmark = pytest.mark.local
+pytestmark = [pytest.mark.local, pytest.mark.usefixtures("task_base_image")]
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ _SPAWN = (
 
 
 def test_a_sandbox_has_its_own_process_limit(task: Path, tmp_path: Path) -> None:
-    """``pids_max`` holds per sandbox: its pids cgroup as root; without root (``tests/test_rootless.py``
+    """``pids_max`` holds per sandbox: its pids cgroup as root; without root (the repository's ``tests/test_rootless.py``
     runs this too) RLIMIT_NPROC, which Linux counts per user namespace, i.e. per sandbox."""
 
     async def scenario():
@@ -247,7 +247,7 @@ def test_sandboxes_die_with_their_parent_process(task: Path, tmp_path: Path) -> 
         f"""\
         import asyncio, os, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from sandbox_helpers import open_env
+        from sandbox_testing import open_env
         from pathlib import Path
         async def main():
             env = open_env(Path({str(task)!r}), Path({str(tmp_path)!r}))
@@ -390,7 +390,7 @@ def test_a_killed_owner_leaves_no_user_network_behind(tmp_path: Path) -> None:
         import asyncio, sys, time
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from pathlib import Path
-        from sandbox_helpers import open_env
+        from sandbox_testing import open_env
 
         async def main():
             envs = [open_env(Path({str(task)!r}), Path({str(tmp_path)!r})) for _ in range(3)]
@@ -500,7 +500,7 @@ def test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees(task: Path,
     """A box's bubblewrap runs in a mount namespace of its own holding its own tree's mounts but not
     those of the sandboxes already running (which made every later start slower); both work.
 
-    Without root (``tests/test_rootless.py`` runs this too) the trees are the holder's mounts."""
+    Without root (the repository's ``tests/test_rootless.py`` runs this too) the trees are the holder's mounts."""
 
     def mount_points(pid: int | str) -> list[str]:
         return [line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 from harbor_local_sandbox._mounts import inode_bound
-
-from sandbox_helpers import make_task, open_env, run
+from sandbox_testing import make_task, open_env, run, task_base_image  # noqa: F401 - the session fixture
 
 #: Every test here starts a local sandbox (bubblewrap).
-pytestmark = pytest.mark.local
+pytestmark = [pytest.mark.local, pytest.mark.usefixtures("task_base_image")]
 
 BOUND_MB = 64
 
