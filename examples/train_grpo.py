@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_harbor import HarborSpec, close_all
+    from trl_harbor import HarborOptions, HarborSpec, close_all
     from trl_harbor.cli.prompting import load_few_shot, prompt_prefix, resolve_chat_template, with_prompt_prefix
     from trl_harbor.cli.starter_model import ensure_starter_model
     from trl_harbor.cli.train import DEFAULT_SYSTEM_PROMPT
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         agent=args.agent,
         environment_type=args.environment_type,
         num_tasks=args.num_tasks,
-        env_kwargs={"command_timeout_sec": args.command_timeout},
+        options=HarborOptions(command_timeout_sec=args.command_timeout),
     )
     model = args.model or str(ensure_starter_model(print_fn=print))
     dataset, tokenizer = spec.train_dataset, None
