@@ -433,7 +433,7 @@ def test_harbor_oracle_and_verifier_with_task_users(loopback_registry, cache_dir
     (task / "solution" / "solve.sh").write_text(
         '#!/bin/bash\n[ "$(id -un)" = agent ] && echo 42 > /workdir/answer.txt\n'
     )
-    options = HarborOptions(backend_options={"root": "image", "cache_dir": cache_dir})
+    options = HarborOptions(backend_options={"cache_dir": cache_dir})
     (result,) = check_suite([task], "local", concurrency=1, options=options)
     assert result.passed, (result.oracle, result.nop)
     assert (result.oracle.reward, result.nop.reward) == (1.0, 0.0)
@@ -493,12 +493,12 @@ def test_prebuilt_docker_image_without_dockerfile(loopback_registry, cache_dir, 
     assert version.startswith("12") and payload == "payload"
 
 
-def test_preflight_checks_the_root_option():
+def test_preflight_refuses_an_unknown_option_by_name():
     from harbor_local_sandbox.local import LocalEnvironment
 
-    LocalEnvironment.preflight({"root": "image"})  # root, buildah and bubblewrap are here
-    with pytest.raises(ValueError, match="root"):
-        LocalEnvironment.preflight({"root": "docker"})
+    LocalEnvironment.preflight({})  # root, buildah and bubblewrap are here
+    with pytest.raises(ValueError, match="Unknown option 'root'"):  # the removed option is no longer special
+        LocalEnvironment.preflight({"root": "image"})
 
 
 def test_concurrent_cold_starts_share_one_pull_and_build(loopback_registry, tmp_path):  # noqa: F811
