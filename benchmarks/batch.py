@@ -50,7 +50,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from bench_task import write_bench_task  # noqa: E402
 
-from trl_harbor import HarborSpec, close_all  # noqa: E402
+from trl_harbor import HarborOptions, HarborSpec, close_all  # noqa: E402
 from trl_harbor.rollout.backends import resolve_backend  # noqa: E402
 
 LOCAL = "harbor_local_sandbox.local:LocalEnvironment"
@@ -111,7 +111,7 @@ def _latency_kwargs(latency: float) -> dict:
 
 def run_ours(suite: Path, n: int, latency: float, tool_calls: int) -> Timing:
     kwargs = {"backend_options": _latency_kwargs(latency)} if latency else {}
-    spec = HarborSpec(suite, environment_type=LATENCY if latency else LOCAL, env_kwargs=kwargs)
+    spec = HarborSpec(suite, environment_type=LATENCY if latency else LOCAL, options=HarborOptions(**kwargs))
     envs = [spec.environment_factory() for _ in range(n)]
     reward_func = spec.reward_funcs
     timing = _drive(envs, str(spec.task_dirs[0]), tool_calls, lambda es: reward_func(environments=es))
@@ -193,7 +193,7 @@ def _timed_bash_env(spans: list[tuple[float, float]]) -> type:
 
 def _latency_spec(suite: Path, agent: type, exec_latency: float) -> HarborSpec:
     kwargs = {"backend_options": {"exec_latency_sec": exec_latency}}
-    return HarborSpec(suite, agent=agent, environment_type=LATENCY, env_kwargs=kwargs)
+    return HarborSpec(suite, agent=agent, environment_type=LATENCY, options=HarborOptions(**kwargs))
 
 
 def one_command(suite: Path, exec_latency: float, repeats: int = 11) -> float:

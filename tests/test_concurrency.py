@@ -23,7 +23,7 @@ from harbor_local_sandbox._lifetime import state_root
 from harbor_local_sandbox.latency import LatencyLocalEnvironment
 
 from sandbox_helpers import BASE_DOCKERFILE, as_a_foreground_job, live_processes_with, wait_until
-from trl_harbor import HarborSpec, close_all
+from trl_harbor import HarborOptions, HarborSpec, close_all
 from trl_harbor.rollout import COUNTERS
 
 LATENCY = "harbor_local_sandbox.latency:LatencyLocalEnvironment"
@@ -41,7 +41,7 @@ def _spec(tmp_path: Path, names: list[str], **env_kwargs) -> HarborSpec:
     for name in names:
         if not (suite / name).exists():
             shutil.copytree(BUNDLED_SUITE / name, suite / name)
-    return HarborSpec(suite, environment_type=LATENCY, env_kwargs=env_kwargs)
+    return HarborSpec(suite, environment_type=LATENCY, options=HarborOptions(**env_kwargs))
 
 
 def _overlapping(intervals) -> bool:
@@ -115,7 +115,7 @@ def test_one_failed_start_and_one_crashed_verifier_cost_only_their_rollouts(
     tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     suite = _broken_tasks(tmp_path)
-    spec = HarborSpec(suite, environment_type="local", env_kwargs={"on_infra_error": mode})
+    spec = HarborSpec(suite, environment_type="local", options=HarborOptions(on_infra_error=mode))
     by_name = {p.name: str(p) for p in spec.task_dirs}
     order = ["a_good", "b_cannot_start", "c_verifier_crashes", "a_good"]
     envs = [spec.environment_factory() for _ in order]
@@ -393,7 +393,7 @@ def test_a_coroutine_submitted_and_dropped_runs_to_its_end_through_a_collection(
 
 @requires_local
 def test_256_concurrent_sandboxes_complete_a_batch(tmp_path: Path) -> None:
-    spec = HarborSpec(BUNDLED_SUITE, environment_type="local", env_kwargs={"max_concurrent_starts": None})
+    spec = HarborSpec(BUNDLED_SUITE, environment_type="local", options=HarborOptions(max_concurrent_starts=None))
     gold = {t.path.name: t.metadata["gold_answer"] for t in spec.tasks}
     envs = [spec.environment_factory() for _ in range(256)]
     dirs = [spec.task_dirs[i % len(spec.task_dirs)] for i in range(256)]

@@ -31,7 +31,7 @@ from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, tiny_grpo_trainer
 from docker_daemon import public_copy
 
 from sandbox_helpers import recording_bash_env
-from trl_harbor import HarborBashEnv, HarborSpec, close_all
+from trl_harbor import HarborBashEnv, HarborOptions, HarborSpec, close_all
 from trl_harbor.cli.check import CheckResult, check_suite
 from trl_harbor.rollout.suite import TaskSuiteError
 
@@ -261,7 +261,7 @@ def test_on_docker_the_agent_process_policy_is_explicit(docker_daemon, tmp_path:
     so a late writer gains nothing — and the server is gone too."""
     task = public_copy(BUNDLED_SUITE / GOLD_TASK, tmp_path / "suite" / GOLD_TASK)
     (task / "tests" / "test.sh").write_text(SERVER_TEST)
-    spec = HarborSpec(task.parent, environment_type="docker", env_kwargs={"agent_processes": policy})
+    spec = HarborSpec(task.parent, environment_type="docker", options=HarborOptions(agent_processes=policy))
     env = spec.environment_factory()
     try:
         env.reset(task_dir=str(spec.task_dirs[0]))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
 
-from trl_harbor import HarborBashEnv, HarborEnv, close_all, runtime
+from trl_harbor import HarborBashEnv, HarborEnv, HarborOptions, close_all, runtime
 from trl_harbor.rollout import RewardError, select_reward
 from trl_harbor.rollout.backends import LOCAL_ENVIRONMENT_IMPORT_PATH, resolve_backend
 
@@ -230,7 +230,7 @@ def test_close_all_stops_every_sandbox() -> None:
 
 @requires_local
 def test_timeout_and_output_cap_are_configurable(close_sandboxes: None) -> None:
-    env = HarborBashEnv(environment_type="local", command_timeout_sec=2, max_output_chars=100)
+    env = HarborBashEnv(environment_type="local", options=HarborOptions(command_timeout_sec=2, max_output_chars=100))
     env.reset(task_dir=GOLD_DIR)
     assert "timed out after 2 s" in env.bash("sleep 30")
     out = env.bash("seq 1 10000")
@@ -273,7 +273,7 @@ def test_reward_json_and_reward_key(tmp_path: Path, close_sandboxes: None) -> No
     env.reset(task_dir=str(task))
     env.bash("echo wrong > /workdir/answer.txt")
     assert env.reward == 0.0  # "reward" wins among several keys
-    answered = HarborBashEnv(environment_type="local", reward_key="answered")
+    answered = HarborBashEnv(environment_type="local", options=HarborOptions(reward_key="answered"))
     answered.reset(task_dir=str(task))
     answered.bash("echo wrong > /workdir/answer.txt")
     assert answered.reward == 1.0
@@ -288,7 +288,7 @@ def test_multi_reward_defaults_weights_and_missing_reward(tmp_path: Path, close_
     plain = HarborBashEnv(environment_type="local")
     plain.reset(task_dir=str(task))
     assert plain.reward == 0.5 and plain.verification.rewards == {"a": 1.0, "b": 0.0}  # the mean, every part kept
-    weighted = HarborBashEnv(environment_type="local", reward_weights={"a": 0.25, "b": 1.0})
+    weighted = HarborBashEnv(environment_type="local", options=HarborOptions(reward_weights={"a": 0.25, "b": 1.0}))
     weighted.reset(task_dir=str(task))
     assert weighted.reward == 0.25
     toml = task / "task.toml"
@@ -300,14 +300,20 @@ def test_multi_reward_defaults_weights_and_missing_reward(tmp_path: Path, close_
     declared.reset(task_dir=str(task))
     assert declared.reward == 3.0
     # A weighting that names an entry the verifier did not write is a configuration error (not the policy's).
-    strict = HarborBashEnv(environment_type="local", on_infra_error="raise", reward_weights={"c": 1.0})
+    strict = HarborBashEnv(
+        environment_type="local", options=HarborOptions(on_infra_error="raise", reward_weights={"c": 1.0})
+    )
     strict.reset(task_dir=str(task))
     with pytest.raises(RewardError, match="weights"):
         _ = strict.reward
-    lenient = HarborBashEnv(environment_type="local", on_infra_error="zero", reward_weights={"c": 1.0})
+    lenient = HarborBashEnv(
+        environment_type="local", options=HarborOptions(on_infra_error="zero", reward_weights={"c": 1.0})
+    )
     lenient.reset(task_dir=str(task))
     assert lenient.reward == 0.0
-    skipping = HarborBashEnv(environment_type="local", reward_weights={"c": 1.0})  # the default: left out
+    skipping = HarborBashEnv(
+        environment_type="local", options=HarborOptions(reward_weights={"c": 1.0})
+    )  # the default: left out
     skipping.reset(task_dir=str(task))
     assert skipping.reward is None and skipping.verification.infra
     # No reward file at all is an error (Harbor's semantics), which the rollout may have caused

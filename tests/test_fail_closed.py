@@ -37,7 +37,7 @@ from harbor_local_sandbox import _hostfs
 from harbor_local_sandbox.errors import SandboxError, UnjudgeableViewError
 
 from sandbox_helpers import make_task
-from trl_harbor import HarborSpec
+from trl_harbor import HarborOptions, HarborSpec
 from trl_harbor.rollout import grading
 from trl_harbor.rollout.contract import RefusedDownload, RefusedView
 from trl_harbor.rollout.outcome import REPORTED_LINE_CAP, REPORTED_LINES, Cause, Verification
@@ -306,7 +306,7 @@ def test_content_our_code_choked_on_scores_zero_not_skipped(tmp_path: Path, clos
         "honest, separate verifier": ("separate", ["echo 42 > /workdir/answer.txt"], 1.0),
     }
     spec = HarborSpec(
-        tmp_path / "tasks", agent="bash", environment_type="local", env_kwargs={"command_timeout_sec": 120}
+        tmp_path / "tasks", agent="bash", environment_type="local", options=HarborOptions(command_timeout_sec=120)
     )
     envs = {name: spec.environment_factory() for name in rollouts}
     for name, (task, commands, _) in rollouts.items():

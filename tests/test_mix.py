@@ -17,7 +17,7 @@ import pytest
 from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local, trl_tools
 
 from sandbox_helpers import BASE_DOCKERFILE
-from trl_harbor import HarborBashEnv, HarborMix, HarborMixError, HarborSpec
+from trl_harbor import HarborBashEnv, HarborMix, HarborMixError, HarborOptions, HarborSpec
 from trl_harbor.training.mix import harbor_mix_reward
 
 NAMES = sorted(p.name for p in BUNDLED_SUITE.iterdir() if (p / "task.toml").is_file())
@@ -150,7 +150,7 @@ def test_one_environment_per_combination_with_stable_names() -> None:
         HarborSpec(BUNDLED_SUITE, agent="bash", environment_type="local"),
         HarborSpec(BUNDLED_SUITE, agent="terminal_notes", environment_type="local"),
         HarborSpec(BUNDLED_SUITE, agent="bash", environment_type="docker"),
-        HarborSpec(BUNDLED_SUITE, agent="bash", environment_type="local", env_kwargs={"command_timeout_sec": 9}),
+        HarborSpec(BUNDLED_SUITE, agent="bash", environment_type="local", options=HarborOptions(command_timeout_sec=9)),
     ]
     mix = HarborSpec.mix(specs, weights=[4, 3, 2, 1])
     factories = mix.environment_factory

@@ -7,6 +7,7 @@ options spelled out and silently dropped ``on_infra_error`` and ``max_concurrent
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from conftest import BUNDLED_SUITE
@@ -122,7 +123,39 @@ def test_options_validate_early_and_merge_by_name() -> None:
     base = HarborOptions(reward_key="exact")
     merged = HarborOptions.merged(base, command_timeout_sec=9)
     assert (merged.reward_key, merged.command_timeout_sec) == ("exact", 9) and base.command_timeout_sec == 180
-    # A spec's env_kwargs that name options override its options; the rest go to the harness.
-    spec = HarborSpec(BUNDLED_SUITE, options=base, env_kwargs={"max_output_chars": 77})
+    # A spec's env_kwargs that name options still override its options (deprecated: a FutureWarning shows the
+    # options= to write, pointing at the caller's line); the rest go to the harness.
+    with pytest.warns(
+        FutureWarning, match=r"Fix: pass options=HarborOptions\.merged\(options, max_output_chars=77\)"
+    ) as caught:
+        spec = HarborSpec(BUNDLED_SUITE, options=base, env_kwargs={"max_output_chars": 77})
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
     env = spec.environment_factory()
     assert env.options == dataclasses.replace(base, max_output_chars=77)
+
+
+def test_options_is_the_one_way_in_and_loose_fields_warn_with_the_fix(recwarn: pytest.WarningsRecorder) -> None:
+    """``options=`` is the way in; a field given loose still works, deprecated, and says what to write."""
+    options = HarborOptions(command_timeout_sec=9)
+    quiet = [HarborBashEnv(options=options), HarborSpec(BUNDLED_SUITE, options=options).environment_factory()]
+    assert [env.options for env in quiet] == [options, options]
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]  # options= never warns
+    with pytest.warns(
+        FutureWarning, match=r"HarborBashEnv\(\.\.\.\).*Fix: pass options=HarborOptions\(command_timeout_sec=9\)"
+    ) as caught:
+        loose = HarborBashEnv(command_timeout_sec=9)
+    assert loose.options == options
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]  # the caller's line, not ours
+    # A harness's own constructor arguments in env_kwargs are no options: they never warn.
+    recwarn.clear()
+    spec = HarborSpec(BUNDLED_SUITE, agent=_Greeting, options=options, env_kwargs={"greeting": "hi"})
+    assert spec.environment_factory().greeting == "hi"
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+
+
+class _Greeting(HarborBashEnv):
+    """A harness with a constructor argument of its own."""
+
+    def __init__(self, greeting: str = "", **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.greeting = greeting

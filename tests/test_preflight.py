@@ -82,7 +82,10 @@ def test_local_backend_passes_and_bad_backends_are_named() -> None:
     with pytest.raises(BackendUnavailableError, match="root"):
         _first_environment(
             HarborSpec(
-                BUNDLED_SUITE, environment_type="local", env_kwargs={"backend_options": {"root": "vm"}}, preflight=True
+                BUNDLED_SUITE,
+                environment_type="local",
+                options=HarborOptions(backend_options={"root": "vm"}),
+                preflight=True,
             )
         )
     with pytest.raises(ValueError, match="unknown environment_type 'dockr'"):
@@ -169,7 +172,8 @@ def test_a_batch_lost_to_the_backend_stops_the_reward_function(tmp_path: Path, c
     assert "HarborSpec(..., options=HarborOptions(infra_stop_fraction=None))" in str(caught.value)
     lenient = HarborSpec(suite, environment_type="local", options=HarborOptions(infra_stop_fraction=None))
     assert batch(lenient, ["b_unstartable", "b_unstartable"]) == [None, None]
-    by_kwargs = HarborSpec(suite, environment_type="local", env_kwargs={"infra_stop_fraction": None})
+    with pytest.warns(FutureWarning, match="options=HarborOptions"):  # the deprecated way still works
+        by_kwargs = HarborSpec(suite, environment_type="local", env_kwargs={"infra_stop_fraction": None})
     assert batch(by_kwargs, ["b_unstartable", "b_unstartable"]) == [None, None]
     strict = HarborSpec(suite, environment_type="local", options=HarborOptions(infra_stop_fraction=0.5))
     with pytest.raises(InfrastructureFailureError, match=r"1 of 2 rollouts"):

@@ -30,7 +30,7 @@ import pytest
 from conftest import requires_local
 
 from sandbox_helpers import BASE_DOCKERFILE, defences_off, isolation_off, without_members
-from trl_harbor import HarborSpec
+from trl_harbor import HarborOptions, HarborSpec
 from trl_harbor.rollout import COUNTERS
 
 GOLD = "42"
@@ -161,7 +161,10 @@ def _rollouts(
     """One batch: each command a one-call rollout (``honest service`` on the service task), plus an
     unstartable task; verified together. Returns the rewards and the verifications, by name."""
     spec = HarborSpec(
-        suite, agent=harness, environment_type="local", env_kwargs={"command_timeout_sec": 60, **(env_kwargs or {})}
+        suite,
+        agent=harness,
+        environment_type="local",
+        options=HarborOptions(command_timeout_sec=60, **(env_kwargs or {})),
     )
     by_name = {path.name: str(path) for path in spec.task_dirs}
     names = [*commands, "backend fault"]
@@ -260,7 +263,7 @@ def test_tampering_is_reported_with_its_changes_and_allowed_changes_are_honoured
     """On the generic path: a refused change names itself; an install passes; a declared change is allowed."""
     task = str(suite / "guard")
     generic = {"backend_options": isolation_off()}
-    spec = HarborSpec(suite, environment_type="local", env_kwargs=generic)
+    spec = HarborSpec(suite, environment_type="local", options=HarborOptions(**generic))
     env = spec.environment_factory()
     env.reset(task_dir=task)
     env.bash(f"{EXPLOITS['.pth plant']}; echo {GOLD} > /workdir/answer.txt")
@@ -281,7 +284,9 @@ def test_tampering_is_reported_with_its_changes_and_allowed_changes_are_honoured
     # exactly (a glob never crosses "/" and a wildcard never admits a hook).
     site = "/usr/local/lib/python3.11/dist-packages"  # the task image's (SITE, as the shell finds it)
     for allowed, reward in (([f"{site}/zz.pth"], 1.0), ([f"{site}/zz*"], 0.0), (["*/dist-packages/zz.pth"], 0.0)):
-        allowing = HarborSpec(suite, environment_type="local", env_kwargs={"allowed_changes": allowed, **generic})
+        allowing = HarborSpec(
+            suite, environment_type="local", options=HarborOptions(allowed_changes=allowed, **generic)
+        )
         env = allowing.environment_factory()
         env.reset(task_dir=task)
         env.bash(f"echo 'import sys' > {SITE}/zz.pth; echo {GOLD} > /workdir/answer.txt")

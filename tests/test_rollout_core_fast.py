@@ -19,7 +19,7 @@ import pytest
 from conftest import GOLD_ANSWER, GOLD_TASK
 from fast_backend import SubprocessEnvironment
 
-from trl_harbor import HarborSpec, close_all
+from trl_harbor import HarborOptions, HarborSpec, close_all
 from trl_harbor.rollout import COUNTERS, Cause
 
 FAST = "fast_backend:SubprocessEnvironment"
@@ -184,7 +184,7 @@ def test_a_sandbox_that_does_not_start_is_the_infrastructures(copy_tasks) -> Non
     assert "sandbox start failed" in env.verification.reason and "the sandbox host is gone" in env.verification.reason
     assert COUNTERS.infra_failures()["start"] == before + 1
     strict = HarborSpec(copy_tasks(GOLD_TASK, dest="again"), environment_type="test_rollout_core_fast:FailsToStart",
-                        env_kwargs={"on_infra_error": "zero"})  # fmt: skip
+                        options=HarborOptions(on_infra_error="zero"))  # fmt: skip
     env = strict.environment_factory()
     env.reset(task_dir=str(strict.task_dirs[0]))
     assert strict.reward_funcs(environments=[env]) == [0.0]

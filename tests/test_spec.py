@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import BUNDLED_SUITE, GOLD_TASK
 
-from trl_harbor import HarborBashEnv, HarborEnv, HarborSpec, TaskSuiteError
+from trl_harbor import HarborBashEnv, HarborEnv, HarborOptions, HarborSpec, TaskSuiteError
 from trl_harbor.training.rewards import harbor_reward
 
 NAMES = sorted(p.name for p in BUNDLED_SUITE.iterdir() if (p / "task.toml").is_file())
@@ -84,7 +84,7 @@ def test_agent_errors_in_the_constructor(bundled_suite: Path) -> None:
 
 
 def test_environment_factory_builds_fresh_picklable_envs(bundled_suite: Path, tmp_path: Path) -> None:
-    spec = HarborSpec(bundled_suite, environment_type="local", env_kwargs={"command_timeout_sec": 30})
+    spec = HarborSpec(bundled_suite, environment_type="local", options=HarborOptions(command_timeout_sec=30))
     factory = spec.environment_factory
     a, b = factory(), factory()
     assert isinstance(a, HarborBashEnv) and a is not b

@@ -14,7 +14,7 @@ import pytest
 from conftest import requires_local, tiny_grpo_trainer
 
 from sandbox_helpers import BASE_DOCKERFILE
-from trl_harbor import HarborSpec
+from trl_harbor import HarborOptions, HarborSpec
 from trl_harbor.rollout.suite import TaskSuiteError
 from trl_harbor.training.env import HarborBashStepsEnv
 
@@ -107,7 +107,9 @@ def test_steps_combine_as_in_harbor_and_min_reward_ends_the_rollout(tmp_path: Pa
     assert env.reward == 1.0
     assert "never reached (not counted, as in Harbor)" in env.verification.reason
     # The training option: a step never reached scores 0, so stopping early is never rewarded.
-    strict = HarborSpec(root, agent="bash_steps", environment_type="local", env_kwargs={"unreached_steps": "zero"})
+    strict = HarborSpec(
+        root, agent="bash_steps", environment_type="local", options=HarborOptions(unreached_steps="zero")
+    )
     zeroed = strict.environment_factory()
     zeroed.reset(task_dir=task["mean"])
     zeroed.bash("echo 1 > /workdir/a.txt")
@@ -211,7 +213,7 @@ def test_grpo_step_on_a_multi_reward_task_logs_every_component(
         f'if [ "$(cat /workdir/answer.txt 2>/dev/null)" = "{GOLD_ANSWER}" ]; then c=1; else c=0; fi\n'
         'echo "{\\"correctness\\": $c, \\"performance\\": 0.5}" > /logs/verifier/reward.json\n'
     )
-    spec = HarborSpec(suite, environment_type="local", env_kwargs={"reward_weights": {"correctness": 1.0}})
+    spec = HarborSpec(suite, environment_type="local", options=HarborOptions(reward_weights={"correctness": 1.0}))
     calls = [tool_call_text("bash", {"command": f"echo -n {c} > /workdir/answer.txt"}) for c in (GOLD_ANSWER, 0)]
     trainer = tiny_grpo_trainer(tmp_path, spec, calls, HarborBashEnv.PROMPT_SUFFIX, spec.reward_funcs)
     trainer.train()

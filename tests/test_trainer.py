@@ -34,7 +34,7 @@ from conftest import BUNDLED_SUITE, GOLD_ANSWER, GOLD_TASK, requires_local
 from harbor_local_sandbox._lifetime import state_root
 
 from sandbox_helpers import BASE_DOCKERFILE
-from trl_harbor import HarborBashEnv, HarborSpec, close_all
+from trl_harbor import HarborBashEnv, HarborOptions, HarborSpec, close_all
 from trl_harbor.rollout import COUNTERS
 
 EXPLOSION = "sandbox API down"
@@ -207,7 +207,7 @@ def _gold_spec(agent: Any, tmp_path: Path, exec_latency: float = 0.0, **spec_kwa
     if not exec_latency:
         return HarborSpec(suite, agent=agent, environment_type="local", **spec_kwargs)
     kwargs = {"backend_options": {"exec_latency_sec": exec_latency}}
-    return HarborSpec(suite, agent=agent, environment_type=LATENCY, env_kwargs=kwargs)
+    return HarborSpec(suite, agent=agent, environment_type=LATENCY, options=HarborOptions(**kwargs))
 
 
 @requires_local
@@ -295,7 +295,7 @@ def test_a_sandbox_that_cannot_start_costs_its_rollouts_alike(tmp_path: Path) ->
     scripted = [tool_call_text("bash", {"command": GOOD}), tool_call_text("bash", {"command": WRONG})]
     outcomes = {}
     for trainer_cls in (GRPOTrainer, HarborGRPOTrainer):
-        spec = HarborSpec(suite, agent="bash", environment_type="local", env_kwargs={"on_infra_error": "zero"})
+        spec = HarborSpec(suite, agent="bash", environment_type="local", options=HarborOptions(on_infra_error="zero"))
         before = COUNTERS.infra_failures()["start"]
         outcomes[trainer_cls] = _outcome(_train(trainer_cls, tmp_path, spec, scripted, batch=4, prompts=2))
         assert COUNTERS.infra_failures()["start"] == before + 2  # both rollouts of the broken task, once each

@@ -11,9 +11,10 @@ default is written once, here, and an option given to one of them reaches the ro
     options = HarborOptions(command_timeout_sec=60, on_infra_error="zero")
     spec = HarborSpec("examples/tasks", environment_type="local", options=options)
 
-Fields may also be given one by one where an options object is taken
-(``HarborEnv(command_timeout_sec=60)``, ``HarborSpec(env_kwargs={"command_timeout_sec": 60})``):
-they override the object's (:meth:`HarborOptions.merged`).
+``options=`` is the one way in, wherever rollouts are configured. Fields given one by one
+(``HarborEnv(command_timeout_sec=60)``, ``HarborSpec(env_kwargs={"command_timeout_sec": 60})``) still
+override the object's, through :func:`merge_loose_options`, with a ``FutureWarning`` naming the
+``options=`` that replaces them: they will be refused in a later release.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["HarborOptions", "InfraPolicy", "OPTION_NAMES", "refuse_unknown"]
+__all__ = ["HarborOptions", "InfraPolicy", "OPTION_NAMES", "merge_loose_options", "refuse_unknown"]
 
 InfraPolicy = Literal["skip", "zero", "raise"]
 AgentProcesses = Literal["keep", "kill"]
@@ -159,3 +160,39 @@ def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
 
 #: The fields of :class:`HarborOptions`.
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(HarborOptions))
+
+
+def merge_loose_options(
+    options: HarborOptions | None, loose: Mapping[str, Any], where: str, stacklevel: int = 3
+) -> HarborOptions:
+    """Options with fields that were given one by one, the way that is going away, merged in.
+
+    ``options=`` is the one way in. A field given loose (``HarborEnv(command_timeout_sec=60)``,
+    ``HarborSpec(env_kwargs={"command_timeout_sec": 60})``) still takes effect, exactly as
+    :meth:`HarborOptions.merged` would, with a ``FutureWarning`` that shows the ``options=`` to write.
+
+    Args:
+        options: The options object, if any.
+        loose: The fields given one by one (empty: no warning).
+        where: What took them, for the message (``"HarborEnv(...)"``).
+        stacklevel: Passed to :func:`warnings.warn` (points at the caller's line).
+
+    Returns:
+        The merged options.
+
+    Raises:
+        TypeError: When a name is no option.
+    """
+    merged = HarborOptions.merged(options, **loose)
+    if loose:
+        import warnings
+
+        fields = ", ".join(f"{name}={value!r}" for name, value in loose.items())
+        fix = f"HarborOptions({fields})" if options is None else f"HarborOptions.merged(options, {fields})"
+        warnings.warn(
+            f"{where}: rollout options given one by one ({', '.join(loose)}) are deprecated and will be "
+            f"refused in a later release. Fix: pass options={fix}.",
+            FutureWarning,
+            stacklevel=stacklevel,
+        )
+    return merged

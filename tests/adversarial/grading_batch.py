@@ -15,7 +15,7 @@ from typing import Any
 
 from adv_table import GradingOutcome
 
-from trl_harbor import HarborSpec, close_all
+from trl_harbor import HarborOptions, HarborSpec, close_all
 
 
 def run_batch(
@@ -47,7 +47,7 @@ def run_batch(
         root,
         agent="bash_steps",
         environment_type="local",
-        env_kwargs={"command_timeout_sec": command_timeout_sec, **(env_kwargs or {})},
+        options=HarborOptions(command_timeout_sec=command_timeout_sec, **(env_kwargs or {})),
     )
     started = time.monotonic()
     envs = [spec.environment_factory() for _ in cases]

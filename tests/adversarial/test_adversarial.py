@@ -37,7 +37,7 @@ from harbor_local_sandbox.oci import ImageStore
 from registry import loopback_registry  # noqa: F401 - the session fixture
 
 from sandbox_helpers import BASE_DOCKERFILE, live_processes_with, make_task, wait_until
-from trl_harbor import HarborSpec, close_all
+from trl_harbor import HarborOptions, HarborSpec, close_all
 
 #: Real sandboxes on the local backend (never skipped: where bubblewrap is missing they fail).
 requires_local = pytest.mark.local
@@ -132,7 +132,7 @@ class Arena:
         self.env_kwargs = {"command_timeout_sec": COMMAND_TIMEOUT_SEC, **(env_kwargs or {})}
         self.listeners = Listeners()
         self.neighbour = HarborSpec(
-            suite, agent="bash", environment_type="local", env_kwargs=self.env_kwargs
+            suite, agent="bash", environment_type="local", options=HarborOptions(**self.env_kwargs)
         ).environment_factory()
         self.neighbour_root = ""
         self.inside: str | None = None
@@ -185,7 +185,7 @@ class Arena:
 def run_corpus(arena: Arena, harness: str, label: str, cases: list[Case]) -> list[Outcome]:
     """One batch: every case a rollout of ``harness``; the batch verified with ``spec.reward_funcs``."""
     env_kwargs = dict(arena.env_kwargs)
-    spec = HarborSpec(arena.suite, agent=harness, environment_type="local", env_kwargs=env_kwargs)
+    spec = HarborSpec(arena.suite, agent=harness, environment_type="local", options=HarborOptions(**env_kwargs))
     marker = "adv" + secrets.token_hex(4)
     arena.start_neighbour()
     ctx = Ctx(

@@ -36,7 +36,7 @@ from adv_table import GRADING, GradingOutcome, render_grading
 from grading_corpus import CASES, NOT_RUN, Case, Ctx, Suite, write_suite
 
 from sandbox_helpers import defences_off
-from trl_harbor import HarborSpec, close_all
+from trl_harbor import HarborOptions, HarborSpec, close_all
 
 requires_local = pytest.mark.local
 
@@ -163,7 +163,9 @@ def test_filling_the_state_roots_inode_table_costs_only_the_filler(
 ) -> None:
     """Empty files use no blocks, only inodes: a sandbox making them by the thousand must not zero an
     honest neighbour (its answer unwritable, its verifier's view unmade) nor stop later sandboxes starting."""
-    spec = HarborSpec(suite.root, agent="bash_steps", environment_type="local", env_kwargs={"command_timeout_sec": 60})
+    spec = HarborSpec(
+        suite.root, agent="bash_steps", environment_type="local", options=HarborOptions(command_timeout_sec=60)
+    )
     filler, neighbour = spec.environment_factory(), spec.environment_factory()
     for env in (filler, neighbour):
         env.reset(task_dir=suite.task("sh"))
@@ -195,7 +197,9 @@ def test_sparse_artifacts_are_not_copied_at_their_apparent_size(
 ) -> None:
     """Ten 10 GiB sparse files in /logs/artifacts of a separate-verifier task: the host gets their data
     (none), not 100 GiB of zeroes; the rollout scores 0 (it is not skipped) and the trial folders stay small."""
-    spec = HarborSpec(suite.root, agent="bash_steps", environment_type="local", env_kwargs={"command_timeout_sec": 60})
+    spec = HarborSpec(
+        suite.root, agent="bash_steps", environment_type="local", options=HarborOptions(command_timeout_sec=60)
+    )
     attacker, neighbour = spec.environment_factory(), spec.environment_factory()
     for env in (attacker, neighbour):
         env.reset(task_dir=suite.task("sep"))

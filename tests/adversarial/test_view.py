@@ -33,7 +33,7 @@ from adv_table import GradingOutcome, render_grading
 from view_corpus import CASES, CLASSES, NOT_RUN, ViewCase, ViewCtx, ViewSuite, write_suite
 
 from sandbox_helpers import defences_off
-from trl_harbor import HarborSpec, close_all
+from trl_harbor import HarborOptions, HarborSpec, close_all
 
 requires_local = pytest.mark.local
 
@@ -168,7 +168,7 @@ def test_a_programming_error_in_grading_skips_the_rollout_and_stops_a_lost_batch
             suite.root,
             agent="bash_steps",
             environment_type="local",
-            env_kwargs={"command_timeout_sec": 60, "infra_stop_fraction": stop_fraction},
+            options=HarborOptions(command_timeout_sec=60, infra_stop_fraction=stop_fraction),
         )
         envs = [spec.environment_factory() for _ in range(2)]
         for env in envs:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from sandbox_helpers import BASE_DOCKERFILE
-from trl_harbor import HarborSpec, close_all
+from trl_harbor import HarborOptions, HarborSpec, close_all
 from trl_harbor.rollout.suite import TaskSuiteError
 
 GOLD = "42"
@@ -206,7 +206,7 @@ def test_broken_verifications_cost_one_rollout_each_with_their_reason(tmp_path: 
     suite = tmp_path / "suite"
     for name, (breaks, *_) in ROLLOUTS.items():
         breaks(write_task(suite, name))
-    spec = HarborSpec(suite, environment_type="local", env_kwargs={"command_timeout_sec": 30})
+    spec = HarborSpec(suite, environment_type="local", options=HarborOptions(command_timeout_sec=30))
     by_name = {path.name: str(path) for path in spec.task_dirs}
     envs = [spec.environment_factory() for _ in ROLLOUTS]
     try:

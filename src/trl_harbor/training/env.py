@@ -26,17 +26,18 @@ Harbor is asynchronous: every coroutine runs on the one process-wide loop of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trl_harbor import progress, runtime
-from trl_harbor.options import HarborOptions
+from trl_harbor.options import HarborOptions, merge_loose_options
 from trl_harbor.rollout import backends, grading
 from trl_harbor.rollout.episode import CommandTimeoutError, Episode, Phase
 from trl_harbor.rollout.outcome import Cause, Verification
@@ -65,8 +66,20 @@ __all__ = [
 
 #: The episode whose hook is running (``_setup``, ``_upload_build_files``, ``_verify``, ``_stop``):
 #: hooks run on the shared loop, some in the background (setup after ``reset`` returned, ``_stop``
-#: after the next one began), so ``self._episode`` may already belong to a newer episode.
+#: after the next one began), so ``self._episode`` may already belong to a newer episode. Set only
+#: by :func:`_hooked`; read only by :attr:`HarborEnv._current` and :meth:`HarborEnv._aexec`.
 _HOOKED: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("hooked_episode", default=None)
+
+
+@contextlib.contextmanager
+def _hooked(episode: Episode) -> Iterator[None]:
+    """Run a hook for ``episode``: within it, ``self._env``, ``self._task``, ... are that episode's."""
+    token = _HOOKED.set(episode)
+    try:
+        yield
+    finally:
+        _HOOKED.reset(token)
+
 
 #: The reference integration's lifecycle hooks (``trl.experimental.harbor.HarborEnv``): coroutines a
 #: harness may override, each called at the reference's moment with the reference's arguments.
@@ -150,13 +163,29 @@ class HarborEnv:
     sandboxes of a whole generation batch start together while the model generates; the first
     tool call waits for its sandbox only if it is not ready yet.
 
+    One rollout, what TRL calls and what runs (hooks are coroutines on the shared loop; override any)::
+
+        reset(task_dir, **row)    the previous episode ends in the background: _stop
+                                  _start(task_dir): the sandbox starts, then _upload_build_files,
+                                    the task's healthcheck, _setup; the instruction comes back
+                                    (at once, or once started where a harness overrides _start,
+                                    as the reference awaits it)
+        tools                     self._exec / await self._aexec in the sandbox (wait for the start)
+        reward / reward_funcs     _verify, once: Harbor's verifier, graded (rollout/grading.py)
+        release(env) / close_all  _stop
+
+    Within a hook, ``self._env``, ``self._task`` and ``self._paths`` are the hook's episode's, even
+    when it runs in the background after the next ``reset``.
+
     Args:
         environment_type: Harbor sandbox backend: ``"docker"`` (default), any Harbor environment
             type (``"e2b"``, ``"daytona"``, ``"modal"``, ...), ``"local"`` for the bundled
             bubblewrap sandbox, or a plug-in ``"module.path:ClassName"``.
-        options: How rollouts run and are graded (:class:`~trl_harbor.HarborOptions`).
-        **overrides: Fields of :class:`~trl_harbor.HarborOptions` (``command_timeout_sec=60``, ...)
-            replacing those of ``options``.
+        options: How rollouts run and are graded (:class:`~trl_harbor.HarborOptions`): the one way
+            in for rollout options.
+        **overrides: Deprecated: fields of :class:`~trl_harbor.HarborOptions` (``command_timeout_sec=60``)
+            replacing those of ``options``, with a ``FutureWarning`` that shows the ``options=`` to
+            write (:func:`~trl_harbor.options.merge_loose_options`).
 
     Attributes:
         PROMPT_SUFFIX: Text appended to the task instruction returned by ``reset``.
@@ -167,7 +196,7 @@ class HarborEnv:
     def __init__(self, environment_type: str = "docker", *, options: HarborOptions | None = None, **overrides: Any):
         runtime.arm()  # sandboxes stop at exit and on SIGTERM (installed here, on the trainer's thread)
         self._environment_type = environment_type
-        self._options = HarborOptions.merged(options, **overrides)
+        self._options = merge_loose_options(options, overrides, f"{type(self).__name__}(...)")
         self._backend: Backend | None = None
         self._episode: Episode | None = None
         self._reward_reported = False
@@ -204,8 +233,7 @@ class HarborEnv:
             instruction = self._run(self._start(str(task_dir)))
             episode = self._episode
             return instruction + self.PROMPT_SUFFIX + ("" if episode is None else _steps_note(episode.task))
-        episode = self._begin(task_dir)
-        episode.ready = runtime.submit(self._provision(episode))
+        episode = self._launch(task_dir)  # what _start does, without waiting for the sandbox
         return episode.instruction + self.PROMPT_SUFFIX + _steps_note(episode.task)
 
     @property
@@ -237,11 +265,8 @@ class HarborEnv:
 
     async def _hooked_verify(self, episode: Episode) -> float | None:
         await episode.wait_ready()
-        token = _HOOKED.set(episode)
-        try:
+        with _hooked(episode):
             value = await self._verify()
-        finally:
-            _HOOKED.reset(token)
         return None if value is None else float(value)
 
     @property
@@ -324,8 +349,7 @@ class HarborEnv:
         Returns:
             The task's instruction (``reset`` appends :attr:`PROMPT_SUFFIX`).
         """
-        episode = self._begin(task_dir)
-        episode.ready = runtime.submit(self._provision(episode))
+        episode = self._launch(task_dir)
         await episode.wait_ready()
         return episode.instruction
 
@@ -391,7 +415,7 @@ class HarborEnv:
     def _env(self) -> BaseEnvironment | None:
         """The reference's name for :attr:`_environment`; from a tool, it waits for the sandbox to start."""
         episode = self._episode
-        if _HOOKED.get() is None and episode is not None and not runtime.on_loop_thread():
+        if episode is not None and not runtime.on_loop_thread():  # a tool's read (hooks run on the loop)
             runtime.run(episode.wait_ready())
         return self._environment
 
@@ -413,8 +437,8 @@ class HarborEnv:
             self._backend = resolve_backend(self._environment_type, dict(self._options.backend_options))
         return self._backend
 
-    def _begin(self, task_dir: str | Path) -> Episode:
-        """End the current episode (in the background) and make the next one, for ``task_dir``."""
+    def _launch(self, task_dir: str | Path) -> Episode:
+        """End the current episode and start the next one's sandbox, for ``task_dir``, both in the background."""
         from trl_harbor.rollout.suite import load_task
 
         release(self)
@@ -426,6 +450,7 @@ class HarborEnv:
             )
         episode = Episode(task, self._resolved_backend(), self._options)
         self._episode, self._reward_reported = episode, False
+        episode.ready = runtime.submit(self._provision(episode))
         return episode
 
     async def _provision(self, episode: Episode) -> None:
@@ -434,24 +459,19 @@ class HarborEnv:
             await self._aexec("mkdir -p /workdir /home/user/input", timeout=60)
             await self._setup()
 
-        token = _HOOKED.set(episode)
-        try:
+        with _hooked(episode):
             await episode.provision(
                 prepare, self._upload_build_files if overrides(self, "_upload_build_files") else None
             )
-        finally:
-            _HOOKED.reset(token)
 
     async def _ended(self, episode: Episode) -> None:
         """Stop an episode that ended, through the harness's ``_stop`` when it overrides it."""
         if overrides(self, "_stop"):
-            token = _HOOKED.set(episode)
-            try:
-                await self._stop()
-            except Exception:
-                logger.warning("trl-harbor: %s._stop failed", type(self).__qualname__, exc_info=True)
-            finally:
-                _HOOKED.reset(token)
+            with _hooked(episode):
+                try:
+                    await self._stop()
+                except Exception:
+                    logger.warning("trl-harbor: %s._stop failed", type(self).__qualname__, exc_info=True)
         await episode.stop()
 
     def __del__(self) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from trl_harbor.loop.rollout_func import LoopRolloutFunc, loop_agent_name, loop_reward
 from trl_harbor.loop.terminus import TerminusOptions
-from trl_harbor.options import OPTION_NAMES, HarborOptions
+from trl_harbor.options import OPTION_NAMES, HarborOptions, merge_loose_options
 from trl_harbor.rollout.backends import Backend, resolve_backend
 from trl_harbor.rollout.preflight import check_backend, check_task_configs, preflight_enabled
 from trl_harbor.rollout.sources import SuiteSelection, parse_dataset, resolve_suite
@@ -54,15 +54,16 @@ def split_env_kwargs(
 
     Args:
         options: The options object, if any.
-        env_kwargs: Keyword arguments for every environment: fields of :class:`HarborOptions`
-            (``command_timeout_sec``, ...) override ``options``; the rest go to the harness.
+        env_kwargs: Keyword arguments for every environment: the harness's own go to it; fields of
+            :class:`HarborOptions` (``command_timeout_sec``, ...) override ``options``, deprecated
+            (:func:`~trl_harbor.options.merge_loose_options`).
 
     Returns:
         ``(options, harness keyword arguments)``.
     """
     given = dict(env_kwargs or {})
-    overrides = {key: given.pop(key) for key in list(given) if key in OPTION_NAMES}
-    return HarborOptions.merged(options, **overrides), given
+    loose = {key: given.pop(key) for key in list(given) if key in OPTION_NAMES}
+    return merge_loose_options(options, loose, "HarborSpec(env_kwargs=...)", stacklevel=4), given
 
 
 def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv] | None, backend: Backend) -> None:
@@ -266,10 +267,10 @@ class HarborSpec:
         options: How rollouts run and are graded (:class:`~trl_harbor.HarborOptions`: timeouts,
             output cap, concurrency, infrastructure-failure policy, reward reduction, backend
             options, ...).
-        env_kwargs: Keyword arguments for every environment: :class:`~trl_harbor.HarborOptions`
-            fields (``{"command_timeout_sec": 60}``) override ``options``; the rest go to the
-            harness's constructor (for ``"terminus-2"``: :class:`~trl_harbor.loop.terminus.TerminusOptions`
-            fields, ``{"max_turns": 20}``).
+        env_kwargs: Keyword arguments of every harness's constructor (for ``"terminus-2"``:
+            :class:`~trl_harbor.loop.terminus.TerminusOptions` fields, ``{"max_turns": 20}``). Rollout
+            options go in ``options``; a :class:`~trl_harbor.HarborOptions` field here still overrides
+            ``options``, with a ``FutureWarning`` (deprecated, :func:`~trl_harbor.options.merge_loose_options`).
         reward_source: Where the trainer gets the verifier's reward: ``"function"`` (default, as in
             ``trl.experimental.harbor``): from :attr:`reward_funcs`, a batch verified at once, and
             a custom reward function passed instead replaces the verifier; ``"environment"``: the
