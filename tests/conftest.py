@@ -41,6 +41,8 @@ requires_local = pytest.mark.local
 FULL_TIER_MARKERS = ("local", "docker", "ray", "slow")
 #: Set (to 1) for the fast tier: the full tier's tests are deselected, and a test that starts a sandbox fails.
 FAST_TIER = os.environ.get("TRL_HARBOR_FAST_TIER", "") not in ("", "0")
+if FAST_TIER:  # the local sandbox package's fast tier too: its plug-in (sandbox_tier) refuses local sandboxes
+    os.environ["HARBOR_LOCAL_SANDBOX_TEST_TIER"] = "fast"
 TESTS = Path(__file__).resolve().parent
 
 
@@ -261,48 +263,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             fixtures.insert(0, "bundled_images")
 
 
-#: What the fast tier's tests tried to start (the sandbox kind), by test; each fails at its teardown.
-_STARTED: list[str] = []
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _fast_tier_starts_no_sandbox() -> Iterator[None]:
-    """In the fast tier, starting a local sandbox (looking up bubblewrap) or a Docker one is refused
-    (``SandboxUnavailableError``), recorded, and fails the test (:func:`_no_sandbox_was_started`): a
+    """In the fast tier, starting a Docker sandbox is refused (``SandboxUnavailableError``), recorded, and fails
+    the test at its teardown; a local one (looking up bubblewrap) too. Both by the local sandbox package's
+    plug-in (``packages/harbor-local-sandbox/tests/sandbox_tier.py``, loaded by the pytest configuration): a
     sandbox test without its marker fails there instead of passing on a machine that has bubblewrap."""
     if not FAST_TIER:
         yield
         return
-    import importlib
-
     from harbor.environments.docker.docker import DockerEnvironment
-    from harbor_local_sandbox.errors import SandboxUnavailableError
-
-    def refused(what: str):
-        def start(*args, **kwargs):
-            _STARTED.append(what)
-            raise SandboxUnavailableError(f"the fast tier starts no {what}: mark the test {what.split()[0]!r}")
-
-        return start
+    from sandbox_tier import refusal
 
     patch = pytest.MonkeyPatch()
-    for name in ("_binaries", "_box", "_diagnose", "local"):
-        module = importlib.import_module(f"harbor_local_sandbox.{name}")
-        if hasattr(module, "bwrap_path"):
-            patch.setattr(module, "bwrap_path", refused("local sandbox (bubblewrap)"))
-    patch.setattr(DockerEnvironment, "start", refused("docker sandbox"))
+    patch.setattr(DockerEnvironment, "start", refusal("docker sandbox", "docker"))
     yield
     patch.undo()
-
-
-@pytest.fixture(autouse=True)
-def _no_sandbox_was_started(_fast_tier_starts_no_sandbox: None) -> Iterator[None]:
-    """Fail a fast-tier test (at its teardown) that tried to start a sandbox, in its own or a shared fixture."""
-    yield
-    if _STARTED:
-        started = sorted(set(_STARTED))
-        _STARTED.clear()
-        pytest.fail(f"a fast-tier test tried to start a {', a '.join(started)}: mark it (docs/testing.md)", False)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -1,14 +1,21 @@
 """Build harbor-local-sandbox's C helpers with the package (metadata: pyproject.toml).
 
-A wheel carries them in ``harbor_local_sandbox/_bin/`` and is a platform wheel (``py3-none-linux_<machine>``);
-an sdist, or a checkout, builds them at install; an editable install (``pip install -e``) builds them into
-the source folder (``src/harbor_local_sandbox/_bin/``, ignored by git). Nothing is compiled when a sandbox
-starts: ``_binaries.py`` finds them, checking ``_bin/manifest.json`` (what was built, from which source).
+A wheel carries them in ``harbor_local_sandbox/_bin/`` and is a platform wheel (any Python 3, this machine's
+architecture); an sdist, or a checkout, builds them at install; an editable install (``pip install -e``) builds
+them into the source folder (``src/harbor_local_sandbox/_bin/``, ignored by git). Nothing is compiled when a
+sandbox starts: ``_binaries.py`` finds them, checking ``_bin/manifest.json`` (what was built, from which source).
 
-The supervisor, ``runas``, ``nouserns`` and the forwarder run inside task images, whatever C library they have
-(or none), so they are linked statically; the launcher runs on the host and is optional (without it sandboxes
-start without a parked process). ``CC`` chooses the compiler (it may hold flags, e.g. ``ccache gcc``); else the
-first of ``cc``, ``gcc``, ``clang`` on ``PATH``. ``CFLAGS``/``LDFLAGS`` are not used: the flags are the package's.
+Every helper is linked statically: the supervisor, ``runas``, ``nouserns`` and the forwarder run inside task
+images, whatever C library they have (or none); the launcher runs on the host, whose C library may be older than
+the build machine's. The launcher is optional (without it sandboxes start without a parked process). ``CC``
+chooses the compiler (it may hold flags, e.g. ``ccache gcc``); else the first of ``cc``, ``gcc``, ``clang`` on
+``PATH``. ``CFLAGS``/``LDFLAGS`` are not used: the flags are the package's.
+
+The wheel's platform tag says what the helpers need: when every helper it carries is a static program (an ELF
+file that asks for no interpreter, ``PT_INTERP``, and no shared library, ``DT_NEEDED``), nothing of the host's C
+library is used and the wheel is ``manylinux_2_17_<machine>.manylinux2014_<machine>`` (the oldest baseline pip
+still names; a static glibc program needs Linux 3.2, which that baseline has); otherwise it stays
+``linux_<machine>``, which claims nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import shlex
 import shutil
+import struct
 import subprocess
 import tempfile
 from pathlib import Path
@@ -28,8 +36,9 @@ from setuptools.command.build import build
 from setuptools.errors import CompileError
 
 PACKAGE = "harbor_local_sandbox"
-#: The helpers: their name (``_<name>.c``) and whether they are linked statically. The launcher may be missing.
-HELPERS = {"supervisor": True, "runas": True, "nouserns": True, "forwarder": True, "launcher": False}
+#: The helpers: their name (``_<name>.c``) and whether they are linked statically (all are: see above). The
+#: launcher may be missing.
+HELPERS = {"supervisor": True, "runas": True, "nouserns": True, "forwarder": True, "launcher": True}
 OPTIONAL = {"launcher"}
 BIN_DIR = "_bin"
 MANIFEST = "manifest.json"
@@ -152,6 +161,57 @@ class build_helpers(Command):
         scratch.replace(target / MANIFEST)
 
 
+#: Architectures (``platform.machine()`` as wheels spell it) that have a manylinux2014 baseline (PEP 599).
+MANYLINUX2014_MACHINES = {"x86_64", "i686", "aarch64", "armv7l", "ppc64", "ppc64le", "s390x"}
+
+
+def elf_links(path: Path) -> tuple[str | None, int]:
+    """The program interpreter (``PT_INTERP``) an ELF file asks for, if any, and how many shared libraries it
+    names (``DT_NEEDED``): ``(None, 0)`` for a static program.
+
+    Raises:
+        ValueError: If ``path`` is not an ELF file.
+    """
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] not in (1, 2) or data[5] not in (1, 2):
+        raise ValueError(f"{path} is not an ELF file")
+    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+    if wide:  # ELF64: e_phoff at 0x20, e_phentsize and e_phnum at 0x36; p_type, p_flags, p_offset, .., p_filesz
+        (phoff,) = struct.unpack_from(order + "Q", data, 0x20)
+        phentsize, phnum = struct.unpack_from(order + "HH", data, 0x36)
+        header, dyn = order + "IIQQQQ", order + "qQ"
+    else:  # ELF32: e_phoff at 0x1c, e_phentsize and e_phnum at 0x2a; p_type, p_offset, p_vaddr, p_paddr, p_filesz
+        (phoff,) = struct.unpack_from(order + "I", data, 0x1C)
+        phentsize, phnum = struct.unpack_from(order + "HH", data, 0x2A)
+        header, dyn = order + "IIIII", order + "iI"
+    interpreter, needed = None, 0
+    for index in range(phnum):
+        fields = struct.unpack_from(header, data, phoff + index * phentsize)
+        kind, (offset, size) = fields[0], ((fields[2], fields[5]) if wide else (fields[1], fields[4]))
+        if kind == 3:  # PT_INTERP
+            interpreter = data[offset : offset + size].rstrip(b"\0").decode(errors="replace")
+        elif kind == 2:  # PT_DYNAMIC: (d_tag, d_val) pairs up to DT_NULL
+            step = struct.calcsize(dyn)
+            for entry in range(offset, offset + size - step + 1, step):
+                tag, _ = struct.unpack_from(dyn, data, entry)
+                if tag == 0:
+                    break
+                needed += tag == 1  # DT_NEEDED
+    return interpreter, needed
+
+
+def wheel_platform(helpers_dir: Path, platform: str) -> str:
+    """The platform tag of a wheel carrying the helpers in ``helpers_dir``, built for ``platform`` (``linux_<m>``):
+    manylinux2014 when every helper there is a static program, else ``platform`` itself (see above)."""
+    machine = platform.removeprefix("linux_")
+    programs = [helpers_dir / name for name in HELPERS if (helpers_dir / name).is_file()]
+    if not platform.startswith("linux_") or machine not in MANYLINUX2014_MACHINES or not programs:
+        return platform
+    if any(elf_links(program) != (None, 0) for program in programs):
+        return platform
+    return f"manylinux_2_17_{machine}.manylinux2014_{machine}"
+
+
 class PlatformDistribution(Distribution):
     """A distribution with platform-specific files: installed in ``platlib``, its wheel not ``-none-any``."""
 
@@ -160,11 +220,15 @@ class PlatformDistribution(Distribution):
 
 
 class platform_wheel(bdist_wheel):
-    """A wheel for this platform, any Python 3 (``py3-none-linux_<machine>``): the helpers are programs, not modules."""
+    """A wheel for this platform, any Python 3: the helpers are programs, not modules. Its platform tag is
+    :func:`wheel_platform`'s, from the helpers built (``linux_<machine>`` until they are)."""
 
     def get_tag(self) -> tuple[str, str, str]:
         _, _, platform = super().get_tag()
-        return "py3", "none", platform
+        if self.plat_name_supplied:  # --plat-name: the builder's own claim
+            return "py3", "none", platform
+        helpers = Path(self.get_finalized_command("build_helpers").get_outputs()[0]).parent
+        return "py3", "none", wheel_platform(helpers, platform)
 
 
 class build_with_helpers(build):

@@ -239,3 +239,15 @@ def plugin_venv() -> PluginVenv:
     problems = venv.import_problems()
     assert not problems, "\n".join(problems)
     return venv
+
+
+def package_setup() -> dict:
+    """The names ``setup.py`` defines (its build's functions: the helpers' ELF reading, the wheel's platform tag),
+    read without building anything (``setuptools.setup`` is a no-op meanwhile)."""
+    import runpy
+
+    import setuptools
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(setuptools, "setup", lambda **kwargs: None)
+        return runpy.run_path(str(PACKAGE_DIR / "setup.py"), run_name="harbor_local_sandbox_setup")

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harbor_alone import package_setup
 from harbor_local_sandbox import _binaries
 from harbor_local_sandbox.errors import SandboxUnavailableError
 
@@ -51,7 +52,7 @@ def _build(package: Path, *, skip: tuple[str, ...] = (), failed: dict[str, str] 
             binary.write_text("#!/bin/sh\n")
             binary.chmod(0o755)
         helpers[name] = {
-            "static": name != "launcher",
+            "static": True,
             "source_sha256": hashlib.sha256(source).hexdigest(),
             "built": name not in failed,
             "error": failed.get(name, ""),
@@ -122,6 +123,53 @@ def test_the_installed_package_has_current_helpers() -> None:
     for name in STATIC:
         path = Path(_binaries.static_binary(name))
         assert path.parent == _binaries.HELPERS_DIR and os.access(path, os.X_OK)
+
+
+# --- static programs, and the wheel's platform tag (setup.py) -------------------------------------------------
+
+
+def _readelf(path: Path) -> tuple[bool, int] | None:
+    """binutils' answer, where it is installed: (asks for an interpreter, how many shared libraries it names)."""
+    if shutil.which("readelf") is None:
+        return None
+    headers = subprocess.run(["readelf", "-lW", str(path)], capture_output=True, text=True, check=True).stdout
+    dynamic = subprocess.run(["readelf", "-dW", str(path)], capture_output=True, text=True, check=True).stdout
+    return "Requesting program interpreter" in headers, dynamic.count("(NEEDED)")
+
+
+def test_every_helper_installed_is_a_static_program() -> None:
+    """No interpreter (``PT_INTERP``), no shared library (``DT_NEEDED``): each runs on any C library, or none."""
+    elf_links = package_setup()["elf_links"]
+    for name in (*STATIC, "launcher"):
+        path = _binaries.HELPERS_DIR / name
+        assert elf_links(path) == (None, 0), name
+        assert _readelf(path) in (None, (False, 0)), name
+
+
+def test_the_elf_reading_tells_a_dynamic_program_and_refuses_what_is_not_elf(tmp_path: Path) -> None:
+    elf_links = package_setup()["elf_links"]
+    shell = Path(shutil.which("sh") or "/bin/sh").resolve()  # a distribution's shell: linked dynamically
+    interpreter, needed = elf_links(shell)
+    assert interpreter and "ld-" in interpreter and needed >= 1, (shell, interpreter, needed)
+    assert _readelf(shell) in (None, (True, needed))
+    (tmp_path / "script").write_text("#!/bin/sh\n")
+    with pytest.raises(ValueError, match="not an ELF file"):
+        elf_links(tmp_path / "script")
+
+
+def test_the_wheel_is_manylinux_only_when_every_helper_it_carries_is_static(tmp_path: Path) -> None:
+    """manylinux2014 for static helpers; one dynamic helper (or a machine without that baseline): ``linux_<m>``."""
+    wheel_platform = package_setup()["wheel_platform"]
+    for name in (*STATIC, "launcher"):
+        shutil.copy(_binaries.HELPERS_DIR / name, tmp_path / name)
+    assert wheel_platform(tmp_path, "linux_x86_64") == "manylinux_2_17_x86_64.manylinux2014_x86_64"
+    assert wheel_platform(tmp_path, "linux_aarch64") == "manylinux_2_17_aarch64.manylinux2014_aarch64"
+    assert wheel_platform(tmp_path, "linux_riscv64") == "linux_riscv64"  # no manylinux2014 for it
+    (tmp_path / "launcher").unlink()  # the optional one, not built: the rest decide
+    assert wheel_platform(tmp_path, "linux_x86_64").startswith("manylinux_2_17_x86_64")
+    shutil.copy(Path(shutil.which("sh") or "/bin/sh").resolve(), tmp_path / "launcher")  # built, but dynamic
+    assert wheel_platform(tmp_path, "linux_x86_64") == "linux_x86_64"
+    assert wheel_platform(tmp_path / "nothing-built", "linux_x86_64") == "linux_x86_64"
 
 
 # --- the build's own errors (setup.py), with compilers that fail at once ------------------------------------

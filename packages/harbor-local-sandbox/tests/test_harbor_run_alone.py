@@ -13,7 +13,6 @@ import json
 import platform
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from harbor_alone import (  # noqa: F401 - plugin_venv: the session fixture
     _check,
     _locked,
     _not_source,
+    package_setup,
     plugin_venv,
 )
 
@@ -39,9 +39,9 @@ BUNDLED_SUITE = PACKAGE_DIR.parents[1] / "examples" / "tasks"
 BUNDLED_TASKS = sorted(path.parent for path in BUNDLED_SUITE.glob("*/task.toml"))
 #: Distributions the package must not bring in (a trainer's, the host project's; not Harbor's).
 FORBIDDEN = {"trl", "torch", "transformers", *([HOST_PROJECT] if HOST_PROJECT else [])}
-#: The helpers a wheel carries (setup.py), the static ones run inside task images of any C library.
-STATIC_HELPERS = ("supervisor", "runas", "nouserns", "forwarder")
-HELPERS = (*STATIC_HELPERS, "launcher")
+#: The helpers a wheel carries (setup.py), all static: the launcher runs on the host, the others inside task
+#: images of any C library.
+HELPERS = ("supervisor", "runas", "nouserns", "forwarder", "launcher")
 #: The programs that would compile or link C: on the wheel's run each is a script that fails loudly.
 COMPILERS = ("cc", "gcc", "clang", "c89", "c99", "tcc", "ld", "as", f"{platform.machine()}-linux-gnu-gcc")
 
@@ -113,24 +113,15 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return wheel
 
 
-def _is_static(program: bytes) -> bool:
-    """Whether an ELF program asks for no interpreter (no ``PT_INTERP``): linked statically, it runs on any libc."""
-    assert program[:4] == b"\x7fELF", program[:16]
-    if program[4] == 2:  # 64-bit
-        (phoff,) = struct.unpack_from("<Q", program, 0x20)
-        phentsize, phnum = struct.unpack_from("<HH", program, 0x36)
-    else:
-        (phoff,) = struct.unpack_from("<I", program, 0x1C)
-        phentsize, phnum = struct.unpack_from("<HH", program, 0x2A)
-    pt_interp = 3
-    return all(struct.unpack_from("<I", program, phoff + i * phentsize)[0] != pt_interp for i in range(phnum))
-
-
-def test_the_wheel_is_a_platform_wheel_that_holds_the_helpers_built(built_wheel: Path) -> None:
-    """The helpers are built with the package: a wheel for this machine (any Python 3) holds them, linked as needed."""
+def test_the_wheel_is_a_platform_wheel_that_holds_the_helpers_built(built_wheel: Path, tmp_path: Path) -> None:
+    """The helpers are built with the package: a wheel for this machine (any Python 3) holds them, every one a
+    static program (no ``PT_INTERP``, no ``DT_NEEDED``: nothing of the host's C library), so the wheel is
+    manylinux2014 (``setup.py``), not ``linux_<machine>`` (which claims nothing) nor ``any``."""
     name, version, python, abi, tag = built_wheel.stem.split("-")
     assert (name, python, abi) == ("harbor_local_sandbox", "py3", "none"), built_wheel.name
-    assert tag == f"linux_{platform.machine()}", built_wheel.name  # not "any": the helpers are programs
+    machine = platform.machine()
+    assert tag == f"manylinux_2_17_{machine}.manylinux2014_{machine}", built_wheel.name
+    elf_links = package_setup()["elf_links"]
     with zipfile.ZipFile(built_wheel) as wheel:
         metadata = wheel.read(f"{name}-{version}.dist-info/WHEEL").decode()
         assert "Root-Is-Purelib: false" in metadata, metadata
@@ -142,8 +133,11 @@ def test_the_wheel_is_a_platform_wheel_that_holds_the_helpers_built(built_wheel:
             source = wheel.read(f"harbor_local_sandbox/_{helper}.c")
             assert manifest["helpers"][helper]["source_sha256"] == hashlib.sha256(source).hexdigest(), helper
             assert manifest["helpers"][helper]["built"], manifest["helpers"][helper]
-            program = wheel.read(f"harbor_local_sandbox/_bin/{helper}")
-            assert _is_static(program) == (helper in STATIC_HELPERS), helper
+            program = tmp_path / helper
+            program.write_bytes(wheel.read(f"harbor_local_sandbox/_bin/{helper}"))
+            assert elf_links(program) == (None, 0), f"{helper} is not static: (interpreter, shared libraries)"
+            assert manifest["helpers"][helper]["static"], manifest["helpers"][helper]
+        assert f"Tag: py3-none-manylinux2014_{machine}" in metadata, metadata
 
 
 @pytest.fixture(scope="module")

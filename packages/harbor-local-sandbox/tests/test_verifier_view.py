@@ -7,8 +7,8 @@ nothing of the verifier's; the agent's files are the verifier's, live, with thei
 verifier's writes there reach the agent; the verifier's ``/tmp``, network and listeners are its own
 while the agent's TCP services answer it; every link the agent makes goes through its keel; a folder
 the agent swaps for a link while the view is made never leads outside the agent's tree; and an agent
-that exhausts its processes does not starve its keel. ``tests/adversarial/test_view.py`` has the
-attacks and honest rollouts through the whole grading path.
+that exhausts its processes does not starve its keel. (The attacks and honest rollouts through a trainer's
+whole grading path are that trainer's tests: the repository's ``tests/adversarial/test_view.py``.)
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+from sandbox_testing import count_processes_cmd, make_task, open_env, run, task_base_image  # noqa: F401 - the fixture
 
-from sandbox_helpers import count_processes_cmd, make_task, open_env, run
-
-pytestmark = pytest.mark.local
+#: Every test here starts a local sandbox (bubblewrap), or a process of the package's that makes views.
+pytestmark = [pytest.mark.local, pytest.mark.usefixtures("task_base_image")]
 
 SERVE = (
     "import http.server, sys\n"
@@ -450,7 +450,7 @@ def test_a_view_teardown_that_fails_is_logged_and_the_sandbox_still_stops(caplog
         task.add_done_callback(root.closing.discard)
         await root.stop()
 
-    with caplog.at_level(logging.WARNING, logger="trl_harbor"):
+    with caplog.at_level(logging.WARNING, logger="harbor_local_sandbox"):
         asyncio.run(scenario())
     assert any("could not be detached" in record.getMessage() for record in caplog.records), caplog.records
     assert not root.closing
@@ -508,7 +508,7 @@ def test_the_process_that_makes_views_serves_its_owner_only() -> None:
     assert maker.call(os.getpid) == maker.proc.pid
 
 
-# Root's workers (a user that is not root has its holder instead: tests/test_rootless.py runs this
+# Root's workers (a user that is not root has its holder instead: test_without_root.py runs this
 # file as nobody without the tests named "root_workers").
 root_workers = pytest.mark.skipif(os.geteuid() != 0, reason="root's workers: a user has a holder instead")
 

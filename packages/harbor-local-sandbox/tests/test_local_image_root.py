@@ -1,7 +1,7 @@
 """Sandboxes on the task's own image: FROM honoured, Docker semantics.
 
 Every task here is ``FROM`` a Debian image served by a registry on loopback (see
-``registry.py``); buildah builds it, and each sandbox is a copy-on-write view of the
+``registry_testing.py``); buildah builds it, and each sandbox is a copy-on-write view of the
 built root. The tests are the repros of issue #8's bugs, run the other way round.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,27 +17,16 @@ from harbor_local_sandbox._cache import CACHE
 from harbor_local_sandbox._fingerprints import list_image
 from harbor_local_sandbox._lifetime import state_root, sweep_stale
 from harbor_local_sandbox.oci import ImageStore
-from registry import loopback_registry  # noqa: F401 - the session fixture
-
-from sandbox_helpers import count_processes_cmd, make_task, open_env, run
+from registry_testing import loopback_registry  # noqa: F401 - the session fixture
+from sandbox_testing import cache_dir, make_task, open_env, run  # noqa: F401 - cache_dir: the fixture
+from sandbox_testing import dockerfile_task as _task
 
 pytestmark = pytest.mark.local
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    path = tmp_path_factory.mktemp("image-cache")
-    yield str(path)
-    ImageStore(path).release_mounts()
-
-
-def _task(tmp_path: Path, dockerfile: str, files: dict[str, str] | None = None, network: str = "no-network") -> Path:
-    return make_task(tmp_path / "tasks", dockerfile=textwrap.dedent(dockerfile), files=files, network_mode=network)
-
-
-async def _session(task: Path, tmp_path: Path, cache_dir: str, commands: list[tuple[str, str | None]]):
-    """Start a sandbox on the task's image, run ``(command, user)`` pairs, stop it."""
-    env = open_env(task, tmp_path, cache_dir=cache_dir)
+async def _session(task: Path, tmp_path: Path, cache: str, commands: list[tuple[str, str | None]]):
+    """Start a sandbox on the task's image (its image cache: ``cache``), run ``(command, user)`` pairs, stop it."""
+    env = open_env(task, tmp_path, cache_dir=cache)
     await env.start(force_build=False)
     try:
         return [await env.exec(command, user=user) for command, user in commands]
@@ -413,32 +401,6 @@ def test_sandboxes_of_one_image_fingerprinted_at_once_see_the_same(loopback_regi
     run(scenario())
 
 
-def test_harbor_oracle_and_verifier_with_task_users(loopback_registry, cache_dir, tmp_path):  # noqa: F811
-    """Harbor's own OracleAgent and Verifier on an image root, with [agent]/[verifier] user= set."""
-    from trl_harbor import HarborOptions
-    from trl_harbor.cli.check import check_suite
-
-    task = _task(
-        tmp_path,
-        f"""\
-        FROM {loopback_registry.base}
-        RUN useradd -m agent && mkdir /workdir && chown agent /workdir
-        WORKDIR /workdir
-        USER agent
-        """,
-    )
-    toml = (task / "task.toml").read_text()
-    toml = toml.replace("[agent]\n", '[agent]\nuser = "agent"\n').replace("[verifier]\n", '[verifier]\nuser = "root"\n')
-    (task / "task.toml").write_text(toml)
-    (task / "solution" / "solve.sh").write_text(
-        '#!/bin/bash\n[ "$(id -un)" = agent ] && echo 42 > /workdir/answer.txt\n'
-    )
-    options = HarborOptions(backend_options={"cache_dir": cache_dir})
-    (result,) = check_suite([task], "local", concurrency=1, options=options)
-    assert result.passed, (result.oracle, result.nop)
-    assert (result.oracle.reward, result.nop.reward) == (1.0, 0.0)
-
-
 def test_sandbox_of_a_killed_process_is_unmounted_and_swept(loopback_registry, cache_dir, tmp_path):  # noqa: F811
     """The overlay mount of a sandbox whose owner died (SIGKILL) goes with the next sweep, and its tree.
 
@@ -454,7 +416,7 @@ def test_sandbox_of_a_killed_process_is_unmounted_and_swept(loopback_registry, c
         f"""\
         import asyncio, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from sandbox_helpers import open_env
+        from sandbox_testing import open_env
         from pathlib import Path
         async def main():
             env = open_env(Path({str(task)!r}), Path({str(tmp_path)!r}), cache_dir={cache_dir!r})
@@ -521,55 +483,6 @@ def test_concurrent_cold_starts_share_one_pull_and_build(loopback_registry, tmp_
     assert len(set(stamps)) == 1 and stamps[0].strip()
     assert writes == [str(i) for i in range(16)]
     assert len([p for p in (Path(cache) / "images").iterdir() if p.is_dir()]) == 1
-
-
-def test_baseline_on_an_image_root_keeps_entrypoint_services_and_finds_tampering(
-    loopback_registry,  # noqa: F811
-    cache_dir,
-    tmp_path,
-):
-    """The grading path of backends without an isolated view, on an image root: with
-    ``agent_processes="kill"`` the agent's processes die, the ENTRYPOINT's service stays, and a
-    changed program on the verifier's PATH (in the image's /usr) is found."""
-    from trl_harbor.rollout.seal import Baseline
-
-    task = _task(
-        tmp_path,
-        f"""\
-        FROM {loopback_registry.base}
-        COPY entrypoint.sh /usr/local/bin/entrypoint.sh
-        RUN chmod +x /usr/local/bin/entrypoint.sh
-        ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]
-        WORKDIR /workdir
-        """,
-        {"entrypoint.sh": '#!/bin/sh\nsleep 7777 &\nexec "$@"\n'},
-    )
-
-    async def scenario():
-        env = open_env(task, tmp_path, cache_dir=cache_dir, verifier_isolation=False)
-        await env.start(force_build=False)
-        try:
-            for _ in range(100):
-                if (await env.exec(count_processes_cmd("sleep 7777"))).stdout.strip() != "0":
-                    break
-                await asyncio.sleep(0.05)
-            seal = Baseline()
-            await seal.take_processes(env)
-            await seal.take_files(env, "root")
-            await env.exec(
-                "nohup sleep 8888 >/dev/null 2>&1 & echo 'exit 0' > /usr/bin/test-helper; chmod +x /usr/bin/test-helper; echo '#' >> /usr/bin/env"
-            )
-            report = await seal.apply(env, kill=True)
-            service = await env.exec(count_processes_cmd("sleep 7777"))
-            agent = await env.exec(count_processes_cmd("sleep 8888"))
-            return report, [service.stdout.strip(), agent.stdout.strip()]
-        finally:
-            await env.stop(delete=True)
-
-    report, alive = run(scenario())
-    assert alive == ["1", "0"]
-    assert report.killed >= 1
-    assert any(change.path == "/usr/bin/env" for change in report.tampered), report.tampered
 
 
 def test_kernel_knobs_are_read_only(loopback_registry, cache_dir, tmp_path):  # noqa: F811

@@ -1,7 +1,7 @@
 """Task images built by buildah from a real registry on loopback (``oci.ImageStore``).
 
 The base image is Debian bookworm, bootstrapped from Debian packages and served by
-Debian's ``docker-registry`` on 127.0.0.1 (see ``registry.py``): no test reaches a
+Debian's ``docker-registry`` on 127.0.0.1 (see ``registry_testing.py``): no test reaches a
 registry off this machine.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from harbor_local_sandbox.oci import BaseImageUnavailableError, ImageBuildError, ImageStore, base_images
-from registry import loopback_registry  # noqa: F401 - the session fixture
+from registry_testing import loopback_registry  # noqa: F401 - the session fixture
 
 pytestmark = pytest.mark.local
 
