@@ -37,10 +37,12 @@ def test_backend_facts_come_from_the_class_not_the_string() -> None:
     for name in ("local", "harbor_local_sandbox.local:LocalEnvironment"):
         backend = resolve_backend(name)
         assert backend.kind == "local", name  # the alias or the import path: the same backend
-        assert not backend.supports_compose and backend.image_store() is not None, name
+        assert backend.supports_compose and backend.image_store() is not None, name  # its services too
+        assert isinstance(backend.environment_class, contract.ComposeCheck), name
     subclass = resolve_backend("harbor_local_sandbox.latency:LatencyLocalEnvironment")
     assert subclass.kind == "local-latency"  # its own type(), and the local sandbox's capabilities
-    assert not subclass.supports_compose and subclass.image_store() is not None
+    assert subclass.supports_compose and subclass.image_store() is not None
+    assert not isinstance(docker.environment_class, contract.ComposeCheck) and docker.compose_problems(Path()) == []
 
 
 def test_the_image_store_follows_the_backend_options(tmp_path: Path) -> None:

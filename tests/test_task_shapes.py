@@ -161,8 +161,13 @@ def test_tasks_the_harness_or_backend_cannot_run_fail_at_spec_build(tmp_path: Pa
 
     compose = tmp_path / "compose_suite"
     make_steps_task(compose, "with_sidecar")
-    (compose / "with_sidecar" / "environment" / "docker-compose.yaml").write_text("services: {}\n")
-    with pytest.raises(TaskSuiteError, match=r"docker-compose.yaml: the local sandbox.*environment_type='docker'"):
+    # The local sandbox runs compose services (tests/test_compose_tasks.py), not a privileged one: refused by name.
+    (compose / "with_sidecar" / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  cache:\n    image: redis\n    privileged: true\n"
+    )
+    with pytest.raises(
+        TaskSuiteError, match=r"docker-compose.yaml: service 'cache': `privileged`.*environment_type='docker'"
+    ):
         HarborSpec(compose, agent="bash_steps", environment_type="local")
     HarborSpec(compose, agent="bash_steps", environment_type="docker")  # fine where compose runs
 
@@ -245,7 +250,9 @@ def test_check_grades_like_training_and_reports_every_task_even_broken_ones(tmp_
         toml.read_text().replace("[verifier]\n", '[verifier]\nenv = { TOKEN = "${TRL_HARBOR_UNSET_VAR}" }\n')
     )
     sidecar = make_steps_task(suite, "sidecar")
-    (sidecar / "environment" / "docker-compose.yaml").write_text("services: {}\n")
+    (sidecar / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  cache:\n    image: redis\n    privileged: true\n"
+    )
     cheat = make_steps_task(suite, "cheating_oracle")  # its solution plants a fake python3: tampering
     for step in ("one", "two"):
         (cheat / "steps" / step / "solution").mkdir()
@@ -261,7 +268,7 @@ def test_check_grades_like_training_and_reports_every_task_even_broken_ones(tmp_
     assert results["two_steps"].oracle.reward == 1.0 and results["two_steps"].nop.reward == 0.0
     assert "not valid TOML" in results["bad_toml"].why
     assert "TRL_HARBOR_UNSET_VAR" in results["needs_var"].why
-    assert "docker-compose.yaml" in results["sidecar"].why
+    assert "docker-compose.yaml: service 'cache': `privileged`" in results["sidecar"].why
     cheating = results["cheating_oracle"]  # its fake python3 is not the verifier's: the task is graded, undone
     assert not cheating.passed and cheating.oracle.reward == 0.0, cheating.why
     assert results["cheating_oracle"].to_dict()["passed"] is False

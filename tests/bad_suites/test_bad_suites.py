@@ -90,6 +90,10 @@ def _outside(task: Path) -> Path:
     return outside
 
 
+def _compose(text: str) -> Callable[[Path], None]:
+    return lambda task: (task / "environment" / "docker-compose.yaml").write_text(textwrap.dedent(text))
+
+
 def _test(script: str) -> Callable[[Path], None]:
     def edit(task: Path) -> None:
         (task / "tests" / "test.sh").write_text("#!/bin/bash\n" + textwrap.dedent(script))
@@ -126,6 +130,14 @@ SPEC_ERRORS: dict[str, tuple[Callable[[Path], None], str]] = {
     "an artifact path with '..'": (
         _toml('version = "1.0"', 'version = "1.0"\nartifacts = ["/logs/../../etc"]'),
         r"Harbor rejects the task: .*Artifact source must not contain '\.\.'.*Fix",
+    ),
+    "compose: a privileged service": (
+        _compose("services:\n  helper:\n    image: debian:bookworm-slim\n    privileged: true\n"),
+        r"docker-compose\.yaml: service 'helper': `privileged`: no sandbox runs privileged.*Fix: remove it",
+    ),
+    "compose: a host folder mounted": (
+        _compose("services:\n  helper:\n    image: debian:bookworm-slim\n    volumes: ['/etc:/host-etc']\n"),
+        r"docker-compose\.yaml: service 'helper': `volumes` entry /etc:/host-etc: a bind mount of a host path.*Fix",
     ),
     "unset ${VAR} in [verifier.env]": (
         _append_toml('[verifier.env]\nTOKEN = "${TRL_HARBOR_SURELY_UNSET_VARIABLE}"\n'),
@@ -170,6 +182,23 @@ ROLLOUTS: dict[str, tuple[Callable[[Path], None], float | None, bool, str]] = {
         None,
         True,
         r"sandbox start failed for task 'a Dockerfile step that fails'.*(?i:build)",
+    ),
+    "a compose service that never becomes healthy": (
+        _compose(
+            """\
+            services:
+              main:
+                depends_on:
+                  db: {condition: service_healthy}
+              db:
+                image: debian:bookworm-slim
+                command: ["sh", "-c", "echo db is broken; exec sleep infinity"]
+                healthcheck: {test: ["CMD", "false"], interval: 200ms, retries: 2}
+            """
+        ),
+        None,
+        True,
+        r"ServiceUnhealthyError: compose service 'db' never became healthy.*db is broken",
     ),
     "reward_weights naming a missing key": (
         _toml('gold_answer = "42"', 'gold_answer = "42"\nreward_weights = { accuracy = 1.0 }'),
@@ -236,7 +265,7 @@ def test_broken_verifications_cost_one_rollout_each_with_their_reason(tmp_path: 
         if got != reward or env.verification.infra != infra or not re.search(pattern, reason, re.S):
             failures.append(f"{name}: expected {reward} (infra={infra}, /{pattern}/), got {got}: {reason!r}")
     assert not failures, "\n".join(failures)
-    assert metrics["harbor/infra_failures"] == 2.0
+    assert metrics["harbor/infra_failures"] == 3.0
 
 
 @pytest.mark.local

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from trl_harbor import runtime
 from trl_harbor.options import HarborOptions
 from trl_harbor.rollout import steps
+from trl_harbor.rollout.contract import TaskFault
 from trl_harbor.rollout.episode import Episode
 from trl_harbor.rollout.outcome import Cause
 
@@ -87,6 +88,9 @@ class TrialOutcome:
             Harbor's own ``/solution``, ``/tests``, ``/logs/verifier``).
         in_place: For an oracle that scored below 1 in an isolated view, the same rollout graded
             once more in place, as Harbor's trial grades it (``None``: not graded again).
+        task_fault: Its sandbox did not start for the task's own doing (a backend's error marked
+            :class:`~trl_harbor.rollout.contract.TaskFault`: a compose service that exited or never became
+            healthy): the task's problem, whatever the policy does.
     """
 
     reward: float | None
@@ -96,6 +100,7 @@ class TrialOutcome:
     failures: str = ""
     concealed: list[str] = field(default_factory=list)
     in_place: TrialOutcome | None = None
+    task_fault: bool = False
 
 
 @dataclass
@@ -264,6 +269,8 @@ async def _episode(task: Any, backend: Backend, options: HarborOptions, workdir:
         verification = await episode.grade()
         seconds = time.perf_counter() - started
         outcome = TrialOutcome(verification.reward, verification.reason or None, seconds, dict(verification.rewards))
+        error = episode.failure.error if episode.failure is not None else None
+        outcome.task_fault = isinstance(error, TaskFault) and bool(error.task_fault)
         # A rollout that fell short in a sandbox still running (graded, its verifier wrote no usable reward,
         # or a view was refused for what it left): say what failed, and where a view graded it, grade it
         # once more in place (the view's output first: grading again replaces the trial folder's).
@@ -357,6 +364,10 @@ async def check_task(
     finally:
         if own:
             shutil.rmtree(folder, ignore_errors=True)
+    fault = next((outcome for outcome in (oracle, nop) if outcome.task_fault), None)
+    if fault is not None:  # the task's environment cannot start: its problem, not a score of either episode
+        problem = f"the task's environment did not start: {' '.join((fault.error or '').split())}"
+        return CheckResult(info.name, task_dir, oracle, nop, floor, problem=problem)
     return CheckResult(info.name, task_dir, oracle, nop, floor)
 
 

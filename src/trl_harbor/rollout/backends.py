@@ -18,7 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trl_harbor.rollout.contract import ComposeDeclaration, IdleResources, ImageCache
+from trl_harbor.rollout.contract import ComposeCheck, ComposeDeclaration, IdleResources, ImageCache
 
 if TYPE_CHECKING:  # Harbor is imported when a backend is first resolved, not with trl_harbor
     from harbor.environments.base import BaseEnvironment
@@ -131,6 +131,12 @@ class Backend:
         """Whether it runs a task's ``docker-compose.yaml`` services (a backend that does not say: yes)."""
         cls = self.environment_class
         return bool(cls.supports_compose) if isinstance(cls, ComposeDeclaration) else True
+
+    def compose_problems(self, environment_dir: Path) -> list[str]:
+        """What of a task's ``docker-compose.yaml`` (in ``environment_dir``) the backend does not run, by field
+        and fix (:class:`~trl_harbor.rollout.contract.ComposeCheck`; a backend that does not say: nothing)."""
+        cls = self.environment_class
+        return list(cls.compose_problems(environment_dir)) if isinstance(cls, ComposeCheck) else []
 
     def image_store(self) -> Any | None:
         """The backend's image cache for its options (:class:`~trl_harbor.rollout.contract.ImageCache`),

@@ -12,7 +12,10 @@ checks it with ``isinstance``:
   sandbox's programs), and its errors :class:`RefusedDownload` and :class:`RefusedView`;
 * on a backend's class: :class:`ImageCache` (``trl-harbor images``, images built ahead of a run),
   :class:`IdleResources` (what it keeps warm between sandboxes), :class:`ComposeDeclaration`
-  (whether it runs a task's compose services).
+  (whether it runs a task's compose services), :class:`ComposeCheck` (what of a task's compose file it
+  does not run, asked at spec build);
+* on an error of a sandbox's start: :class:`TaskFault` (the task's own doing, e.g. a compose service that
+  never became healthy: ``trl-harbor check`` reports the task, not a policy's 0).
 
 Every check here is an ``isinstance`` against a runtime-checkable protocol: a backend that lacks a
 member (or sets it to ``None`` in a subclass) does not meet it, and the core takes the path Harbor's
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
 
 __all__ = [
+    "ComposeCheck",
     "ComposeDeclaration",
     "ExhaustionReport",
     "IdleResources",
@@ -40,6 +44,7 @@ __all__ = [
     "NativeSeal",
     "RefusedDownload",
     "RefusedView",
+    "TaskFault",
     "VerifierView",
     "isolating",
 ]
@@ -159,6 +164,27 @@ class ComposeDeclaration(Protocol):
     """
 
     supports_compose: bool
+
+
+@runtime_checkable
+class ComposeCheck(Protocol):
+    """A backend class that says what of a task's ``environment/docker-compose.yaml`` it does not run.
+
+    ``compose_problems(environment_dir)`` returns one line per field it would not honour (the file, the
+    service, the field and the fix; empty: it runs the file as written), so that a spec refuses such a
+    task when it is built rather than when its first sandbox starts.
+    """
+
+    def compose_problems(self, environment_dir: Any) -> list[str]: ...
+
+
+@runtime_checkable
+class TaskFault(Protocol):
+    """An error of a sandbox's start that is the task's own doing, whatever the policy does (the local
+    sandbox's ``ServiceError``: a compose service that exited or never became healthy), with ``task_fault``
+    true: ``trl-harbor check`` reports it as the task's problem, not as a score."""
+
+    task_fault: bool
 
 
 def isolating(environment: object) -> TypeGuard[IsolatedVerification]:

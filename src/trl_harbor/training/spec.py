@@ -93,10 +93,12 @@ def check_runnable(tasks: Sequence[TaskInfo], env_cls: type[HarborEnv] | None, b
             )
         if task.compose and not backend.supports_compose:
             problems.append(
-                f"{task.path}/environment/docker-compose.yaml: the local sandbox runs one container, "
+                f"{task.path}/environment/docker-compose.yaml: the {backend.kind} backend runs one container, "
                 "not compose services (the sidecars would be silently missing). Fix: "
                 "environment_type='docker' (or another backend that runs compose), or leave the task out."
             )
+        elif task.compose:  # what of the file the backend does not run, by field and fix
+            problems += backend.compose_problems(task.path / "environment")
     if problems:
         raise TaskSuiteError(f"{len(problems)} task(s) cannot run here:\n" + "\n".join(f"  - {p}" for p in problems))
 

@@ -46,3 +46,30 @@ class ImageBuildError(ImageError):
 
 class BaseImageUnavailableError(ImageBuildError):
     """A ``FROM`` image could not be pulled; the message names the image, the registries tried and the fixes."""
+
+
+class ComposeUnsupportedError(SandboxError):
+    """A task's ``environment/docker-compose.yaml`` asks for what the local sandbox does not run; the message
+    names the file, each field and its fix (``_compose.py``)."""
+
+
+class ServiceError(SandboxStartError):
+    """A compose task's service could not start, exited, or did not become healthy: the rollout cannot start.
+
+    Attributes:
+        service: The service's name (its key under ``services:``).
+        output: The end of what the service printed (its standard output and error), if anything.
+    """
+
+    #: The task's own doing, whatever the agent does (a trainer's ``TaskFault``, as it declares it).
+    task_fault = True
+
+    def __init__(self, message: str, *, service: str, output: str = ""):
+        super().__init__(message)
+        self.service = service
+        self.output = output
+
+
+class ServiceUnhealthyError(ServiceError):
+    """A compose service's healthcheck kept failing (or the service exited) while another waited for it to be
+    healthy; the message names the service and ends with its last output."""

@@ -37,22 +37,27 @@ from harbor_local_sandbox import _hostfs
 from harbor_local_sandbox._binaries import bwrap_path, default_cache_dir
 from harbor_local_sandbox._box import release_parked
 from harbor_local_sandbox._cache import CACHE
+from harbor_local_sandbox._compose import ComposeGroup, ComposeProject, compose_problems, load_compose
 from harbor_local_sandbox._diagnose import cache_problem, namespace_problem
 from harbor_local_sandbox._lifetime import sweep_stale_once
 from harbor_local_sandbox._roots import ImageRoot, RootTask, VerifierRoot
 from harbor_local_sandbox.errors import (
     BaseImageUnavailableError,
+    ComposeUnsupportedError,
     ImageBuildError,
     SandboxCommandError,
     SandboxError,
     SandboxStartError,
     SandboxTimeoutError,
     SandboxUnavailableError,
+    ServiceError,
+    ServiceUnhealthyError,
 )
 from harbor_local_sandbox.oci import ImageStore
 
 __all__ = [
     "BaseImageUnavailableError",
+    "ComposeUnsupportedError",
     "ImageBuildError",
     "LocalEnvironment",
     "LocalEnvironmentOptions",
@@ -61,6 +66,8 @@ __all__ = [
     "SandboxStartError",
     "SandboxTimeoutError",
     "SandboxUnavailableError",
+    "ServiceError",
+    "ServiceUnhealthyError",
     "release_parked",
 ]
 
@@ -233,8 +240,9 @@ class LocalEnvironment(_GradingSupport, BaseEnvironment):
     """
 
     options_model: ClassVar[type[EnvironmentOptions] | None] = LocalEnvironmentOptions
-    #: One container per task: a task's ``docker-compose.yaml`` services would be missing here.
-    supports_compose: ClassVar[bool] = False
+    #: A task's ``docker-compose.yaml`` services run, each a sandbox of its own (``_compose.py``); what it
+    #: asks for that they cannot do is refused by :meth:`compose_problems`.
+    supports_compose: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -252,6 +260,10 @@ class LocalEnvironment(_GradingSupport, BaseEnvironment):
         )
         #: The sandbox: the task's image, its tree and its box.
         self._sandbox: ImageRoot = ImageRoot(task)
+        #: The task's ``docker-compose.yaml``, if it has one (``ComposeUnsupportedError`` for what it cannot run).
+        self._compose: ComposeProject | None = load_compose(self.environment_dir)
+        #: Its services while the sandbox runs.
+        self._services: ComposeGroup | None = None
 
     @staticmethod
     def type() -> str:
@@ -315,6 +327,12 @@ class LocalEnvironment(_GradingSupport, BaseEnvironment):
         return CACHE.builder(ImageStore, str(cache_dir) if cache_dir else None, host_trust=host_trust)
 
     @classmethod
+    def compose_problems(cls, environment_dir: str | Path) -> list[str]:
+        """What of a task's ``environment/docker-compose.yaml`` this backend does not run (by file, service,
+        field and fix; empty: it runs as written, or there is none): asked before any sandbox starts."""
+        return compose_problems(environment_dir)
+
+    @classmethod
     def release_idle(cls) -> None:
         """Stop what the backend keeps warm between sandboxes (the launcher parked for the next start)."""
         release_parked()
@@ -339,17 +357,37 @@ class LocalEnvironment(_GradingSupport, BaseEnvironment):
         network = self._network()
         cpus = self._effective_cpus
         options = self.local_options
-        await self._sandbox.start(
-            force_build,
-            network=network,
-            # A phase (agent, verifier) wants a different network than the sandbox starts with.
-            network_switchable=any(self._network(policy) != network for policy in self._phase_network_policies),
-            memory_mb=self._effective_memory_mb or options.default_memory_mb,
-            cpus=float(cpus) if cpus else None,
-            pids_max=options.pids_max,
-            storage_mb=self._effective_storage_mb or options.default_storage_mb,
-            mediate_links=options.verifier_isolation,  # the view follows the agent's links live
-        )
+        switchable = any(self._network(policy) != network for policy in self._phase_network_policies)
+        storage_mb = self._effective_storage_mb or options.default_storage_mb
+        services = None
+        if self._compose is not None:
+            services = ComposeGroup(self._compose, self._sandbox.task, self.trial_paths.trial_dir / "services")
+            services.prepare_main(self._sandbox, storage_mb)
+            self._services = services
+        try:
+            await self._sandbox.start(
+                force_build,
+                network=network,
+                # A phase (agent, verifier) wants a different network than the sandbox starts with.
+                network_switchable=switchable,
+                memory_mb=self._effective_memory_mb or options.default_memory_mb,
+                cpus=float(cpus) if cpus else None,
+                pids_max=options.pids_max,
+                storage_mb=storage_mb,
+                mediate_links=options.verifier_isolation,  # the view follows the agent's links live
+            )
+            if services is not None:  # in main's network namespace, once its box is up
+                await services.start(
+                    self._sandbox,
+                    force_build,
+                    network_switchable=network == "user" or switchable,  # their resolv.conf
+                    memory_mb=options.default_memory_mb,
+                    pids_max=options.pids_max,
+                    storage_mb=options.default_storage_mb,
+                )
+        except BaseException:
+            await self.stop(delete=True)
+            raise
         await self._upload_environment_dir_after_start()
 
     async def stop(self, delete: bool) -> None:
@@ -359,7 +397,14 @@ class LocalEnvironment(_GradingSupport, BaseEnvironment):
             delete: Accepted for Harbor's interface; the sandbox is always deleted,
                 because nothing of it can be restarted.
         """
-        await self._sandbox.stop()
+        services, self._services = self._services, None
+        try:
+            if services is not None:
+                await services.stop_services()
+        finally:
+            await self._sandbox.stop()
+            if services is not None:
+                await services.remove_volumes(self._sandbox.host)
 
     # -- commands --------------------------------------------------------------
 
@@ -392,8 +437,11 @@ class LocalEnvironment(_GradingSupport, BaseEnvironment):
             SandboxTimeoutError: If the command ran past ``timeout_sec``.
             SandboxCommandError: If the sandbox is not running.
         """
+        merged = self._merge_env(env)
+        if self._compose is not None and self._compose.main.environment:  # main's `environment` in the file
+            merged = {**self._compose.main.environment, **(merged or {})}
         result = await self._sandbox.run(
-            command, cwd=cwd, env=self._merge_env(env), timeout=timeout_sec, user=self._resolve_user(user)
+            command, cwd=cwd, env=merged, timeout=timeout_sec, user=self._resolve_user(user)
         )
         if result["timed_out"]:
             raise SandboxTimeoutError(f"Command timed out after {timeout_sec} seconds")
