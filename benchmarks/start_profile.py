@@ -47,7 +47,7 @@ from typing import Any
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
 REPO = Path(__file__).resolve().parents[1]
 
-from harbor_local_sandbox import _box, _cgroups, _hostfs, _roots, oci  # noqa: E402
+from harbor_local_sandbox import _box, _cache, _cgroups, _hostfs, _roots, oci  # noqa: E402
 from harbor_local_sandbox import local as _local  # noqa: E402
 from harbor_local_sandbox.local import LocalEnvironment  # noqa: E402
 from peers import no_network_copy  # noqa: E402
@@ -78,6 +78,8 @@ STEPS: tuple[tuple[str, Any, str, int], ...] = (
     ("helper binaries (runas; compiled once)", _roots, "static_binary", 3),
     ("host CA / pip.conf binds", _roots, "host_trust_mounts", 3),
     ("image's link hazards", _roots.ImageRoot, "link_hazards", 2),
+    ("facts kept with the image (facts.json, read)", _cache.ImageFacts, "_loaded", 3),
+    ("facts kept with the image (facts.json, written)", _cache.ImageFacts, "put", 3),
     ("keel's link-policy items", _roots, "keel_items", 2),
     ("Box() (its host, its cgroups' names)", _box.Box, "__init__", 2),
     ("cgroups: reserve (take parked, or create)", _box.Box, "reserve", 2),
@@ -271,8 +273,8 @@ class Starter:
 async def _wait_parked(timeout: float = 3.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if getattr(_box, "_PARKED", None) is not None:
-            return True
+        if getattr(_box, "_PARKED", None) is not None and not getattr(_box, "_PARKING", False):
+            return True  # the pool filled (as many as the most starts at once so far)
         await asyncio.sleep(0.01)
     return False
 

@@ -30,6 +30,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,11 +187,16 @@ class BoxConfig:
     storage_mb: int | None = None
     mediate_links: bool = True
     link_policy: tuple[str, ...] = ()
+    #: The host PID of a process whose network namespace the box joins instead of making its own (a
+    #: compose task's service joins its ``main`` box's: one loopback, as services share one under Harbor).
+    netns_of: int | None = None
 
 
 def _bwrap_command(c: BoxConfig, state_dir: Path, info_fd: int, block_fd: int) -> list[str]:
     """bubblewrap's command line for a box, up to the supervisor: its namespaces, then its mounts in order."""
     args = [bwrap_path(), *namespace_args(hostname=c.hostname, block_fd=block_fd), "--bind", str(c.rootfs), "/"]
+    if c.netns_of is not None:  # entered before bubblewrap runs (_join_netns)
+        args.remove("--unshare-net")
     if c.network == "user" or c.network_switchable:
         args += ["--ro-bind", str(state_dir / "resolv.conf"), "/etc/resolv.conf"]
     args += kernel_fs_args(storage_bound=bool(c.storage_mb))
@@ -227,6 +233,13 @@ def _private_mounts(owned_dir: Path | None) -> list[str]:
     return [binary, "--private-mounts", os.path.realpath(root), owned_dir.relative_to(root).parts[0]]
 
 
+def _join_netns(config: BoxConfig) -> list[str]:
+    """The prefix that runs a box's bubblewrap in another box's network namespace (``netns_of``), or none."""
+    if config.netns_of is None:
+        return []
+    return [which("nsenter") or "nsenter", f"--net=/proc/{config.netns_of}/ns/net"]
+
+
 async def _spawn_process(command: list[str], fds: list[int]) -> asyncio.subprocess.Process:
     """Start bubblewrap (or a launcher) as every box's is: its own session, pipes, nothing of our environment."""
     return await asyncio.create_subprocess_exec(
@@ -241,11 +254,56 @@ async def _spawn_process(command: list[str], fds: list[int]) -> asyncio.subproce
     )
 
 
+class _LauncherProcess:
+    """A parked launcher's process, as much of ``asyncio.subprocess.Process`` as a box uses (``pid``,
+    ``returncode``, ``wait()``, ``stdin``, ``stdout``, ``stderr``).
+
+    Started with :class:`subprocess.Popen`, not asyncio's subprocess support: an event loop that
+    ends (``asyncio.run`` cancelling its tasks) while asyncio is still connecting a new process's
+    pipes waits for ever for that process's exit (CPython 3.13), and launchers are made in the
+    background, whenever a loop may end. Its exit is watched through a pidfd on the loop."""
+
+    def __init__(self, popen: subprocess.Popen, loop: asyncio.AbstractEventLoop):
+        self._popen = popen
+        self.pid = popen.pid
+        self.stdin = popen.stdin
+        self.stdout: asyncio.StreamReader | None = None
+        self.stderr: asyncio.StreamReader | None = None
+        self._loop = loop
+        self._exited: asyncio.Future = loop.create_future()
+        self._pidfd = os.pidfd_open(popen.pid)
+        loop.add_reader(self._pidfd, self._reap)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    def _reap(self) -> None:
+        if self._popen.poll() is None:
+            return
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        if not self._exited.done():
+            self._exited.set_result(self._popen.returncode)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    async def connect(self) -> None:
+        """Read its standard output and error as streams (before a box uses it)."""
+        for name in ("stdout", "stderr"):
+            reader = asyncio.StreamReader(loop=self._loop)
+            await self._loop.connect_read_pipe(
+                lambda r=reader: asyncio.StreamReaderProtocol(r), getattr(self._popen, name)
+            )
+            setattr(self, name, reader)
+
+
 class _Parked:
     """A launcher (``_launcher.c``) parked in fresh cgroups: the next box's bubblewrap, which then
     starts inside its cgroups instead of waiting for the kernel to move it there (a grace period)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, channel: socket.socket, cgroups: Cgroups):
+    def __init__(self, proc: _LauncherProcess, channel: socket.socket, cgroups: Cgroups):
         self.proc, self.channel, self.cgroups = proc, channel, cgroups
         self.loop = asyncio.get_running_loop()
         self.owner = os.getpid()
@@ -260,7 +318,7 @@ class _Parked:
             same_loop = False
         return same_loop and self.owner == os.getpid() and self.proc.returncode is None
 
-    def launch(self, command: list[str], fds: list[int]) -> asyncio.subprocess.Process:
+    def launch(self, command: list[str], fds: list[int]) -> _LauncherProcess:
         """Have the launcher execute ``command`` with ``fds`` at their numbers; it becomes the box's bubblewrap."""
         fields = [str(len(fds)).encode(), *(str(fd).encode() for fd in fds), *map(os.fsencode, command)]
         rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))
@@ -282,39 +340,61 @@ class _Parked:
         _lifetime.LIVE.discard(self)
 
 
-#: The parked launcher ready for the next box (one per process), and whether one is being parked.
+#: The launchers parked for the next boxes (a pool, first taken first), as many as boxes started at
+#: once so far in this process (a batch's size: :data:`_WANTED`), at most :data:`MAX_PARKED`; made in
+#: the background while no box is starting (between batches), one at a time.
+_POOL: list[_Parked] = []
+#: The pool's first (``None``: the pool is empty); kept in step with it.
 _PARKED: _Parked | None = None
 _PARKED_LOCK = threading.Lock()  # taken on a loop, released by close_all() from another thread
 _PARKING = False
 _PARK_TASKS: set[asyncio.Task] = set()
+#: The most launchers parked at once (``HARBOR_LOCAL_SANDBOX_MAX_PARKED``; 0: none parked).
+MAX_PARKED = int(os.environ.get("HARBOR_LOCAL_SANDBOX_MAX_PARKED", "64") or 0)
+#: Boxes reserving or starting now, and the most at once so far (the pool's size).
+_STARTING = 0
+_WANTED = 1
+#: When a box last began to start or to stop; the pool's launchers after the first are made only once
+#: none has for :data:`QUIET` seconds (between batches: not during a batch's starts or its teardown).
+_LAST_BUSY = 0.0
+QUIET = 0.05
+#: Boxes being stopped now (:meth:`Box.kill`).
+_STOPPING = 0
+
+
+def _pool_changed() -> None:
+    """Keep :data:`_PARKED` the pool's first (under :data:`_PARKED_LOCK`)."""
+    global _PARKED
+    _PARKED = _POOL[0] if _POOL else None
 
 
 def _take_parked() -> _Parked | None:
-    """The parked launcher, for a box starting now, if one is ready (and usable here)."""
-    global _PARKED
-    with _PARKED_LOCK:
-        parked, _PARKED = _PARKED, None
-    if parked is not None and not parked.usable():
-        parked.kill_now()
-        return None
-    return parked
+    """A parked launcher, for a box starting now, if one is ready (and usable here)."""
+    while True:
+        with _PARKED_LOCK:
+            parked = _POOL.pop(0) if _POOL else None
+            _pool_changed()
+        if parked is None or parked.usable():
+            return parked
+        parked.kill_now()  # another loop's, or dead: the next one may be usable
 
 
 def release_parked() -> None:
-    """Kill this process's parked launcher, if one is ready (the next start parks a new one).
+    """Kill this process's parked launchers (the next start parks new ones).
 
     Safe from any thread (it never runs an event loop's code)."""
-    global _PARKED
     with _PARKED_LOCK:
-        parked, _PARKED = _PARKED, None
-    if parked is not None:
-        parked.kill_now()
+        parked = list(_POOL)
+        _POOL.clear()
+        _pool_changed()
+    for launcher in parked:
+        launcher.kill_now()
 
 
 def _park_next() -> None:
-    """Park a launcher for the next box in the background, unless one is ready or on its way."""
+    """Fill the pool of parked launchers in the background, unless it is full or being filled."""
     global _PARKING
-    if _PARKED is not None or _PARKING or _lifetime.EXITING:
+    if _PARKING or _lifetime.EXITING or len(_POOL) >= min(_WANTED, MAX_PARKED):
         return
     _PARKING = True
     task = asyncio.ensure_future(_park())
@@ -323,38 +403,52 @@ def _park_next() -> None:
 
 
 async def _park() -> None:
-    """Park a launcher, then watch it until a box takes it, it dies, or its loop ends (killed then:
-    a launcher lives on its loop, whose end cancels this task)."""
-    global _PARKED, _PARKING
+    """Park launchers one at a time until the pool is full, each once no box is starting (not
+    competing with a batch's starts); each is watched by a task of its own (:func:`_watch_parked`)."""
+    global _PARKING
     try:
-        parked = await _new_parked()
-        if parked is None:
-            return
-        with _PARKED_LOCK:
-            keep = _PARKED is None and parked.usable() and not _lifetime.EXITING
-            if keep:
-                _PARKED = parked
+        while not _lifetime.EXITING and len(_POOL) < min(_WANTED, MAX_PARKED):
+            while _STARTING or (_POOL and time.monotonic() - _LAST_BUSY < QUIET):
+                await asyncio.sleep(0.005 if _STARTING else QUIET / 2)
+            parked = await _new_parked()
+            if parked is None:
+                return
+            with _PARKED_LOCK:
+                keep = parked.usable() and not _lifetime.EXITING and len(_POOL) < min(_WANTED, MAX_PARKED)
+                if keep:
+                    _POOL.append(parked)
+                    _pool_changed()
+            if not keep:
+                parked.kill_now()
+                await parked.proc.wait()
+                return
+            task = asyncio.ensure_future(_watch_parked(parked))
+            _PARK_TASKS.add(task)
+            task.add_done_callback(_PARK_TASKS.discard)
     finally:
         _PARKING = False
-    if not keep:
-        parked.kill_now()
-        await parked.proc.wait()
-        return
+
+
+async def _watch_parked(parked: _Parked) -> None:
+    """Watch a parked launcher until a box takes it, it dies, or its loop ends (killed then: a
+    launcher lives on its loop, whose end cancels this task)."""
     try:
         await parked.proc.wait()  # a box that took it waits on it too
     except asyncio.CancelledError:
         with _PARKED_LOCK:
-            unused = _PARKED is parked
+            unused = parked in _POOL
             if unused:
-                _PARKED = None
+                _POOL.remove(parked)
+                _pool_changed()
         if unused:
             parked.kill_now()
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(parked.proc.wait(), timeout=5)  # its pipes closed while the loop runs
         raise
     with _PARKED_LOCK:  # died while parked (killed from outside), or the box that took it is gone
-        if _PARKED is parked:
-            _PARKED = None
+        if parked in _POOL:
+            _POOL.remove(parked)
+            _pool_changed()
     if not parked.taken:
         parked.kill_now()
 
@@ -370,7 +464,10 @@ async def _new_parked() -> _Parked | None:
         return None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
-        proc = await _spawn_process([binary, str(theirs.fileno())], [theirs.fileno()])
+        popen = subprocess.Popen(
+            [binary, str(theirs.fileno())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=[theirs.fileno()], env={"PATH": SYSTEM_PATH}, cwd="/", start_new_session=True,
+        )  # fmt: skip
     except BaseException as error:
         logger.debug("could not park a launcher: %r", error)
         ours.close()
@@ -380,9 +477,11 @@ async def _new_parked() -> _Parked | None:
         raise
     finally:
         theirs.close()
+    proc = _LauncherProcess(popen, asyncio.get_running_loop())
     parked = _Parked(proc, ours, cgroups)
     _lifetime.LIVE.add(parked)
     try:
+        await proc.connect()
         await cgroups.moved([proc.pid])
     except BaseException:
         parked.kill_now()
@@ -408,13 +507,14 @@ class Box:
         #: The keel: lists and kills the agent's processes, starts the verifier's views; the agent
         #: cannot reach it (nor starve it: it is in the keel's cgroup leaf).
         self.control = SupervisorClient(state_dir / "control.sock")
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: asyncio.subprocess.Process | _LauncherProcess | None = None
         self._network = UserNetwork()
         self._child_pid: int | None = None
         #: Names its folder's bubblewraps and (unless it runs from a parked launcher's) its cgroups.
         self.name = name or state_dir.name
         self._cgroups = Cgroups(self.name, config.memory_mb, config.cpus, config.pids_max)
         self._reserved = False
+        self._starting = False
         #: The parked launcher this box starts from (already in its cgroups), if one was ready.
         self._parked: _Parked | None = None
         #: Host mounts (the copy-on-write root) to detach when the box goes.
@@ -478,8 +578,16 @@ class Box:
                 if fd is not None:
                     with contextlib.suppress(OSError):
                         os.close(fd)
+        self._started()
         if self._cgroups.paths:
-            _park_next()  # for the next box, once this one is up: not competing with its start
+            _park_next()  # for the next boxes, once this one is up: not competing with its start
+
+    def _started(self) -> None:
+        """The box is up (or gone): no longer counted among the boxes starting now."""
+        global _STARTING
+        if self._starting:
+            self._starting = False
+            _STARTING -= 1
 
     def reserve(self) -> None:
         """Give the box its cgroups (once): a parked launcher's, already holding the process the
@@ -491,6 +599,11 @@ class Box:
         if self._reserved:
             return
         self._reserved = True
+        global _STARTING, _WANTED, _LAST_BUSY
+        _STARTING += 1  # until it is up, or gone (_started)
+        _LAST_BUSY = time.monotonic()
+        self._starting = True
+        _WANTED = max(_WANTED, _STARTING)
         self._parked = _take_parked()
         if self._parked is not None:
             self._cgroups.adopt(self._parked.cgroups)
@@ -523,7 +636,7 @@ class Box:
         ]  # fmt: skip
         private = _private_mounts(self.owned_dir)
         fds = [*(listener.fileno() for listener in listeners), info_w, exe_fd, block_r]
-        command = [*self.host.command(), *private, *bwrap]
+        command = [*self.host.command(), *private, *_join_netns(self.config), *bwrap]
         try:
             if self._parked is not None:
                 # A parked launcher is the launcher: it makes the mount namespace itself (no second exec).
@@ -680,6 +793,8 @@ class Box:
             if not self._released.is_set():
                 await asyncio.to_thread(self._released.wait, TEARDOWN_WAIT)
             return
+        global _STOPPING
+        _STOPPING += 1
         try:
             died_before = self._proc is not None and self._proc.returncode is not None
             self._signal_all()
@@ -692,7 +807,15 @@ class Box:
                 # half armed --die-with-parent: that half, in its own session, would wait forever.
                 await _off_loop(_lifetime.kill_bubblewraps_of, self.name)
         finally:  # whatever happened on the way (a cancelled stop, an exiting interpreter), it is released
-            self._release()
+            try:
+                if _STARTING or _STOPPING > 1:
+                    # In a thread while other boxes start or stop: its unmounts and cgroup removals (which
+                    # wait for killed processes to leave) would hold up theirs on the loop.
+                    await _off_loop(self._release)
+                else:  # alone: no thread's hop
+                    self._release()
+            finally:
+                _STOPPING -= 1
 
     def unmount(self) -> None:
         """Detach the box's host mounts (idempotent)."""
@@ -702,6 +825,8 @@ class Box:
 
     def _closing(self) -> bool:
         """Claim the box's teardown and mark it stopped (no more commands); ``False`` if it already was."""
+        global _LAST_BUSY
+        _LAST_BUSY = time.monotonic()
         with self._claim:
             if self.closed:
                 return False
@@ -717,6 +842,7 @@ class Box:
                     os.killpg(proc.pid, signal.SIGKILL)
 
     def _release(self) -> None:
+        self._started()
         if self._parked is not None:  # a launcher this box took but never started from: killed
             self._parked.kill_now()
         # Usually empty by now; anything that escaped the namespace's death is killed here.

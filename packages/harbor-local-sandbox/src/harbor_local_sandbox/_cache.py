@@ -5,10 +5,19 @@ fingerprint listings of trees that cannot change while sandboxes run, and facts 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class KeyedLocks:
@@ -62,6 +71,15 @@ class ImageCache:
         """A fact remembered with :meth:`remember`, or ``None``."""
         return self._facts.get(key)
 
+    def image_facts(self, folder: Path, build: str) -> ImageFacts:
+        """The facts kept with the image in ``folder`` (built as ``build``: its key and id), read once per process."""
+        stamp = hashlib.sha256(f"{build};{code_stamp()}".encode()).hexdigest()[:24]
+        key = ("image facts", str(folder), stamp)
+        facts = self._facts.get(key)
+        if facts is None:
+            facts = self._facts.setdefault(key, ImageFacts(folder, stamp))
+        return facts
+
     def clear(self) -> None:
         """Forget everything, as a new process starts (what is built stays on disk)."""
         self._builders.clear()
@@ -71,3 +89,76 @@ class ImageCache:
 
 #: This process's image cache.
 CACHE = ImageCache()
+
+
+# -- facts about an image, kept with it on disk ---------------------------------------
+
+#: The file in an image's folder (beside ``image.json``) that keeps what was found out about the
+#: image once (its search paths, its link hazards), for every later process. A rebuilt image is a
+#: new folder (``oci.ImageStore`` publishes a build by renaming it into place), so its facts go with it.
+FACTS_FILE = "facts.json"
+
+
+#: The modules whose code decides the facts kept (the probe and its reading, the search paths, the link
+#: hazards, the guard's compilation), and so their validity.
+FACT_MODULES = (
+    "_cache.py", "_roots.py", "_view.py", "_links.py", "_guard.py", "_derive.py", "_imports.py", "_viewfs.py",
+    "_userns.py", "code_places.py",
+)  # fmt: skip
+
+
+@functools.cache
+def code_stamp() -> str:
+    """A hash of the code that finds the facts (:data:`FACT_MODULES`): facts found by other code (another
+    version of the package, a change being made) are not trusted."""
+    digest = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for name in FACT_MODULES:
+        with contextlib.suppress(OSError):
+            digest.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
+    return digest.hexdigest()[:24]
+
+
+class ImageFacts:
+    """The facts kept in one image's :data:`FACTS_FILE`, valid for ``stamp`` (the image's build and
+    :func:`code_stamp`); a file made for another stamp, or unreadable, holds nothing."""
+
+    def __init__(self, folder: Path, stamp: str):
+        self.path = folder / FACTS_FILE
+        self.stamp = stamp
+        self._lock = threading.Lock()
+        self._facts: dict[str, Any] | None = None
+
+    def _loaded(self) -> dict[str, Any]:
+        if self._facts is None:
+            facts: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError):
+                stored = json.loads(self.path.read_text())
+                if isinstance(stored, dict) and stored.get("stamp") == self.stamp:
+                    facts = dict(stored.get("facts") or {})
+            self._facts = facts
+        return self._facts
+
+    def get(self, name: str) -> Any:
+        """The fact ``name``, or ``None``."""
+        with self._lock:
+            return self._loaded().get(name)
+
+    def put(self, name: str, value: Any) -> None:
+        """Keep ``value`` (JSON) as ``name``, merged with what another process kept meanwhile; written
+        whole under a new name and renamed into place (a reader never sees half a file). Best effort:
+        a fact that cannot be kept is found again by the next process."""
+        with self._lock:
+            self._facts = None  # another process's facts, kept meanwhile, are kept too
+            facts = {**self._loaded(), name: value}
+            self._facts = facts
+            partial = self.path.with_name(f".{FACTS_FILE}-{os.getpid()}-{threading.get_ident()}")
+            try:
+                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "w") as handle:
+                    json.dump({"stamp": self.stamp, "facts": facts}, handle)
+                os.replace(partial, self.path)
+            except OSError as error:
+                logger.debug("could not keep facts about the image in %s: %r", self.path, error)
+                with contextlib.suppress(OSError):
+                    partial.unlink()

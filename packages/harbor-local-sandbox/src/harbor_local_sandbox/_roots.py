@@ -31,7 +31,7 @@ from typing import Any
 from harbor_local_sandbox import _hostfs, _userns, _viewfs
 from harbor_local_sandbox._binaries import static_binary
 from harbor_local_sandbox._box import SLIRP_GATEWAY_DNS, Box, BoxConfig, _off_loop
-from harbor_local_sandbox._cache import CACHE
+from harbor_local_sandbox._cache import CACHE, ImageFacts
 from harbor_local_sandbox._fingerprints import fingerprints
 from harbor_local_sandbox._guard import (
     COMPILE_GUARD,
@@ -137,6 +137,9 @@ class ImageRoot:
         self.host: _userns.Host = _userns.DIRECT
         #: Views of this sandbox being torn down in the background (awaited before it stops).
         self.closing: set[asyncio.Task] = set()
+        #: More laid on the tree before its box starts (a compose task's volumes and service names):
+        #: ``(func, args)``, run as ``func(rootfs, *args)`` where the host works on trees (``_compose.py``).
+        self.tree_hook: tuple[Any, tuple] | None = None
 
     @property
     def rootfs(self) -> Path:
@@ -172,7 +175,8 @@ class ImageRoot:
         ``box`` holds the :class:`BoxConfig` fields the environment sets (network, limits).
         """
         binds = await self._prepare(force_build)
-        hazards = await asyncio.to_thread(self.link_hazards)
+        # Found once per image (kept with it on disk): no thread hop once known.
+        hazards = self.link_hazards() if self._hazards_known() else await asyncio.to_thread(self.link_hazards)
         try:
             link_policy = tuple(keel_items(LinkPolicy(hazards=hazards))) if box.get("mediate_links", True) else ()
         except ValueError as error:
@@ -264,6 +268,9 @@ class ImageRoot:
             self.host.call, mount_tree, self.dir, self.image.rootfs, self.task.hostname, self.task.workdir
         )
         self.running_box().mounts.append(self.rootfs)
+        if self.tree_hook is not None:  # its mounts go with the root's (a lazy detach takes those below it)
+            func, args = self.tree_hook
+            await asyncio.to_thread(self.host.call, func, self.rootfs, *args)
         await self.running_box().start()
         await self._probe_search_paths()  # before anything but the image runs in the box
         if self.image.config.entrypoint:
@@ -276,6 +283,15 @@ class ImageRoot:
         key = ("search", rootfs, path)
         if CACHE.known(key):
             return
+        stored = self._stored_facts.get(f"search {path}")
+        if stored is not None:  # probed by an earlier process (the image never changes)
+            with contextlib.suppress(TypeError, ValueError, AttributeError):
+                probed = SearchPaths(**{field: tuple(value) for field, value in stored["search"].items()})
+                compiled = CompiledGuard(**stored["guard"]) if stored.get("guard") else None
+                if compiled is not None:
+                    CACHE.remember(("guard", rootfs, path), compiled)
+                CACHE.remember(key, probed)
+                return
         result = await self.run(_SEARCH_PATH_PROBE, cwd="/", env=None, timeout=60, user="root")
         found: dict[str, list[str]] = {"#python": [], "#modules": []}
         section = found["#python"]
@@ -290,6 +306,19 @@ class ImageRoot:
             CACHE.remember(("guard", rootfs, path), compiled)
         probed = self.host.call(search_paths, self.image.rootfs, path, found["#python"], (), found["#modules"])
         CACHE.remember(key, probed)
+        kept = {"search": dataclasses.asdict(probed), "guard": dataclasses.asdict(compiled) if compiled else None}
+        await asyncio.to_thread(self._stored_facts.put, f"search {path}", kept)
+
+    @property
+    def _stored_facts(self) -> ImageFacts:
+        """What is kept on disk with the image (its search paths, its link hazards): found by the first
+        sandbox of the image ever, read by every later process's first."""
+        assert self.image is not None
+        record = self.image.record
+        return CACHE.image_facts(self.image.path, f"{record.key};{record.image_id};{record.container}")
+
+    def _hazards_known(self) -> bool:
+        return self.image is not None and CACHE.known(("link-hazards", str(self.image.rootfs)))
 
     @property
     def _probed_as(self) -> tuple[str, str]:
@@ -309,7 +338,11 @@ class ImageRoot:
         assert self.image is not None
         key = ("link-hazards", str(self.image.rootfs))
         if not CACHE.known(key):
-            CACHE.remember(key, self.host.call(image_hazards, self.image.rootfs))
+            stored = self._stored_facts.get("link hazards")
+            if not isinstance(stored, dict) or not all(isinstance(v, str) for v in stored.values()):
+                stored = self.host.call(image_hazards, self.image.rootfs)
+                self._stored_facts.put("link hazards", stored)
+            CACHE.remember(key, stored)
         return CACHE.recall(key)
 
     @property

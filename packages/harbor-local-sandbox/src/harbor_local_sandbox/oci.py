@@ -165,20 +165,57 @@ def host_ca_bundle() -> Path | None:
     return Path(_DEFAULT_BUNDLE) if os.path.isfile(_DEFAULT_BUNDLE) else None
 
 
-@cache
-def _extra_cas() -> tuple[tuple[str, str], ...]:
-    """``(host file, OpenSSL hashed name)`` of the host's local CAs (``/usr/local/share/ca-certificates``)."""
-    found = []
-    openssl = shutil.which("openssl")
-    if openssl is None or not _EXTRA_CA_DIR.is_dir():
+def _extra_cas(known: Path | None = None) -> tuple[tuple[str, str], ...]:
+    """``(host file, OpenSSL hashed name)`` of the host's local CAs (``/usr/local/share/ca-certificates``).
+
+    ``known``: a file keeping the names found (one ``openssl`` run per certificate), each under its
+    file's identity (device, inode, size, times): a certificate replaced or changed is hashed again."""
+    if not _EXTRA_CA_DIR.is_dir():
         return ()
+    found = []
+    stamps = {}
     for path in sorted(_EXTRA_CA_DIR.rglob("*.crt")):
-        result = subprocess.run(
-            [openssl, "x509", "-subject_hash", "-noout", "-in", str(path)], capture_output=True, text=True
-        )
-        if result.returncode == 0 and re.fullmatch(r"[0-9a-f]{8}", result.stdout.strip()):
-            found.append((str(path), f"{result.stdout.strip()}.0"))
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            stamps[str(path)] = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    with _CA_LOCK:
+        memo = _CA_NAMES.setdefault(known, {})
+        if known is not None and not memo:
+            with contextlib.suppress(OSError, ValueError):
+                stored = json.loads(known.read_text())
+                memo.update({k: tuple(v) for k, v in stored.items() if isinstance(v, list) and len(v) == 2})
+        changed = False
+        for path, stamp in stamps.items():
+            kept = memo.get(path)
+            if kept is None or kept[0] != stamp:
+                hashed = _subject_hash(path)
+                if hashed is None:
+                    continue
+                memo[path] = kept = (stamp, hashed)
+                changed = True
+            found.append((path, kept[1]))
+        if changed and known is not None:
+            with contextlib.suppress(OSError):
+                known.parent.mkdir(parents=True, exist_ok=True)
+                partial = known.with_name(f".{known.name}-{os.getpid()}")
+                partial.write_text(json.dumps({k: list(v) for k, v in memo.items() if k in stamps}))
+                partial.replace(known)
     return tuple(found)
+
+
+#: The hashed names found, by the file that keeps them (``None``: kept in this process only).
+_CA_NAMES: dict[Path | None, dict[str, tuple[str, str]]] = {}
+_CA_LOCK = threading.Lock()
+
+
+def _subject_hash(path: str) -> str | None:
+    """OpenSSL's hashed name of the certificate at ``path`` (``None``: no openssl, or not a certificate)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        return None
+    result = subprocess.run([openssl, "x509", "-subject_hash", "-noout", "-in", path], capture_output=True, text=True)
+    name = result.stdout.strip()
+    return f"{name}.0" if result.returncode == 0 and re.fullmatch(r"[0-9a-f]{8}", name) else None
 
 
 def host_trust_mounts(scratch: Path) -> list[tuple[str, str]]:
@@ -206,7 +243,7 @@ def host_trust_mounts(scratch: Path) -> list[tuple[str, str]]:
         scratch.mkdir(parents=True, exist_ok=True)
         pip_conf.write_text(f"[global]\ncert = {HOST_CA_BUNDLE}\n")
     mounts = [(str(bundle), HOST_CA_BUNDLE), (str(pip_conf), "/etc/pip.conf")]
-    mounts += [(path, f"/etc/ssl/certs/{hashed}") for path, hashed in _extra_cas()]
+    mounts += [(path, f"/etc/ssl/certs/{hashed}") for path, hashed in _extra_cas(scratch / "ca-names.json")]
     return mounts
 
 
@@ -558,11 +595,29 @@ class ImageStore:
         if not image.record.container:
             return False
         await asyncio.to_thread(_hold_mounts, self.cache_dir)
+        # Mounted already (by an earlier process, as root: the store keeps its roots mounted until
+        # released): no ``buildah mount`` run. Where the record says, under this store's storage, and a
+        # mount still (a released store's, or a rootless holder's gone with its process, is not).
+        recorded = image.path / _MOUNTPOINT_FILE
+        with contextlib.suppress(OSError, ValueError):
+            kept = json.loads(recorded.read_text())
+            path = Path(kept["path"])
+            if (
+                kept.get("container") == image.record.container
+                and path.is_relative_to(self.storage_dir)
+                and self.buildah.host.call(os.path.ismount, path)
+            ):
+                image.mountpoint = path
+                return True
         rc, stdout, _ = await self.buildah.run("mount", image.record.container)
         path = Path(stdout.strip().splitlines()[-1]) if rc == 0 and stdout.strip() else None
         if path is None or not self.buildah.host.call(os.path.isdir, path):
             return False
         image.mountpoint = path
+        with contextlib.suppress(OSError):
+            partial = recorded.with_name(f".{_MOUNTPOINT_FILE}-{os.getpid()}")
+            partial.write_text(json.dumps({"container": image.record.container, "path": str(path)}))
+            partial.replace(recorded)
         return True
 
     async def _build_locked(self, environment_dir: Path, final: Path, task_name: str, force: bool) -> None:
@@ -751,6 +806,8 @@ class ImageStore:
 #: shared lock on (from its first mount until it exits or releases them); the mounts are detached
 #: only under an exclusive one.
 _IN_USE_FILE = ".mounts-in-use"
+#: The file in an image's folder that says where its container's root was mounted (``ImageStore._mount``).
+_MOUNTPOINT_FILE = "mountpoint.json"
 _IN_USE: dict[Path, BinaryIO] = {}
 _IN_USE_GUARD = threading.Lock()
 
