@@ -280,3 +280,27 @@ def test_a_process_that_ends_while_launchers_are_being_parked_leaves_nothing(tmp
 
         assert wait_until(lambda: list(ROOT.glob(f"*/harbor-local-sandbox/{pid}-*")) == [])
     assert [p.name for p in state.iterdir() if p.name != "workers"] == []
+
+
+def test_stops_of_one_box_from_several_callers_end_on_a_loop_with_one_executor_thread(tmp_path: Path) -> None:
+    """A box stopped by several callers at once (an episode's own stop beside a shutdown's), with other
+    boxes stopping too, on a loop whose executor has a single thread: every stop ends once its box is
+    down. A stop that finds the teardown under way must not hold a thread that teardown needs (it would
+    wait for it the whole ``TEARDOWN_WAIT``: a shutdown's stops would then run past their deadline)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    task = make_task(tmp_path / "tasks", "stops")
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+        envs = [open_env(task, tmp_path / "trials") for _ in range(2)]
+        await asyncio.gather(*(env.start(force_build=False) for env in envs))
+        boxes = [env._sandbox.running_box() for env in envs]
+        pids = [box._proc.pid for box in boxes]
+        stops = [box.kill() for box in boxes for _ in range(3)]
+        await asyncio.wait_for(asyncio.gather(*stops), timeout=_box.TEARDOWN_WAIT / 2)
+        assert all(box.closed for box in boxes)
+        assert not any(_alive(pid) for pid in pids)
+        await asyncio.gather(*(env.stop(delete=True) for env in envs))
+
+    run(scenario())

@@ -790,8 +790,11 @@ class Box:
         """Kill every process of the box, wait for bubblewrap, and remove its state; when another teardown of
         the box is under way (``kill_now`` at exit, in another thread), wait until it is done."""
         if not self._closing():
-            if not self._released.is_set():
-                await asyncio.to_thread(self._released.wait, TEARDOWN_WAIT)
+            # Polled on the loop, not waited for in a thread: that teardown may itself need one of the
+            # loop's executor threads (its release, off the loop while other boxes start or stop).
+            deadline = time.monotonic() + TEARDOWN_WAIT
+            while not self._released.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             return
         global _STOPPING
         _STOPPING += 1
