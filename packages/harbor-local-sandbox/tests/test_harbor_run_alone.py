@@ -228,30 +228,61 @@ def _pinned(name: str, otherwise: str) -> str:
 _NOT_IN_THE_VENV = ("test_harbor_run_alone.py", "test_walk_fuzz.py")
 
 
-@pytest.mark.local
-def test_the_package_tests_run_with_harbor_and_the_package_alone(plugin_venv: PluginVenv) -> None:  # noqa: F811
-    """The package's own tests need Harbor and the package, nothing of a trainer: their fast subset
-    (``-m "not local"``) passes in the venv of Harbor and the package alone, with pytest and the package's build
-    requirement (setuptools: test_binaries.py runs its setup.py) added, this interpreter's versions, from the
-    index the venv's Harbor came from; no trainer's module imports there."""
+def _pytest_in_the_venv(venv: PluginVenv, *arguments: str) -> str:
+    """Run pytest on the package's tests in the venv of Harbor and the package alone (pytest and the package's
+    build requirement, setuptools, added: this interpreter's versions, from the index the venv's Harbor came
+    from), after checking that no trainer's module can be imported there; return its summary line."""
     tools = [f"{name}=={importlib.metadata.version(name)}" for name in ("pytest", "pytest-timeout")]
     tools.append(_pinned("setuptools", otherwise="setuptools>=77"))
-    _check(plugin_venv.run(plugin_venv.python, "-m", "pip", "install", "-q", *tools, timeout=600), "pip install pytest")
-    env = plugin_venv.env(HARBOR_TELEMETRY="0", LITELLM_LOCAL_MODEL_COST_MAP="True")
+    _check(venv.run(venv.python, "-m", "pip", "install", "-q", *tools, timeout=600), "pip install pytest")
+    env = venv.env(HARBOR_TELEMETRY="0", LITELLM_LOCAL_MODEL_COST_MAP="True")
     # The trainers are missing where pytest runs (its folder, the venv's paths), not only in an isolated probe.
-    probe = plugin_venv.run(
-        plugin_venv.python, "-c", "import importlib.util, sys; print([n for n in sys.argv[1:] if importlib.util.find_spec(n)])",
+    probe = venv.run(
+        venv.python, "-c", "import importlib.util, sys; print([n for n in sys.argv[1:] if importlib.util.find_spec(n)])",
         *TRAINER_MODULES, cwd=PACKAGE_DIR, env=env,
     )  # fmt: skip
     _check(probe, "the trainers' probe")
     assert probe.stdout.strip() == "[]", probe.stdout
-    ignored = [f"--ignore=tests/{name}" for name in _NOT_IN_THE_VENV]
     started = time.monotonic()
-    completed = plugin_venv.run(
-        plugin_venv.python, "-m", "pytest", "-q", "-m", "not local", "-p", "no:cacheprovider", *ignored, "tests",
-        cwd=PACKAGE_DIR, env=env, timeout=900,
+    completed = venv.run(
+        venv.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *arguments, cwd=PACKAGE_DIR, env=env,
+        timeout=1500,
     )  # fmt: skip
-    print(f"the package's tests took {time.monotonic() - started:.1f} s in the venv")
+    print(f"the package's tests ({' '.join(arguments)}) took {time.monotonic() - started:.1f} s in the venv")
     summary = completed.stdout.strip().splitlines()[-1:] or [""]
     assert completed.returncode == 0, completed.stdout[-6000:] + completed.stderr[-3000:]
     assert " passed" in summary[0] and "failed" not in summary[0] and "error" not in summary[0], summary
+    return summary[0]
+
+
+@pytest.mark.local
+def test_the_package_tests_run_with_harbor_and_the_package_alone(plugin_venv: PluginVenv) -> None:  # noqa: F811
+    """The package's own tests need Harbor and the package, nothing of a trainer: their fast subset
+    (``-m "not local"``) passes in the venv of Harbor and the package alone; no trainer's module imports there."""
+    ignored = [f"--ignore=tests/{name}" for name in _NOT_IN_THE_VENV]
+    _pytest_in_the_venv(plugin_venv, "-m", "not local", *ignored, "tests")
+
+
+#: The sandbox's own tests that also run in that venv, sandboxes and all: start, exec and limits
+#: (test_local_sandbox.py), isolation and networks (test_local_isolation.py), images from a registry
+#: (test_local_oci.py), the verifier's view (test_verifier_view.py), compose services (test_compose.py).
+#: Not the runs as ``nobody`` (test_without_root.py, compose's): the venv lives in root's home, which that
+#: user cannot enter; they run from the repository's venv. Nor, here, the test of a command the verifier
+#: installs winning at once: on a loaded machine the shell can look the command up before the supervisor's
+#: PATH watcher has hidden the agent's (a known race, left open); the repository's run keeps it.
+DESELECTED = "not without_root and not verifier_installs_wins"
+SANDBOX_TESTS = (
+    "test_local_sandbox.py", "test_local_isolation.py", "test_local_oci.py", "test_verifier_view.py",
+    "test_compose.py",
+)  # fmt: skip
+
+
+@pytest.mark.local
+@pytest.mark.slow
+def test_the_sandbox_tests_run_with_harbor_and_the_package_alone(plugin_venv: PluginVenv) -> None:  # noqa: F811
+    """The tests that start sandboxes (:data:`SANDBOX_TESTS`) pass in the venv of Harbor and the package alone,
+    as a Harbor user without any trainer would run them: nothing skipped (:data:`DESELECTED` says what is left
+    to the repository's run, and why)."""
+    files = [f"tests/{name}" for name in SANDBOX_TESTS]
+    summary = _pytest_in_the_venv(plugin_venv, "-k", DESELECTED, *files)
+    assert "skipped" not in summary and int(summary.split(" passed")[0].split()[-1]) >= 50, summary
