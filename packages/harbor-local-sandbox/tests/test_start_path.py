@@ -188,9 +188,12 @@ def test_a_mounted_image_root_is_reused_and_a_stale_record_is_not(
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="cgroups (and so parked launchers) need root")
-def test_a_batchs_starts_find_a_pool_of_parked_launchers_and_releasing_it_leaves_nothing(tmp_path: Path) -> None:
+def test_a_batchs_starts_find_a_pool_of_parked_launchers_and_releasing_it_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a batch of N starts, N launchers are parked (between batches) in cgroups of their own; the
     next batch's boxes are those processes; ``release_idle()`` leaves no launcher and no cgroup."""
+    monkeypatch.setattr(_box, "MAX_PARKED", 64)  # HARBOR_LOCAL_SANDBOX_MAX_PARKED=64 (the default parks one)
     from harbor_local_sandbox._cgroups import ROOT
     from harbor_local_sandbox.local import LocalEnvironment
 

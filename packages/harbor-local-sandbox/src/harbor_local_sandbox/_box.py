@@ -350,7 +350,7 @@ _PARKED_LOCK = threading.Lock()  # taken on a loop, released by close_all() from
 _PARKING = False
 _PARK_TASKS: set[asyncio.Task] = set()
 #: The most launchers parked at once (``HARBOR_LOCAL_SANDBOX_MAX_PARKED``; 0: none parked).
-MAX_PARKED = int(os.environ.get("HARBOR_LOCAL_SANDBOX_MAX_PARKED", "64") or 0)
+MAX_PARKED = int(os.environ.get("HARBOR_LOCAL_SANDBOX_MAX_PARKED", "1") or 0)
 #: Boxes reserving or starting now, and the most at once so far (the pool's size).
 _STARTING = 0
 _WANTED = 1
@@ -410,7 +410,11 @@ async def _park() -> None:
         while not _lifetime.EXITING and len(_POOL) < min(_WANTED, MAX_PARKED):
             while _STARTING or (_POOL and time.monotonic() - _LAST_BUSY < QUIET):
                 await asyncio.sleep(0.005 if _STARTING else QUIET / 2)
-            parked = await _new_parked()
+            try:
+                parked = await _new_parked()
+            except Exception as error:  # best effort (e.g. the interpreter exiting meanwhile): no launcher then
+                logger.debug("could not park a launcher: %r", error)
+                return
             if parked is None:
                 return
             with _PARKED_LOCK:
