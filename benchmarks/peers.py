@@ -20,8 +20,9 @@ and nitrobox's ``image`` (a folder). The task runs with ``network_mode = "no-net
 bundled task): the local sandbox gets its own empty network namespace, nitrobox ``net_isolate``;
 both get the task's limits (nitrobox enforces them with cgroup v2 only; on cgroup v1 it has none,
 while the local sandbox keeps its limits there). Both keep their state on ``/dev/shm`` where it is a
-tmpfs (the local sandbox's state root; nitrobox's ``env_base_dir`` is put beside it). Measured in
-each round, the two one after the other (which goes first alternates), each measurement begun once
+tmpfs (the local sandbox's state root and Harbor's trial folders for it; nitrobox's ``env_base_dir``
+beside them). Measured in each round, the two one after the other (which goes first alternates),
+each measurement begun once
 the local sandbox's background work is done (the launchers it parks for its next starts, between
 batches: a pool as large as the most starts at once so far, so the first batch of 16 finds one and
 every later one 16):
@@ -270,8 +271,7 @@ async def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         "cpu_max": str(env_config.cpus) if env_config.cpus else None,
         "pids_max": "2048",  # the local sandbox's default pids_max
     }
-    state = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-    base = Path(tempfile.mkdtemp(prefix="nitrobox-peers-", dir=state))
+    base = Path(tempfile.mkdtemp(prefix="nitrobox-peers-", dir=scratch.parent))
     peer = Nitrobox(image.rootfs, image.config, ours.env()._sandbox.task.hostname, limits, base)
     found: dict[str, Any] = {"rootfs": image.rootfs, "base": base}
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.concurrent, thread_name_prefix="nitrobox")
@@ -372,7 +372,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if os.geteuid() != 0:
         raise SystemExit("benchmarks/peers.py mounts image roots for both sandboxes: run it as root")
-    scratch = Path(tempfile.mkdtemp(prefix="trl-harbor-peers-"))
+    # The trial folders Harbor makes for each local sandbox (five folders each) go where nitrobox
+    # keeps its state, on /dev/shm where writable: on a journaled disk they cost more than the rest
+    # of a start.
+    state = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    scratch = Path(tempfile.mkdtemp(prefix="trl-harbor-peers-", dir=state))
     try:
         found = asyncio.run(measure(args, scratch))
     finally:

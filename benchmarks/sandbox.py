@@ -52,7 +52,7 @@ PHASES = (
     ("cgroups: grace-period wait (no launcher parked; background)", _cgroups, "prime_moves"),
     ("spawn bubblewrap", _box.Box, "_spawn"),
     ("until ready (all below)", _box.Box, "_until_ready"),
-    ("  uid/gid maps, nested user namespaces forbidden", _box, "write_id_maps"),
+    ("  uid/gid maps", _box, "write_id_maps"),
     ("  cgroups: join (all moves)", _cgroups.Cgroups, "join"),
     ("  user-mode network", _box.UserNetwork, "attach"),
     ("search-path probe (once per image)", _roots.ImageRoot, "_probe_search_paths"),

@@ -52,17 +52,6 @@ from harbor_local_sandbox import local as _local  # noqa: E402
 from harbor_local_sandbox.local import LocalEnvironment  # noqa: E402
 from peers import no_network_copy  # noqa: E402
 
-
-class _TimedSubprocess:
-    """``_box``'s ``subprocess`` module with ``run`` timed (the one helper ``write_id_maps`` runs)."""
-
-    def __init__(self, timed_run: Any):
-        self.run = timed_run
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(subprocess, name)
-
-
 #: The steps, in the path's order: ``(label, owner, attribute, depth)``; depth is the table's
 #: indentation (a step includes the deeper ones below it). A missing attribute is skipped (the
 #: package moves on; the table then lacks that row).
@@ -91,13 +80,12 @@ STEPS: tuple[tuple[str, Any, str, int], ...] = (
     ("Box.start", _box.Box, "start", 2),
     ("spawn (pipes, sockets, argv, exec)", _box.Box, "_spawn", 3),
     ("launcher prefix (--private-mounts)", _box, "_private_mounts", 4),
-    ("fork+exec setpriv, launcher, bwrap", _box, "_spawn_process", 4),
+    ("fork+exec launcher, bwrap", _box, "_spawn_process", 4),
     ("hand argv to the parked launcher", _box._Parked, "launch", 4),
     ("until ready", _box.Box, "_until_ready", 3),
     ("settle (ids, cgroups)", _box.Box, "_settle", 4),
     ("wait: bwrap reports its child", _box, "read_child_pid", 5),
-    ("uid/gid maps + nested userns off", _box, "write_id_maps", 5),
-    ("nouserns helper (fork+exec)", _box, "subprocess", 6),
+    ("uid/gid maps", _box, "write_id_maps", 5),
     ("wait: supervisor says 'ready'", asyncio.StreamReader, "readline", 4),
     ("process-tree walks (/proc)", _box, "_process_tree", 4),
     ("cgroup moves (mover thread)", _cgroups.Cgroups, "join", 4),
@@ -126,10 +114,7 @@ class Profiler:
             if original is None:
                 continue
             self._saved.append((owner, name, own.get(name)))
-            if name == "subprocess" and owner is _box:
-                setattr(owner, name, _TimedSubprocess(self._wrap(label, subprocess.run)))
-            else:
-                setattr(owner, name, self._wrap(label, original))
+            setattr(owner, name, self._wrap(label, original))
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self._saved):

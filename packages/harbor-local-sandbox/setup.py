@@ -5,7 +5,7 @@ architecture); an sdist, or a checkout, builds them at install; an editable inst
 them into the source folder (``src/harbor_local_sandbox/_bin/``, ignored by git). Nothing is compiled when a
 sandbox starts: ``_binaries.py`` finds them, checking ``_bin/manifest.json`` (what was built, from which source).
 
-Every helper is linked statically: the supervisor, ``runas``, ``nouserns`` and the forwarder run inside task
+Every helper is linked statically: the supervisor, ``runas`` and the forwarder run inside task
 images, whatever C library they have (or none); the launcher runs on the host, whose C library may be older than
 the build machine's. The launcher is optional (without it sandboxes start without a parked process). ``CC``
 chooses the compiler (it may hold flags, e.g. ``ccache gcc``); else the first of ``cc``, ``gcc``, ``clang`` on
@@ -38,7 +38,7 @@ from setuptools.errors import CompileError
 PACKAGE = "harbor_local_sandbox"
 #: The helpers: their name (``_<name>.c``) and whether they are linked statically (all are: see above). The
 #: launcher may be missing.
-HELPERS = {"supervisor": True, "runas": True, "nouserns": True, "forwarder": True, "launcher": True}
+HELPERS = {"supervisor": True, "runas": True, "forwarder": True, "launcher": True}
 OPTIONAL = {"launcher"}
 BIN_DIR = "_bin"
 MANIFEST = "manifest.json"

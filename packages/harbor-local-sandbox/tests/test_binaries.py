@@ -21,7 +21,7 @@ from harbor_local_sandbox import _binaries
 from harbor_local_sandbox.errors import SandboxUnavailableError
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
-STATIC = ("supervisor", "runas", "nouserns", "forwarder")
+STATIC = ("supervisor", "runas", "forwarder")
 
 
 @pytest.fixture
@@ -99,9 +99,9 @@ def test_a_helper_built_from_another_source_is_stale(package: Path) -> None:
 
 def test_a_listed_helper_whose_file_is_gone_says_so(package: Path) -> None:
     _build(package)
-    (package / "_bin" / "nouserns").unlink()
+    (package / "_bin" / "runas").unlink()
     with pytest.raises(SandboxUnavailableError, match="missing or not executable"):
-        _binaries.static_binary("nouserns")
+        _binaries.static_binary("runas")
 
 
 def test_only_the_launcher_may_be_absent_and_then_it_is_none(package: Path) -> None:

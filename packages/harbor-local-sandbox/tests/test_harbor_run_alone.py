@@ -41,7 +41,7 @@ BUNDLED_TASKS = sorted(path.parent for path in BUNDLED_SUITE.glob("*/task.toml")
 FORBIDDEN = {"trl", "torch", "transformers", *([HOST_PROJECT] if HOST_PROJECT else [])}
 #: The helpers a wheel carries (setup.py), all static: the launcher runs on the host, the others inside task
 #: images of any C library.
-HELPERS = ("supervisor", "runas", "nouserns", "forwarder", "launcher")
+HELPERS = ("supervisor", "runas", "forwarder", "launcher")
 #: The programs that would compile or link C: on the wheel's run each is a script that fails loudly.
 COMPILERS = ("cc", "gcc", "clang", "c89", "c99", "tcc", "ld", "as", f"{platform.machine()}-linux-gnu-gcc")
 

@@ -338,9 +338,16 @@ def test_agent_cannot_kill_the_supervisor_mount_or_trace(task: Path, tmp_path: P
             assert mounted.return_code != 0
             caps = await env.exec("grep CapEff /proc/self/status")
             effective = int(caps.stdout.split()[1], 16)
-            for bit in (21, 19, 9):  # CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_LINUX_IMMUTABLE
+            for bit in (21, 19, 9, 24):  # CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_LINUX_IMMUTABLE, CAP_SYS_RESOURCE
                 assert not effective & (1 << bit), caps.stdout
             assert (await env.exec("unshare -U true")).return_code != 0  # no nested user namespaces
+            # The keel set the box's limit to 0 as it started; nothing in the box may raise it again.
+            knob = "/proc/sys/user/max_user_namespaces"
+            raised = await env.exec(
+                f"echo 10 > {knob} || mount -t proc proc /mnt && echo 10 > /mnt/sys/user/max_user_namespaces"
+            )
+            assert raised.return_code != 0
+            assert (await env.exec(f"cat {knob}")).stdout.strip() == "0"
         finally:
             await env.stop(delete=True)
 
@@ -455,9 +462,21 @@ def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tm
     from harbor_local_sandbox._cgroups import ROOT
     from harbor_local_sandbox.local import release_parked
 
+    def in_agent_leaf(cgroup: str) -> bool:
+        """Whether a process of the agent is in the agent's leaf in every limiting controller (the keel
+        writes the agent's supervisor there as it forks it). The path is relative to the box's cgroup
+        namespace: rooted at the keel's leaf from a parked launcher, at the host's root otherwise."""
+        lines = {line.split(":")[1]: line.split(":")[2] for line in cgroup.splitlines() if line.count(":") >= 2}
+        limiting = [name for name in lines if {"memory", "pids", "cpu"} & set(name.split(","))]
+        return len(limiting) == 3 and all(lines[name].endswith("/agent") for name in limiting)
+
     async def scenario():
         first = open_env(task, tmp_path)
-        await first.start(force_build=False)
+        await first.start(force_build=False)  # from no parked launcher: it joins the cgroups itself
+        assert in_agent_leaf((await first.exec("cat /proc/self/cgroup")).stdout)
+        box = first._sandbox.running_box()
+        for pid in (box._proc.pid, box.init_pid):  # bubblewrap and the keel, in the keel's leaf of each
+            assert Path(f"/proc/{pid}/cgroup").read_text().count(f"/harbor-local-sandbox/{box.name}/keel\n") == 3
         second = open_env(task, tmp_path)
         try:
             for _ in range(500):
@@ -475,8 +494,7 @@ def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tm
             assert int((memory / "agent" / "memory.limit_in_bytes").read_text()) == 512 * 1024 * 1024
             assert int((memory / "memory.limit_in_bytes").read_text()) == 2 * 512 * 1024 * 1024
             assert f"memory:/harbor-local-sandbox/{group}/keel" in Path(f"/proc/{box.init_pid}/cgroup").read_text()
-            agent = await second.exec("cat /proc/self/cgroup")
-            assert "memory:/../agent" in agent.stdout  # its cgroup namespace is rooted at the keel's leaf
+            assert in_agent_leaf((await second.exec("cat /proc/self/cgroup")).stdout)
             hog = await second.exec(
                 'python3 -c "b = []\nwhile True: b.append(bytearray(64 * 1024 * 1024))"', timeout_sec=60
             )
@@ -498,7 +516,8 @@ def test_a_later_start_runs_from_a_launcher_parked_in_its_cgroups(task: Path, tm
 
 def test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees(task: Path, tmp_path: Path) -> None:
     """A box's bubblewrap runs in a mount namespace of its own holding its own tree's mounts but not
-    those of the sandboxes already running (which made every later start slower); both work.
+    those of the sandboxes already running (which made every later start slower), nor the host's it
+    does not need; both work.
 
     Without root (the repository's ``tests/test_rootless.py`` runs this too) the trees are the holder's mounts."""
 
@@ -521,6 +540,12 @@ def test_a_box_starts_in_a_mount_table_without_the_other_boxes_trees(task: Path,
             seen = mount_points(bwrap)
             assert second_dir in seen, seen
             assert not [p for p in seen if p == first_dir or p.startswith(first_dir + "/")], seen
+            # Nor the mounts it does not use (each line costs bubblewrap at every mount it makes): the image
+            # root (the box's overlay holds its own reference) and, as root, /sys and its cgroup hierarchies
+            # (without root the host's mounts are locked in the holder's namespace: they stay).
+            assert str(second._sandbox.image.rootfs) in on_host and str(second._sandbox.image.rootfs) not in seen
+            if not host.rootless:
+                assert "/sys" in on_host and not [p for p in seen if p == "/sys" or p.startswith("/sys/")], seen
             for env, name in ((first, "first"), (second, "second")):
                 result = await env.exec(f"echo {name} > /tmp/mark && cat /tmp/mark")
                 assert result.return_code == 0 and result.stdout.strip() == name, result

@@ -1,5 +1,5 @@
 """The programs a box runs: host tools (bubblewrap, ``setpriv``) and this package's C helpers
-(``_supervisor.c``, ``_runas.c``, ``_nouserns.c``, ``_forwarder.c``, ``_launcher.c``), built when the package is
+(``_supervisor.c``, ``_runas.c``, ``_forwarder.c``, ``_launcher.c``), built when the package is
 built (``setup.py``: into ``_bin/``, with a manifest of the sources they were built from) and never at run time;
 and where the local sandbox keeps things (the cache, the state root)."""
 
@@ -127,7 +127,7 @@ def _built(name: str) -> tuple[str | None, str]:
 
 @cache
 def static_binary(name: str) -> str:
-    """The path of ``_<name>.c`` (``"supervisor"``, ``"runas"``, ``"nouserns"``, ``"forwarder"``), linked
+    """The path of ``_<name>.c`` (``"supervisor"``, ``"runas"``, ``"forwarder"``), linked
     statically when the package was built (``setup.py``).
 
     Image roots have their own C library, or none: what runs in them must not depend on the host's.

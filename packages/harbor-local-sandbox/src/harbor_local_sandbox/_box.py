@@ -68,6 +68,9 @@ SANDBOX_CAPS = (
 #: What the keel keeps besides (it makes the agent's and the verifier's namespaces, lists and kills
 #: the agent's processes whatever their user); the agent's and the verifier's supervisors drop them.
 KEEL_CAPS = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SYS_PTRACE")
+#: What the keel needs only as it starts, and gives up at once: forbidding nested user namespaces
+#: (``user.max_user_namespaces = 0``, which only a process with it may raise again).
+KEEL_START_CAPS = ("CAP_SYS_RESOURCE",)
 _CAP_NUMBERS = {
     "CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4, "CAP_KILL": 5, "CAP_SETGID": 6,
     "CAP_SETUID": 7, "CAP_SETPCAP": 8, "CAP_NET_BIND_SERVICE": 10, "CAP_NET_ADMIN": 12, "CAP_NET_RAW": 13,
@@ -83,33 +86,31 @@ def capability_mask(names: Sequence[str]) -> str:
 
 def namespace_args(*, hostname: str, block_fd: int) -> list[str]:
     """bubblewrap's namespace, capability and process options for a box (see ``BoxConfig``): its own user
-    (bubblewrap waits on ``block_fd`` while the host maps the box's ids and forbids nested user
-    namespaces, :func:`write_id_maps`), network, PID, IPC and UTS namespaces; the keel's capabilities."""
+    (bubblewrap waits on ``block_fd`` while the host maps the box's ids, :func:`write_id_maps`; the
+    keel forbids nested user namespaces as it starts), network, PID, IPC and UTS namespaces; the
+    keel's capabilities."""
     return [
         "--unshare-user", "--uid", "0", "--gid", "0", "--userns-block-fd", str(block_fd), "--unshare-net",
         "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--die-with-parent", "--new-session",
-        "--cap-drop", "ALL", *(arg for cap in (*SANDBOX_CAPS, *KEEL_CAPS) for arg in ("--cap-add", cap)),
+        "--cap-drop", "ALL",
+        *(arg for cap in (*SANDBOX_CAPS, *KEEL_CAPS, *KEEL_START_CAPS) for arg in ("--cap-add", cap)),
         "--hostname", hostname,
     ]  # fmt: skip
 
 
 def write_id_maps(pid: int, id_map: str) -> None:
-    """Write ``id_map`` as the uid and gid maps of the box whose init is ``pid``, and forbid nested
-    user namespaces in it (their root would regain every capability in them): ``user.max_user_namespaces
-    = 0``, set from inside it (``_nouserns.c``; bubblewrap's ``--disable-userns`` cannot be combined
-    with ``--userns-block-fd``, and slirp4netns must still join the box's own user namespace)."""
+    """Write ``id_map`` as the uid and gid maps of the box whose init is ``pid`` (bubblewrap waits for
+    them). Nested user namespaces (whose root would regain every capability in them) are forbidden
+    by the keel itself as it starts (``user.max_user_namespaces = 0`` from inside, ``_supervisor.c``:
+    bubblewrap's ``--disable-userns`` cannot be combined with ``--userns-block-fd``, and slirp4netns
+    must still join the box's own user namespace)."""
     try:
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{name}", "w") as handle:
                 handle.write(id_map)
     except OSError as error:
         raise SandboxStartError(f"could not map the image's users into the sandbox: {error}") from error
-    result = subprocess.run(
-        [static_binary("nouserns"), str(pid)], capture_output=True, text=True, env={"PATH": SYSTEM_PATH}
-    )
-    if result.returncode != 0:
-        raise SandboxStartError(f"could not forbid nested user namespaces in the sandbox: {result.stderr.strip()}")
 
 
 def _settle_once(future: asyncio.Future) -> None:
@@ -521,6 +522,11 @@ class Box:
         self._starting = False
         #: The parked launcher this box starts from (already in its cgroups), if one was ready.
         self._parked: _Parked | None = None
+        #: Whether bubblewrap started in the box's cgroups (a parked launcher's, or one that joined
+        #: them before it executed bubblewrap): nothing of the keel's to move from here.
+        self._in_place = False
+        #: Whether the keel put the agent's supervisor in the agent's cgroup leaf itself.
+        self._agent_placed = False
         #: Host mounts (the copy-on-write root) to detach when the box goes.
         self.mounts: list[Path] = []
         self._views = 0
@@ -598,8 +604,8 @@ class Box:
         box's bubblewrap will be, else new ones, with the kernel's wait for moving into them begun.
 
         The wait (a grace period: :func:`~harbor_local_sandbox._cgroups.prime_moves`) runs in the
-        background: started before the box's tree is made, it is mostly over by the time
-        :meth:`_settle` moves the box in."""
+        background: started before the box's tree is made, it is mostly over by the time the box's
+        launcher joins them and its keel puts the agent's supervisor in the agent's leaf."""
         if self._reserved:
             return
         self._reserved = True
@@ -614,7 +620,7 @@ class Box:
         else:
             self._cgroups.create()
         if self._cgroups.paths:
-            Cgroups.primed()  # the agent's supervisor moves to its own leaf, whatever the start
+            Cgroups.primed()  # the agent's supervisor joins its own leaf, whatever the start
 
     async def _spawn(self, binary: str) -> tuple[int, int]:
         """Run bubblewrap with the supervisor as the box's init; return the host's ends of its info and block pipes."""
@@ -633,18 +639,32 @@ class Box:
             listeners.append(listener)
         limits = _rlimits(self.config, bool(self._cgroups.paths))
         links = ["links", *self.config.link_policy] if self.config.mediate_links else []
+        # The keel puts the agent's supervisor in the agent's leaf itself as it forks it (no move
+        # from here after "ready"): the leaf's cgroup.procs, opened here, one per controller (v1).
+        leaf_procs = self._cgroups.agent_procs()
         bwrap = [
             *_bwrap_command(self.config, self.state_dir, info_w, block_r), f"/proc/self/fd/{exe_fd}",
             *(str(listener.fileno()) for listener in listeners), *map(str, limits),
             capability_mask(SANDBOX_CAPS), *proc_hardening_items(), *links,
+            *(f"cgroup-procs:{fd}" for fd in leaf_procs),
         ]  # fmt: skip
         private = _private_mounts(self.owned_dir)
-        fds = [*(listener.fileno() for listener in listeners), info_w, exe_fd, block_r]
+        fds = [*(listener.fileno() for listener in listeners), info_w, exe_fd, block_r, *leaf_procs]
         command = [*self.host.command(), *private, *_join_netns(self.config), *bwrap]
+        keel_procs: list[int] = []
         try:
             if self._parked is not None:
                 # A parked launcher is the launcher: it makes the mount namespace itself (no second exec).
                 self._proc = self._parked.launch(command[1:] if command[:1] == private[:1] else command, fds)
+                self._in_place = True
+            elif private and command[:1] == private[:1]:
+                # The launcher arms the parent-death signal itself (no setpriv to execute first) and
+                # joins the box's cgroups before it becomes bubblewrap (nothing to move from here).
+                keel_procs = self._cgroups.procs_files("keel")
+                joining = ["--join-cgroups", ",".join(map(str, keel_procs))] if keel_procs else []
+                launcher = [command[0], "--die-with-parent", *joining, *command[1:]]
+                self._proc = await _spawn_process(launcher, [*fds, *keel_procs])
+                self._in_place = bool(keel_procs)
             else:
                 self._proc = await _spawn_process([*pdeathsig_prefix(), *command], fds)
         except OSError as error:
@@ -655,8 +675,9 @@ class Box:
         finally:
             for listener in listeners:
                 listener.close()
-            for fd in (info_w, exe_fd, block_r):
+            for fd in (info_w, exe_fd, block_r, *leaf_procs, *keel_procs):
                 os.close(fd)
+        self._agent_placed = bool(leaf_procs)
         _lifetime.LIVE.add(self)
         return info_r, block_w
 
@@ -682,10 +703,14 @@ class Box:
             # Every process of the box so far is in its cgroups before any command runs (normally
             # :meth:`_settle` put them there: none is moved here), and the agent's supervisor in the
             # agent's leaf; later ones are forked from them.
-            tree = _process_tree(proc.pid)
-            agent = [pid for pid in _process_tree(child_pid) if pid != child_pid]
-            await self._cgroups.moved([pid for pid in tree if pid not in agent])
-            await self._cgroups.moved(agent, "agent")
+            if not self._in_place:  # else the launcher was in the cgroups before it became bubblewrap
+                tree = _process_tree(proc.pid)
+                agent = [pid for pid in _process_tree(child_pid) if pid != child_pid]
+                await self._cgroups.moved([pid for pid in tree if pid not in agent])
+                if not self._agent_placed:
+                    await self._cgroups.moved(agent, "agent")
+            elif not self._agent_placed:
+                await self._cgroups.moved([pid for pid in _process_tree(child_pid) if pid != child_pid], "agent")
         self._child_pid = child_pid
         if self.config.network == "user":
             # Only once bubblewrap has finished setting up the namespace's loopback:
@@ -696,24 +721,28 @@ class Box:
         """Map the box's ids (image roots) and put its processes in its cgroups; its init's PID
         (``None``: bubblewrap failed before it made one, and says why on its standard error).
 
-        The first cgroup move waits for a kernel grace period after a quiet spell (~8 ms; started
-        early by :meth:`reserve`): it runs alongside bubblewrap's set-up, not before it. bubblewrap
-        waits on ``block_w`` (image roots) only for the id maps. Until its first command the box
-        forks nothing (bubblewrap runs ``--as-pid-1``; the supervisor forks per connection), and no
-        command is sent before this returns: every later process is forked inside the cgroups.
+        Normally there is nothing to move: bubblewrap starts in the cgroups (a parked launcher's, or
+        a launcher that joined them first, :attr:`_in_place`). Otherwise the first cgroup move waits
+        for a kernel grace period after a quiet spell (~8 ms; started early by :meth:`reserve`): it
+        runs alongside bubblewrap's set-up, not before it. bubblewrap waits on ``block_w`` (image
+        roots) only for the id maps. Until its first command the box forks nothing (bubblewrap runs
+        ``--as-pid-1``; the supervisor forks per connection), and no command is sent before this
+        returns: every later process is forked inside the cgroups.
         """
         proc = self._proc
         assert proc is not None
-        # From a parked launcher, bubblewrap and all it forks are in the cgroups already.
-        joining = self._cgroups.moved([proc.pid] if self._parked is None else [])
+        joining = self._cgroups.moved([] if self._in_place else [proc.pid])
         try:
             pid = await read_child_pid(info_r)
             if pid is not None:
-                await asyncio.to_thread(self.host.call, write_id_maps, pid, self.host.id_map)
+                if self.host is _userns.DIRECT:  # two small writes: no thread hop
+                    write_id_maps(pid, self.host.id_map)
+                else:
+                    await asyncio.to_thread(self.host.call, write_id_maps, pid, self.host.id_map)
                 os.write(block_w, b"1")
         finally:
             await joining
-        if pid is not None and self._parked is None:
+        if pid is not None and not self._in_place:
             await self._cgroups.moved([pid])  # forked before bubblewrap moved: moved now
         return pid
 

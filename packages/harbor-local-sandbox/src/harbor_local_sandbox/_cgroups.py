@@ -89,9 +89,8 @@ class Cgroups:
     def _create(self, limits: bool) -> None:
         mode = self.mode()
         if mode == "v1":
-            for controller in ("memory", "pids", "cpu"):
-                if (ROOT / controller).is_dir():
-                    self._make(ROOT / controller / CGROUP_PARENT / self.name, controller if limits else None)
+            for controller in _v1_controllers():
+                self._make(ROOT / controller / CGROUP_PARENT / self.name, controller if limits else None)
         elif mode == "v2":
             parent = ROOT / CGROUP_PARENT
             if not parent.exists():
@@ -100,45 +99,57 @@ class Cgroups:
             self._make(parent / self.name, "v2" if limits else None, subtree=True)
 
     def _make(self, path: Path, limits: str | None, subtree: bool = False) -> None:
-        """The box's folder ``path`` and its leaves; ``limits``: which to write (a v1 controller, ``"v2"``)."""
-        path.mkdir(parents=True, exist_ok=True)
+        """The box's folder ``path`` and its leaves; ``limits``: which to write (a v1 controller, ``"v2"``).
+
+        Plain ``os`` calls on strings: a start makes nine folders and writes a dozen files (v1), on
+        the event loop, several starts at once."""
+        base = str(path)
+        try:
+            os.mkdir(base)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:  # the first box: the parent too
+            os.makedirs(base, exist_ok=True)
         if path not in self.paths:
             self.paths.append(path)
-        if subtree and not (path / "keel").exists():
-            (path / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+        if subtree and not os.path.exists(f"{base}/keel"):
+            _write(f"{base}/cgroup.subtree_control", "+memory +pids +cpu")
         for leaf in self.LEAVES:
-            (path / leaf).mkdir(exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(f"{base}/{leaf}")
         if limits is None:
             return
         memory, cpus, pids = self.limits["memory"], self.limits["cpu"], self.limits["pids"]
-        for where, share in ((path / "agent", 1), (path, 2)):  # the box: the agent's again, for the rest
+        for where, share in ((f"{base}/agent", 1), (base, 2)):  # the box: the agent's again, for the rest
             if limits in ("memory", "v2") and memory:
-                self._write_memory(where, memory * share * 1024 * 1024, v2=limits == "v2")
+                _write_memory(where, memory * share * 1024 * 1024, v2=limits == "v2")
             if limits in ("pids", "v2") and pids:
-                (where / "pids.max").write_text(str(pids * share))
+                _write(f"{where}/pids.max", str(pids * share))
             if limits in ("cpu", "v2") and cpus:
                 with contextlib.suppress(OSError):
-                    self._write_cpu(where, cpus * share, v2=limits == "v2")
+                    _write_cpu(where, cpus * share, v2=limits == "v2")
 
-    @staticmethod
-    def _write_memory(where: Path, size: int, v2: bool) -> None:
-        if v2:
-            (where / "memory.max").write_text(str(size))
-            with contextlib.suppress(OSError):
-                (where / "memory.swap.max").write_text("0")
-            return
-        # v1: a child's limit may not exceed its parent's: the parent is written first when raising.
-        (where / "memory.limit_in_bytes").write_text(str(size))
-        with contextlib.suppress(OSError):
-            (where / "memory.memsw.limit_in_bytes").write_text(str(size))
+    def procs_files(self, leaf: str) -> list[int]:
+        """``leaf``'s ``cgroup.procs`` in each controller, opened for writing (close-on-exec): for a
+        process of the box to put itself (the launcher, ``"keel"``) or a child (the keel, ``"agent"``)
+        there, instead of a move from here afterwards. Empty without cgroups, or where one cannot be
+        opened (moved from here then, :meth:`moved`)."""
+        opened: list[int] = []
+        try:
+            for path in self.leaf(leaf):
+                opened.append(os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
+        except OSError:
+            for fd in opened:
+                os.close(fd)
+            return []
+        return opened
 
-    @staticmethod
-    def _write_cpu(where: Path, cpus: float, v2: bool) -> None:
-        if v2:
-            (where / "cpu.max").write_text(f"{max(1000, int(100000 * cpus))} 100000")
-            return
-        period = int((where / "cpu.cfs_period_us").read_text())
-        (where / "cpu.cfs_quota_us").write_text(str(max(1000, int(period * cpus))))
+    def agent_procs(self) -> list[int]:
+        """:meth:`procs_files` of the agent's leaf, for the keel inside the box: cgroup v1 only (empty
+        otherwise). A v1 write is allowed by the credentials the file was opened with (root's),
+        whoever writes; v2 checks the writer's too on kernels before 5.16, and a box's v2 agent is
+        moved from here."""
+        return self.procs_files("agent") if self.mode() == "v1" else []
 
     def moved(self, pids: list[int], leaf: str = "keel") -> asyncio.Future:
         """:meth:`join` on the mover thread (a future of the running loop; done at once when there
@@ -162,11 +173,12 @@ class Cgroups:
         Each move takes the kernel's thread-group lock for writing, which after a quiet spell waits
         for an RCU grace period (~8 ms here): a process already in place is not written again."""
         for path in self.leaf(leaf):
-            members = set((path / "cgroup.procs").read_text().split())
+            procs = f"{path}/cgroup.procs"
+            members = set(_read(procs).split())
             for pid in pids:
                 if str(pid) not in members:
                     with contextlib.suppress(ProcessLookupError):
-                        (path / "cgroup.procs").write_text(str(pid))
+                        _write(procs, str(pid))
 
     def exhaustion(self) -> str | None:
         """Which limit the agent's processes ran into, from its leaf's event counters (``None``: none)."""
@@ -191,9 +203,10 @@ class Cgroups:
     def kill_and_remove(self) -> None:
         """Kill what is left in the box's cgroups, then remove them."""
         for path in self.paths:
-            for where in (path / "agent", path / "keel", path):
+            base = str(path)
+            for where in (f"{base}/agent", f"{base}/keel", base):
                 with contextlib.suppress(OSError):
-                    for pid in (where / "cgroup.procs").read_text().split():
+                    for pid in _read(f"{where}/cgroup.procs").split():
                         with contextlib.suppress(OSError):
                             os.kill(int(pid), signal.SIGKILL)
         self.remove()
@@ -201,18 +214,19 @@ class Cgroups:
     def remove(self) -> None:
         """Remove the box's cgroups (once their processes have left them)."""
         for path in self.paths:
-            for where in (*(path / leaf for leaf in self.LEAVES), path):
+            base = str(path)
+            for where in (*(f"{base}/{leaf}" for leaf in self.LEAVES), base):
                 _rmdir_when_empty(where)
         self.paths = []
 
 
-def _rmdir_when_empty(path: Path) -> None:
+def _rmdir_when_empty(path: str) -> None:
     """Remove a cgroup folder: killed processes leave it a moment after SIGKILL (on a loaded machine,
     more than a few tries' worth: one left behind stays until the next run's sweep)."""
     deadline = time.monotonic() + 1
     while True:
         try:
-            path.rmdir()
+            os.rmdir(path)
             return
         except FileNotFoundError:
             return
@@ -220,6 +234,67 @@ def _rmdir_when_empty(path: Path) -> None:
             if error.errno != errno.EBUSY or time.monotonic() > deadline:
                 return
             time.sleep(0.002)
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks).decode()
+    finally:
+        os.close(fd)
+
+
+@cache
+def _v1_controllers() -> tuple[str, ...]:
+    """The v1 hierarchies a box limits (those mounted)."""
+    return tuple(name for name in ("memory", "pids", "cpu") if (ROOT / name).is_dir())
+
+
+@cache
+def _has_memsw() -> bool:
+    """Whether v1's memory controller accounts swap (``memory.memsw.*``: swap accounting on)."""
+    return (ROOT / "memory" / "memory.memsw.limit_in_bytes").exists()
+
+
+_CFS_PERIOD: list[int] = []
+
+
+def _cfs_period(where: str) -> int:
+    """v1's CFS period of a new cgroup: the kernel's default for every new one, read from the first."""
+    if not _CFS_PERIOD:
+        _CFS_PERIOD.append(int(_read(f"{where}/cpu.cfs_period_us")))
+    return _CFS_PERIOD[0]
+
+
+def _write_memory(where: str, size: int, v2: bool) -> None:
+    if v2:
+        _write(f"{where}/memory.max", str(size))
+        with contextlib.suppress(OSError):
+            _write(f"{where}/memory.swap.max", "0")
+        return
+    # v1: a child's limit may not exceed its parent's: the parent is written first when raising.
+    _write(f"{where}/memory.limit_in_bytes", str(size))
+    if _has_memsw():
+        with contextlib.suppress(OSError):
+            _write(f"{where}/memory.memsw.limit_in_bytes", str(size))
+
+
+def _write_cpu(where: str, cpus: float, v2: bool) -> None:
+    if v2:
+        _write(f"{where}/cpu.max", f"{max(1000, int(100000 * cpus))} 100000")
+        return
+    _write(f"{where}/cpu.cfs_quota_us", str(max(1000, int(_cfs_period(where) * cpus))))
 
 
 def remove_stale(is_stale: Callable[[str], bool]) -> None:

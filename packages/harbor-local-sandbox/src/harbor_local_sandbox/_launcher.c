@@ -2,7 +2,7 @@
  * and the step before every box's bubblewrap that gives it a mount table of its own.
  *
  *   launcher FD
- *   launcher --private-mounts STATE_ROOT KEEP COMMAND...
+ *   launcher [--die-with-parent] [--join-cgroups FD[,FD...]] --private-mounts STATE_ROOT KEEP COMMAND...
  *
  * Moving a process into cgroups waits for a kernel grace period (~10 ms after a quiet spell);
  * a process forked inside them is counted there at once. The host starts this program, moves it
@@ -13,12 +13,19 @@
  * command (bubblewrap), which inherits the cgroups. It dies with its parent (PR_SET_PDEATHSIG, kept
  * across exec), and exits quietly when the socket closes without a message.
  * A command line may begin with "--private-mounts STATE_ROOT KEEP": the command then runs in a mount
- * namespace of its own (a private copy of this one) from which every mount under STATE_ROOT but
- * those of its top-level folder KEEP is detached: the other sandboxes' trees. bubblewrap copies
- * the mount table into the box and reads it whole once per mount it makes (~20 per box), so
- * without this each start grew slower with every sandbox already running (2 mounts each).
- * Exit codes: 0 closed without a message, 125 cannot make the mount namespace, 126 bad message,
- * 127 cannot execute.
+ * namespace of its own (a private copy of this one) holding only the mounts it needs (private_mounts):
+ * its top-level folder KEEP under STATE_ROOT, /proc, /dev, and what holds the paths it names. bubblewrap
+ * copies the mount table into the box and reads it whole once per mount it makes (~20 per box): the
+ * other sandboxes' trees (2 mounts each) made each start slower with every sandbox already running,
+ * and the host's own mounts (cgroup hierarchies, image roots) cost every start.
+ * With "--die-with-parent" first, the command dies with this program's parent (PR_SET_PDEATHSIG,
+ * armed before exec: bubblewrap's own --die-with-parent arms only part-way through its set-up), as
+ * `setpriv --pdeathsig KILL` would, without a program more to execute on every start. With
+ * "--join-cgroups", it first puts itself in the box's cgroups (each FD the cgroup.procs of one,
+ * opened by the host; closed after): bubblewrap and all it forks start there, with nothing to move
+ * from the host afterwards (the host's first move after a quiet spell waited for a grace period).
+ * Exit codes: 0 closed without a message, 124 cannot join the cgroups, 125 cannot make the mount
+ * namespace, 126 bad message, 127 cannot execute.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -61,45 +68,109 @@ static char *read_mount_table(void) {
     return table;
 }
 
-/* Unshare the mount namespace, and detach the mounts under root/ but those of root/keep. */
-static int private_mounts(const char *root, const char *keep) {
+/* Whether path is top or below it ("/" is above everything). */
+static int below(const char *path, const char *top) {
+    size_t n = strlen(top);
+    if (n == 1 && top[0] == '/') return 1;
+    return strncmp(path, top, n) == 0 && (path[n] == 0 || path[n] == '/');
+}
+
+#define MAX_NAMED 1024
+
+/* Unshare the mount namespace and detach every mount the command does not need: it keeps "/",
+ * /proc, /dev and root/keep (the box's own tree) with all below them (but the other sandboxes'
+ * trees under root/, wherever root is), and the mounts that hold a
+ * path the command names (each absolute argument, links resolved: bubblewrap's bind sources, the
+ * programs). The rest goes: the other sandboxes' trees under root/, the image roots, /sys and its
+ * cgroup hierarchies, ... bubblewrap reads the whole table once per mount it makes, so each line
+ * costs every start (most of bubblewrap's time went to printing and parsing it). A mount point the
+ * kernel printed escaped (a space in it) is kept. */
+static int private_mounts(const char *root, const char *keep, char **command) {
     if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) return -1;
     char *table = read_mount_table();
     if (table == NULL) return -1;
-    size_t n_root = strlen(root), n_keep = strlen(keep);
+    static char box[PATH_MAX];
+    snprintf(box, sizeof box, "%s/%s", root, keep);
+    const char *whole[] = {"/proc", "/dev", box};
+    static char *named[MAX_NAMED];
+    int n_named = 0;
+    for (char **arg = command; *arg != NULL && n_named < MAX_NAMED; arg++) {
+        if ((*arg)[0] != '/') continue;
+        char *resolved = realpath(*arg, NULL);
+        named[n_named++] = resolved != NULL ? resolved : *arg;
+    }
     static char point[PATH_MAX];
     for (char *line = strtok(table, "\n"); line != NULL; line = strtok(NULL, "\n")) {
-        /* The fifth field is the mount point (octal escapes for spaces: such a root matches nothing). */
-        if (sscanf(line, "%*s %*s %*s %*s %4095s", point) != 1) continue;
-        if (strncmp(point, root, n_root) != 0 || point[n_root] != '/') continue;
-        const char *top = point + n_root + 1;
-        if (strncmp(top, keep, n_keep) == 0 && (top[n_keep] == 0 || top[n_keep] == '/')) continue;
-        umount2(point, MNT_DETACH); /* fails harmlessly where a mount above it went already */
+        /* The fifth field is the mount point. */
+        if (sscanf(line, "%*s %*s %*s %*s %4095s", point) != 1 || strchr(point, '\\') != NULL) continue;
+        int needed = strcmp(point, "/") == 0;
+        if (below(point, root) && strcmp(point, root) != 0) /* the sandboxes' trees: this box's only */
+            needed = below(point, box) || below(box, point);
+        for (size_t i = 0; !needed && !below(point, root) && i < sizeof whole / sizeof *whole; i++)
+            needed = below(point, whole[i]) || below(whole[i], point);
+        for (int i = 0; !needed && i < n_named; i++) needed = below(named[i], point);
+        if (!needed) umount2(point, MNT_DETACH); /* fails harmlessly where a mount above it went already */
     }
     free(table);
     return 0;
 }
 
-/* Execute a command line (after "--private-mounts ROOT KEEP", if it begins so). */
+/* Put this process in the cgroups whose cgroup.procs the comma-separated descriptors are (opened
+ * by the host), and close them: "0" is the writer. 0 on success. */
+static int join_cgroups(const char *list) {
+    int rc = 0;
+    for (const char *p = list; *p;) {
+        char *end;
+        long fd = strtol(p, &end, 10);
+        if (end == p || fd < 3) return -1;
+        if (rc == 0 && write((int)fd, "0", 1) != 1) rc = -1;
+        close((int)fd);
+        p = *end == ',' ? end + 1 : end;
+    }
+    return rc;
+}
+
+static int die_with_parent(void);
+
+/* Execute a command line after its options, in this order where given: "--die-with-parent",
+ * "--join-cgroups FD[,FD...]", "--private-mounts ROOT KEEP". */
 static int run(char **command) {
+    if (command[0] != NULL && strcmp(command[0], "--die-with-parent") == 0) {
+        if (die_with_parent() != 0) return 126;
+        command += 1;
+    }
+    if (command[0] != NULL && strcmp(command[0], "--join-cgroups") == 0) {
+        if (command[1] == NULL) return 126;
+        if (join_cgroups(command[1]) != 0) {
+            fprintf(stderr, "launcher: cannot join the sandbox's cgroups: %s\n", strerror(errno));
+            return 124;
+        }
+        command += 2;
+    }
     if (command[0] != NULL && strcmp(command[0], "--private-mounts") == 0) {
         if (command[1] == NULL || command[2] == NULL || command[3] == NULL) return 126;
-        if (private_mounts(command[1], command[2]) != 0) {
+        if (private_mounts(command[1], command[2], command + 3) != 0) {
             fprintf(stderr, "launcher: cannot make the sandbox's mount namespace: %s\n", strerror(errno));
             return 125;
         }
         command += 3;
     }
+    if (command[0] == NULL) return 126;
     execv(command[0], command);
     fprintf(stderr, "launcher: cannot execute %s: %s\n", command[0], strerror(errno));
     return 127;
 }
 
+/* Die with the parent from now on (0), or 126 where it is gone already. */
+static int die_with_parent(void) {
+    pid_t parent = getppid();
+    return prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent ? 126 : 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) return 126;
-    if (strcmp(argv[1], "--private-mounts") == 0) return run(argv + 1);
-    pid_t parent = getppid();
-    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) return 126;
+    if (strncmp(argv[1], "--", 2) == 0) return run(argv + 1);
+    if (die_with_parent()) return 126;
     int sock = atoi(argv[1]);
     static char payload[PAYLOAD + 1];
     char control[CMSG_SPACE(sizeof(int) * MAX_FDS)];

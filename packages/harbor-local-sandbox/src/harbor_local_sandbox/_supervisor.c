@@ -7,7 +7,7 @@
  * it needs nothing of the image (which may have no C library at all).
  *
  *   usage: supervisor CONTROL_FD AGENT_FD AS_LIMIT_BYTES NPROC_LIMIT CAPS_HEX
- *              [ro:N|file:N|dir:N|links|link-forbidden:PATH|link-hazard:KIND:PATH]...
+ *              [ro:N|file:N|dir:N|links|link-forbidden:PATH|link-hazard:KIND:PATH|cgroup-procs:FD]...
  *          supervisor judge-link [link-forbidden:PATH|link-hazard:KIND:PATH]...   (targets on stdin)
  *
  * It starts as the init of the sandbox's outer PID namespace (bubblewrap --as-pid-1): the *keel*.
@@ -48,6 +48,13 @@
  * into a running container. Output is bounded: at most `cap` bytes per stream are kept (the head
  * and the tail, with a marker in between); the rest is read and dropped so the command never
  * blocks on a full pipe.
+ *
+ * Before anything else the keel forbids new user namespaces in the sandbox's (whose root would
+ * regain every capability there): user.max_user_namespaces = 0, which only a process with
+ * CAP_SYS_RESOURCE in this namespace may raise again; the keel gives that capability up at once
+ * (commands never have it). Each cgroup-procs:FD is the agent's cgroup leaf's cgroup.procs, opened
+ * by the host (one per controller): the keel writes the agent's supervisor there as soon as it
+ * forks it, so every process of the agent starts under the agent's limits, and closes them.
  *
  * The keel is the init of its PID namespace, the agent's supervisor of its own: the kernel never
  * delivers SIGKILL or SIGSTOP to a namespace's init from inside it. None of the three is dumpable;
@@ -878,7 +885,8 @@ static int harden_proc(void) {
     const unsigned long locked = MS_NOSUID | MS_NODEV | MS_NOEXEC;
     for (int i = 0; i < n_hardening; i++) {
         const char *item = hardening[i], *colon = strchr(item, ':');
-        if (!colon || strncmp(item, "link-", 5) == 0) continue; /* a flag ("links"), the link policy */
+        if (!colon || strncmp(item, "link-", 5) == 0 || strncmp(item, "cgroup-procs:", 13) == 0)
+            continue; /* a flag ("links"), the link policy, the agent's cgroups */
         char path[300];
         snprintf(path, sizeof path, "/proc/%s", colon + 1);
         if (access(path, F_OK) != 0) continue;
@@ -1564,6 +1572,34 @@ static int judge_links_main(int argc, char **argv) {
     return 0;
 }
 
+/* user.max_user_namespaces = 0 in the sandbox's user namespace, then CAP_SYS_RESOURCE (the only
+ * way to raise it again) given up. bubblewrap may have made /proc/sys read-only: then through a
+ * procfs of this process's own. 0 on success. */
+static int forbid_user_namespaces(void) {
+    int knob = open("/proc/sys/user/max_user_namespaces", O_WRONLY | O_CLOEXEC);
+    if (knob < 0 && (errno == EROFS || errno == EACCES)) {
+        int proc = new_proc();
+        if (proc >= 0) {
+            knob = openat(proc, "sys/user/max_user_namespaces", O_WRONLY | O_CLOEXEC);
+            close(proc);
+        }
+    }
+    if (knob < 0) return -1;
+    int written = write(knob, "0\n", 2) == 2;
+    close(knob);
+    if (!written) return -1;
+    if (prctl(PR_CAPBSET_DROP, CAP_SYS_RESOURCE, 0, 0, 0) != 0 && errno != EINVAL) return -1;
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    if (syscall(SYS_capget, &header, data) != 0) return -1;
+    data[CAP_SYS_RESOURCE / 32].effective &= ~(1u << (CAP_SYS_RESOURCE % 32));
+    data[CAP_SYS_RESOURCE / 32].permitted &= ~(1u << (CAP_SYS_RESOURCE % 32));
+    data[CAP_SYS_RESOURCE / 32].inheritable &= ~(1u << (CAP_SYS_RESOURCE % 32));
+    return (int)syscall(SYS_capset, &header, data);
+}
+
+#define MAX_CGROUP_FDS 8
+
 int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "judge-link") == 0) return judge_links_main(argc, argv);
     if (argc < 6) return 2;
@@ -1573,17 +1609,29 @@ int main(int argc, char **argv) {
     command_caps = strtoull(argv[5], NULL, 16);
     hardening = argv + 6;
     n_hardening = argc - 6;
-    for (int i = 0; i < n_hardening; i++) mediate_links |= strcmp(hardening[i], "links") == 0;
+    int cgroup_fds[MAX_CGROUP_FDS], n_cgroup_fds = 0;
+    for (int i = 0; i < n_hardening; i++) {
+        mediate_links |= strcmp(hardening[i], "links") == 0;
+        if (strncmp(hardening[i], "cgroup-procs:", 13) == 0 && n_cgroup_fds < MAX_CGROUP_FDS) {
+            cgroup_fds[n_cgroup_fds] = atoi(hardening[i] + 13);
+            fcntl(cgroup_fds[n_cgroup_fds++], F_SETFD, FD_CLOEXEC);
+        }
+    }
     read_link_policy(hardening, n_hardening);
     fcntl(control, F_SETFD, FD_CLOEXEC);
     fcntl(agent, F_SETFD, FD_CLOEXEC);
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     signal(SIGPIPE, SIG_IGN);
+    if (forbid_user_namespaces() != 0) {
+        dprintf(2, "supervisor: cannot forbid nested user namespaces: %s\n", strerror(errno));
+        return 1;
+    }
     int ready[2], links[2];
     if (pipe2(ready, O_CLOEXEC) != 0 || socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, links) != 0) return 1;
     /* The agent's supervisor: the first process of its PID namespace, nested in this one. */
     pid_t pid = (pid_t)syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | SIGCHLD, 0, 0, 0, 0);
     if (pid == 0) {
+        for (int i = 0; i < n_cgroup_fds; i++) close(cgroup_fds[i]);
         close(ready[0]);
         close(control);
         close(links[0]);
@@ -1607,6 +1655,20 @@ int main(int argc, char **argv) {
     close(ready[1]);
     close(agent);
     close(links[1]);
+    int moved = 1;
+    char number[16];
+    snprintf(number, sizeof number, "%d", (int)pid);
+    for (int i = 0; i < n_cgroup_fds; i++) {
+        if (pid > 0 && moved && write(cgroup_fds[i], number, strlen(number)) < 0) {
+            dprintf(2, "supervisor: cannot put the agent's supervisor in its cgroup: %s\n", strerror(errno));
+            moved = 0;
+        }
+        close(cgroup_fds[i]);
+    }
+    if (!moved) {
+        kill(pid, SIGKILL);
+        return 1;
+    }
     int notify = pid < 0 ? -1 : receive_fd(links[0]);
     close(links[0]);
     char byte;
