@@ -414,11 +414,12 @@ def _ladder(config: Any, work: Path, runs: int) -> list[tuple[str, float]]:
     steps = [
         ("bwrap: the box's namespaces, an overlay on the image root, `true`", [*names, *root]),
         ("  + /proc and /dev", [*names, *root, "--proc", "/proc", "--dev", "/dev"]),
-        ("  + /dev read-only, /dev/shm bounded, /proc hardened (the box's)", [*names, *root, *full]),
+        ("  + /dev read-only, /dev/shm bounded (the box's)", [*names, *root, *full]),
         ("  + the box's read-only binds (runas, host CAs)", [*names, *root, *full, *binds]),
-        ("  + started as the box is (setpriv, the launcher's own mount table)", [*names, *root, *full, *binds]),
+        ("  + started as the box is (the launcher's own mount table)", [*names, *root, *full, *binds]),
     ]
-    started_as_box = [*pdeathsig_prefix(), *_box._private_mounts(work)]
+    private = _box._private_mounts(work)
+    started_as_box = [private[0], "--die-with-parent", *private[1:]] if private else [*pdeathsig_prefix()]
     samples: list[list[float]] = [[] for _ in steps]
     for _ in range(runs):
         for index, (_, argv) in enumerate(steps):

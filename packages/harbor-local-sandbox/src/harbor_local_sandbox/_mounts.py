@@ -22,40 +22,28 @@ _PROC_MASKED = ("kcore", "keys", "latency_stats", "timer_list", "timer_stats", "
 
 
 def kernel_fs_args(storage_bound: bool) -> list[str]:
-    """bubblewrap arguments for the box's ``/proc`` and ``/dev`` (``storage_bound``: read-only, but ``/dev/shm``)."""
+    """bubblewrap arguments for the box's ``/proc`` and ``/dev`` (``storage_bound``: read-only, but ``/dev/shm``).
+
+    This ``/proc`` is the keel's alone (bubblewrap makes its global ``sys``, ``irq`` and ``bus``
+    read-only): the agent's supervisor and each verifier's mount a ``/proc`` of their own and harden
+    it (:func:`proc_hardening_items`) before any of their commands run, so hardening this one too
+    cost every start a mount and a read of the whole mount table per entry for nothing."""
     args = ["--proc", "/proc", "--dev", "/dev"]
     if storage_bound:
         # bubblewrap's /dev is a tmpfs of its own, outside the box's tree and any bound but the
         # memory cgroup's (as root): writable, its files would bypass the storage bound. So
         # /dev is read-only, and /dev/shm a bounded tmpfs of Docker's default --shm-size.
         args += ["--perms", "1777", "--size", str(DEV_SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
-    # As Docker does: the kernel's global knobs read-only, its leaky files masked. The box's
-    # root is the host's uid 0 (in its own user namespace), which the kernel lets write
-    # /proc/sys and /proc/sysrq-trigger unless they are read-only. /proc/sys, bound from
-    # the host, still shows the box's own namespaced values (network, host name).
-    return args + list(_proc_hardening())
-
-
-@cache
-def _proc_hardening() -> tuple[str, ...]:
-    """bubblewrap arguments making ``/proc``'s global parts read-only and masking the leaky ones."""
-    args: list[str] = []
-    for name in _PROC_READ_ONLY:
-        if os.path.exists(f"/proc/{name}"):
-            args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
-    for name in _PROC_MASKED:
-        path = f"/proc/{name}"
-        if os.path.isdir(path):
-            args += ["--tmpfs", path, "--remount-ro", path]
-        elif os.path.exists(path):
-            args += ["--ro-bind", "/dev/null", path]
-    return tuple(args)
+    return args
 
 
 @cache
 def proc_hardening_items() -> tuple[str, ...]:
-    """The same hardening for a ``/proc`` the supervisor mounts itself (the agent's, the verifier's):
-    ``ro:NAME`` (read-only), ``file:NAME`` and ``dir:NAME`` (masked), as ``_supervisor.c`` takes them."""
+    """The hardening of a ``/proc`` the supervisor mounts itself (the agent's, the verifier's), as
+    Docker does: the kernel's global knobs read-only, its leaky files masked. The box's root is the
+    host's uid 0 (in its own user namespace), which the kernel lets write ``/proc/sys`` and
+    ``/proc/sysrq-trigger`` unless they are read-only. Items ``ro:NAME`` (read-only), ``file:NAME``
+    and ``dir:NAME`` (masked), as ``_supervisor.c`` takes them."""
     items = [f"ro:{name}" for name in _PROC_READ_ONLY if os.path.exists(f"/proc/{name}")]
     for name in _PROC_MASKED:
         if os.path.isdir(f"/proc/{name}"):
