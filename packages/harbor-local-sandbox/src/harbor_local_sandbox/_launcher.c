@@ -39,7 +39,20 @@
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#ifndef SYS_open_tree
+#define SYS_open_tree 428
+#endif
+#ifndef SYS_move_mount
+#define SYS_move_mount 429
+#endif
+#define OPEN_TREE_CLONE_ 1
+#define AT_RECURSIVE_ 0x8000
+#define MOVE_MOUNT_F_EMPTY_PATH_ 0x4
+#define STATX_MNT_ID_ 0x1000U
 
 #define MAX_FDS 16
 #define MAX_ARGS 4096
@@ -77,6 +90,64 @@ static int below(const char *path, const char *top) {
 
 #define MAX_NAMED 1024
 
+/* The mount ID of path (0: unknown). */
+static unsigned long long mount_id(const char *path) {
+    struct statx stx;
+    if (statx(AT_FDCWD, path, AT_NO_AUTOMOUNT | AT_SYMLINK_NOFOLLOW, STATX_MNT_ID_, &stx) != 0) return 0;
+    return (stx.stx_mask & STATX_MNT_ID_) ? stx.stx_mnt_id : 0;
+}
+
+/* Where the mount that holds path is mounted (into point), found by walking up until the mount
+ * changes. 0 on success. */
+static int holding_mount(const char *path, char *point) {
+    unsigned long long id = mount_id(path);
+    if (id == 0 || strlen(path) >= PATH_MAX) return -1;
+    strcpy(point, path);
+    for (;;) {
+        char *slash = strrchr(point, '/');
+        if (slash == NULL || slash == point) {
+            if (mount_id("/") != id) return 0; /* point is the mount's top */
+            strcpy(point, "/");
+            return 0;
+        }
+        *slash = 0;
+        if (mount_id(point) != id) {
+            *slash = '/';
+            return 0;
+        }
+    }
+}
+
+/* The other sandboxes' trees all at once: detach the whole mount that holds the state root (a
+ * tmpfs such as /dev/shm: every tree is mounted below it) after cloning the box's own tree, then
+ * put the clone back at its path on a fresh tmpfs. One detach instead of one per sandbox running
+ * (each waits for the kernel's RCU), and the table read afterwards holds none of their mounts.
+ * Not where that mount is "/" or holds a path the command names (below it, outside the box): 1 then, and
+ * the caller detaches them one by one. 0 done, 1 not done, -1 failed. */
+static int detach_other_trees(const char *root, char *box, char **named, int n_named) {
+    static char base[PATH_MAX];
+    if (holding_mount(root, base) != 0 || strcmp(base, "/") == 0) return 1;
+    for (int i = 0; i < n_named; i++) /* (a name of the mount itself is bubblewrap's, in the box: "/dev/shm") */
+        if (below(named[i], base) && strcmp(named[i], base) != 0 && !below(named[i], box)) return 1;
+    int tree = (int)syscall(SYS_open_tree, AT_FDCWD, box, OPEN_TREE_CLONE_ | AT_RECURSIVE_ | O_CLOEXEC);
+    if (tree < 0) return 1;
+    if (umount2(base, MNT_DETACH) != 0) { /* locked (a user namespace's copy of the host's mounts) */
+        close(tree);
+        return 1;
+    }
+    int rc = mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k");
+    /* the folders down to the box, then the box's tree on the last one */
+    for (char *slash = box + strlen(base) + 1; rc == 0 && (slash = strchr(slash, '/')) != NULL; slash++) {
+        *slash = 0;
+        rc = mkdir(box, 0700) != 0 && errno != EEXIST ? -1 : 0;
+        *slash = '/';
+    }
+    if (rc == 0) rc = mkdir(box, 0700) != 0 && errno != EEXIST ? -1 : 0;
+    if (rc == 0) rc = (int)syscall(SYS_move_mount, tree, "", AT_FDCWD, box, MOVE_MOUNT_F_EMPTY_PATH_);
+    close(tree);
+    return rc == 0 ? 0 : -1;
+}
+
 /* Unshare the mount namespace and detach every mount the command does not need: it keeps "/",
  * /proc, /dev and root/keep (the box's own tree) with all below them (but the other sandboxes'
  * trees under root/, wherever root is), and the mounts that hold a
@@ -87,8 +158,6 @@ static int below(const char *path, const char *top) {
  * kernel printed escaped (a space in it) is kept. */
 static int private_mounts(const char *root, const char *keep, char **command) {
     if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) return -1;
-    char *table = read_mount_table();
-    if (table == NULL) return -1;
     static char box[PATH_MAX];
     snprintf(box, sizeof box, "%s/%s", root, keep);
     const char *whole[] = {"/proc", "/dev", box};
@@ -99,6 +168,9 @@ static int private_mounts(const char *root, const char *keep, char **command) {
         char *resolved = realpath(*arg, NULL);
         named[n_named++] = resolved != NULL ? resolved : *arg;
     }
+    if (detach_other_trees(root, box, named, n_named) < 0) return -1;
+    char *table = read_mount_table();
+    if (table == NULL) return -1;
     static char point[PATH_MAX];
     for (char *line = strtok(table, "\n"); line != NULL; line = strtok(NULL, "\n")) {
         /* The fifth field is the mount point. */
