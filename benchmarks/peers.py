@@ -1,6 +1,7 @@
 """The local sandbox against a peer, nitrobox, on the same image root, interleaved in one process.
 
-    .venv/bin/python benchmarks/peers.py [--rounds 30] [--task orders_count] [--concurrent 16] [--cache-dir DIR]
+    .venv/bin/python benchmarks/peers.py [--rounds 30] [--task orders_count] [--concurrent 16] [--starts 64]
+                                         [--cache-dir DIR]
 
 nitrobox (PyPI ``nitrobox``: a namespace sandbox for RL rollouts, overlayfs on an image root, a
 persistent shell, ``reset()``) is what is measured against, never a dependency of the library or of
@@ -22,10 +23,9 @@ both get the task's limits (nitrobox enforces them with cgroup v2 only; on cgrou
 while the local sandbox keeps its limits there). Both keep their state on ``/dev/shm`` where it is a
 tmpfs (the local sandbox's state root and Harbor's trial folders for it; nitrobox's ``env_base_dir``
 beside them). Measured in each round, the two one after the other (which goes first alternates),
-each measurement begun once
-the local sandbox's background work is done (the launchers it parks for its next starts, between
-batches: a pool as large as the most starts at once so far, so the first batch of 16 finds one and
-every later one 16):
+each measurement begun once the local sandbox's background work is done (the launchers it parks for
+its next starts, between batches: a pool as large as the most starts at once so far, up to
+``HARBOR_LOCAL_SANDBOX_MAX_PARKED``, 64 by default; a batch finds as many as the largest before it):
 
 * create + first command: ``start()`` and ``exec("true")``; ``Sandbox(config)`` and ``run("true")``;
 * one command: ``exec("true")``; ``run("true")`` (a round's median of 5);
@@ -33,7 +33,9 @@ every later one 16):
   ``start()``; ``reset()`` (nitrobox's O(1) return to the image) — each until its first ``true``;
 * delete: ``stop(delete=True)``; ``delete()``;
 * ``--concurrent`` at once: that many create + command + delete lifecycles (the local sandbox on its
-  event loop; nitrobox, which is synchronous, in as many threads).
+  event loop; nitrobox, which is synchronous, in as many threads);
+* ``--starts`` at once: that many create + first command, until the last answers (the deletes after
+  are not timed).
 
 Printed: each one's median, and the ratio nitrobox ÷ local per round (its median and its
 min–max over the rounds): under 1, nitrobox is faster. Ratios carry across machines; the
@@ -72,6 +74,7 @@ OPERATIONS = (
     ("create", "create + first command"),
     ("fresh", "fresh sandbox after a rollout (ours: stop + start; nitrobox: reset)"),
     ("concurrent", "{n} at once: create + command + delete"),
+    ("starts", "{m} at once: create + first command (to the last answer)"),
     ("command", "one command (`true`)"),
     ("delete", "delete"),
 )
@@ -169,6 +172,13 @@ class Ours:
         await asyncio.gather(*(one() for _ in range(n)))
         return time.perf_counter() - t
 
+    async def starts(self, n: int) -> float:
+        t = time.perf_counter()
+        envs = await asyncio.gather(*(self.ready() for _ in range(n)))
+        took = time.perf_counter() - t
+        await asyncio.gather(*(env.stop(delete=True) for env in envs))  # not timed
+        return took
+
 
 class Nitrobox:
     """nitrobox sandboxes on the same image root, with the task's settings where it has them."""
@@ -246,6 +256,14 @@ class Nitrobox:
             future.result()
         return time.perf_counter() - t
 
+    def starts(self, n: int, pool: concurrent.futures.ThreadPoolExecutor) -> float:
+        t = time.perf_counter()
+        boxes = [future.result() for future in [pool.submit(self.ready) for _ in range(n)]]
+        took = time.perf_counter() - t
+        for future in [pool.submit(box.delete) for box in boxes]:  # not timed
+            future.result()
+        return took
+
 
 def baseline(runs: int) -> float:
     """Median of ``subprocess.run(["true"])``: what starting any process costs here, now."""
@@ -274,10 +292,11 @@ async def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="nitrobox-peers-", dir=scratch.parent))
     peer = Nitrobox(image.rootfs, image.config, ours.env()._sandbox.task.hostname, limits, base)
     found: dict[str, Any] = {"rootfs": image.rootfs, "base": base}
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.concurrent, thread_name_prefix="nitrobox")
+    threads = max(args.concurrent, args.starts)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nitrobox")
     try:
-        barrier = threading.Barrier(args.concurrent)  # every thread of the pool started before timing
-        list(pool.map(lambda _: barrier.wait(), range(args.concurrent)))
+        barrier = threading.Barrier(threads)  # every thread of the pool started before timing
+        list(pool.map(lambda _: barrier.wait(), range(threads)))
         # Each one's first sandbox in this process, apart (the local sandbox's sweep, probe and
         # helpers; nitrobox's first loads), and a check that both run on the one root.
         t = time.perf_counter()
@@ -303,6 +322,12 @@ async def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                     result[who]["concurrent"] = await ours.concurrent(args.concurrent)
                 else:
                     result[who]["concurrent"] = peer.concurrent(args.concurrent, pool)
+            for who in order:
+                await ours.settle()
+                if who == "local":
+                    result[who]["starts"] = await ours.starts(args.starts)
+                else:
+                    result[who]["starts"] = peer.starts(args.starts, pool)
             rounds.append(result)
             print(
                 f"round {index + 1}/{args.rounds}: "
@@ -326,7 +351,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
 
 
-def report(found: dict[str, Any], concurrent_n: int) -> None:
+def report(found: dict[str, Any], concurrent_n: int, starts_n: int) -> None:
     rounds = found["rounds"]
     print(f"\nthe same image root for both: {found['rootfs']}")
     print(
@@ -344,7 +369,7 @@ def report(found: dict[str, Any], concurrent_n: int) -> None:
         theirs = [r["nitrobox"][key] for r in rounds]
         ratios = [r["nitrobox"][key] / r["local"][key] for r in rounds]
         spread = f"{min(ratios):.2f}–{max(ratios):.2f}"
-        rows.append((label.format(n=concurrent_n), statistics.median(ours), statistics.median(theirs),
+        rows.append((label.format(n=concurrent_n, m=starts_n), statistics.median(ours), statistics.median(theirs),
                      statistics.median(ratios), spread))  # fmt: skip
     width = max(len(r[0]) for r in rows)
     header = f"{'operation':<{width}}  {'local':>10}  {'nitrobox':>10}  {'nitrobox ÷ local':>16}  {'min–max':>11}"
@@ -365,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (each: every operation, both)")
     parser.add_argument("--task", default="orders_count", help="the bundled task whose image both run")
     parser.add_argument("--concurrent", type=int, default=16, help="lifecycles at once")
+    parser.add_argument("--starts", type=int, default=64, help="starts at once (each to its first answer)")
     parser.add_argument("--cache-dir", default=None, help="the local sandbox's image cache (default: its own)")
     args = parser.parse_args(argv)
     if not nitrobox_available():
@@ -381,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         found = asyncio.run(measure(args, scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report(found, args.concurrent)
+    report(found, args.concurrent, args.starts)
 
 
 if __name__ == "__main__":

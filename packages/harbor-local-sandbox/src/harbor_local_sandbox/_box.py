@@ -351,7 +351,7 @@ _PARKED_LOCK = threading.Lock()  # taken on a loop, released by close_all() from
 _PARKING = False
 _PARK_TASKS: set[asyncio.Task] = set()
 #: The most launchers parked at once (``HARBOR_LOCAL_SANDBOX_MAX_PARKED``; 0: none parked).
-MAX_PARKED = int(os.environ.get("HARBOR_LOCAL_SANDBOX_MAX_PARKED", "1") or 0)
+MAX_PARKED = int(os.environ.get("HARBOR_LOCAL_SANDBOX_MAX_PARKED", "64") or 0)
 #: Boxes reserving or starting now, and the most at once so far (the pool's size).
 _STARTING = 0
 _WANTED = 1

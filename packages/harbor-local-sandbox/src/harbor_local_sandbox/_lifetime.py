@@ -121,15 +121,16 @@ def _remove_stale(path: Path) -> None:
 def _bubblewraps() -> Iterator[tuple[int, str]]:
     """``(pid, box name)`` of the bubblewrap processes on this machine that hold a box folder.
 
-    Also ``setpriv`` about to become one, and bubblewrap's own sandbox-side half before it runs
-    the supervisor (both have bubblewrap's command line).
+    Also the launcher or ``setpriv`` about to become one, and bubblewrap's own sandbox-side half
+    before it runs the supervisor (all have bubblewrap's command line; a parked launcher, which has
+    not, dies with its owner).
     """
     marker = f"{state_root()}/".encode()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            if Path(f"/proc/{name}/comm").read_text().strip() not in ("bwrap", "setpriv"):
+            if Path(f"/proc/{name}/comm").read_text().strip() not in ("bwrap", "launcher", "setpriv"):
                 continue
             args = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
         except OSError:
