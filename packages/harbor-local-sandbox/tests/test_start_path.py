@@ -193,7 +193,7 @@ def test_a_batchs_starts_find_a_pool_of_parked_launchers_and_releasing_it_leaves
 ) -> None:
     """After a batch of N starts, N launchers are parked (between batches) in cgroups of their own; the
     next batch's boxes are those processes; ``release_idle()`` leaves no launcher and no cgroup."""
-    monkeypatch.setattr(_box, "MAX_PARKED", 64)  # HARBOR_LOCAL_SANDBOX_MAX_PARKED=64 (the default parks one)
+    monkeypatch.setattr(_box, "MAX_PARKED", 64)  # HARBOR_LOCAL_SANDBOX_MAX_PARKED's default, whatever the run's
     from harbor_local_sandbox._cgroups import ROOT
     from harbor_local_sandbox.local import LocalEnvironment
 
@@ -240,6 +240,37 @@ def test_a_batchs_starts_find_a_pool_of_parked_launchers_and_releasing_it_leaves
             await asyncio.sleep(0.01)
         assert not any(_alive(pid) for pid in left), left
         assert wait_until(lambda: parked_cgroups() == []), parked_cgroups()
+
+    run(scenario())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroups (and so parked launchers) need root")
+def test_no_launcher_is_parked_while_a_verifier_grades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool is filled between batches, not while a verifier's view is open (grading keeps the CPUs):
+    with a view open nothing is parked however long it stays; once it is closed the pool fills."""
+    monkeypatch.setattr(_box, "MAX_PARKED", 64)
+    from harbor_local_sandbox.local import LocalEnvironment
+
+    task = make_task(tmp_path / "tasks", "grading")
+
+    async def scenario():
+        LocalEnvironment.release_idle()
+        env = await _started(task, tmp_path)
+        try:
+            async with env.verifier_view() as view:
+                LocalEnvironment.release_idle()  # what the start parked
+                _box._park_next()
+                await asyncio.sleep(0.5)  # ten times the pool's quiet spell
+                assert _box._POOL == [], "a launcher was parked while the verifier graded"
+                assert (await view.exec("echo grading")).stdout.strip() == "grading"
+            for _ in range(300):
+                if _box._POOL:
+                    break
+                await asyncio.sleep(0.01)
+            assert _box._POOL, "no launcher parked once the view closed"
+        finally:
+            await env.stop(delete=True)
+            LocalEnvironment.release_idle()
 
     run(scenario())
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harbor_local_sandbox._box import WATCHER_NICE
 from sandbox_testing import count_processes_cmd, make_task, open_env, run, task_base_image  # noqa: F401 - the fixture
 
 #: Every test here starts a local sandbox (bubblewrap), or a process of the package's that makes views.
@@ -188,6 +189,10 @@ def test_a_command_the_verifier_installs_wins_over_the_agents_of_that_name(task:
                 "ln -s /usr/local/bin/other /usr/local/sbin/linked",
             )
             async with env.verifier_view() as view:
+                if os.geteuid() == 0:  # its PATH watcher (the view supervisor's one child yet) runs first
+                    supervisor = view._sandbox.box.host_pid
+                    watcher = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+                    assert len(watcher) == 1 and os.getpriority(os.PRIO_PROCESS, int(watcher[0])) == WATCHER_NICE
                 assert await _sh(view, "checker; other; same; linked") == "agent\nagent\nagent\nagent"
                 # an install into /usr/bin (after /usr/local/bin on PATH), run at once
                 assert await _sh(view, f"{tool('verifier')} && cp /tmp/t /usr/bin/checker && checker") == "verifier"

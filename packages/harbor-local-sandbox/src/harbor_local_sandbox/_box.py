@@ -31,6 +31,7 @@ import struct
 import subprocess
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,6 +362,14 @@ _LAST_BUSY = 0.0
 QUIET = 0.05
 #: Boxes being stopped now (:meth:`Box.kill`).
 _STOPPING = 0
+#: Verifiers' views opened (:meth:`Box.open_view`): no launcher is parked while one of them is
+#: open (:func:`_grading`), so that grading does not share the CPUs with the pool's forks and cgroup work.
+_VIEWS: weakref.WeakSet[ViewBox] = weakref.WeakSet()
+
+
+def _grading() -> bool:
+    """Whether a verifier's view of this process is open (a view of a box stopped counts as closed)."""
+    return any(not view.closed for view in list(_VIEWS))
 
 
 def _pool_changed() -> None:
@@ -409,7 +418,7 @@ async def _park() -> None:
     global _PARKING
     try:
         while not _lifetime.EXITING and len(_POOL) < min(_WANTED, MAX_PARKED):
-            while _STARTING or (_POOL and time.monotonic() - _LAST_BUSY < QUIET):
+            while _STARTING or _grading() or (_POOL and time.monotonic() - _LAST_BUSY < QUIET):
                 await asyncio.sleep(0.005 if _STARTING else QUIET / 2)
             try:
                 parked = await _new_parked()
@@ -796,9 +805,13 @@ class Box:
             for fd in fds[2:]:
                 os.close(fd)
         view = ViewBox(self, client, int(answer["stdout"]))
+        _VIEWS.add(view)
         try:
-            if network == "user":
+            if network == "user" or self.host is _userns.DIRECT:
                 view.host_pid = await asyncio.to_thread(_listener_pid, client.address)
+            if self.host is _userns.DIRECT:
+                _favour_children(view.host_pid)
+            if network == "user":
                 await view.set_network("user")
         except BaseException:
             await view.kill()
@@ -1178,6 +1191,30 @@ async def _off_loop(func, *args) -> None:
 
 def _write_text(path: Path, text: str) -> None:
     path.write_text(text)
+
+
+#: The nice value of a view's PATH watcher (:func:`_favour_children`).
+WATCHER_NICE = -10
+
+
+def _favour_children(pid: int) -> None:
+    """Give the children of a view's supervisor as it starts serving, its PATH watcher
+    (``_supervisor.c``; none when the agent added no command), the CPU first (nice
+    :data:`WATCHER_NICE`; as root).
+
+    The watcher makes a command the verifier installs win over the agent's of that name (it
+    removes the agent's from the view) when it sees the install, which the verifier's shell may
+    look that name up right after: a watcher at the default priority on a busy machine could run
+    too late, and the agent's command ran (seen in CI, once in ~80 rollouts). It sleeps until a
+    PATH folder changes, then does one lookup and one unlink: favoured, it runs as the install
+    happens. This narrows the window; it does not close it (the lookup is not made to wait)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return
+    for child in children:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, int(child), WATCHER_NICE)
 
 
 def _process_tree(pid: int) -> list[int]:
