@@ -372,6 +372,14 @@ def _grading() -> bool:
     return any(not view.closed for view in list(_VIEWS))
 
 
+def _boxes_running() -> bool:
+    """Whether a box of this process is up: the pool's launchers after the first wait until none is
+    (between batches). Parking one moves it into its cgroups, which takes the kernel's thread-group
+    lock for writing: every fork on the machine waits meanwhile, and a batch of them in the middle of
+    a rollout's commands or its grading stalled those (seen in CI as a grading window missed)."""
+    return any(isinstance(item, Box) and not item.closed for item in list(_lifetime.LIVE))
+
+
 def _pool_changed() -> None:
     """Keep :data:`_PARKED` the pool's first (under :data:`_PARKED_LOCK`)."""
     global _PARKED
@@ -413,12 +421,13 @@ def _park_next() -> None:
 
 
 async def _park() -> None:
-    """Park launchers one at a time until the pool is full, each once no box is starting (not
-    competing with a batch's starts); each is watched by a task of its own (:func:`_watch_parked`)."""
+    """Park launchers one at a time until the pool is full: none while a box is starting or a verifier's
+    view is open; the first at once otherwise, the others once no box of this process is up (between
+    batches, :func:`_boxes_running`). Each is watched by a task of its own (:func:`_watch_parked`)."""
     global _PARKING
     try:
         while not _lifetime.EXITING and len(_POOL) < min(_WANTED, MAX_PARKED):
-            while _STARTING or _grading() or (_POOL and time.monotonic() - _LAST_BUSY < QUIET):
+            while _STARTING or _grading() or (_POOL and (_boxes_running() or time.monotonic() - _LAST_BUSY < QUIET)):
                 await asyncio.sleep(0.005 if _STARTING else QUIET / 2)
             try:
                 parked = await _new_parked()
