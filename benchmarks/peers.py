@@ -25,7 +25,8 @@ tmpfs (the local sandbox's state root and Harbor's trial folders for it; nitrobo
 beside them). Measured in each round, the two one after the other (which goes first alternates),
 each measurement begun once the local sandbox's background work is done (the launchers it parks for
 its next starts, between batches: a pool as large as the most starts at once so far, up to
-``HARBOR_LOCAL_SANDBOX_MAX_PARKED``, 64 by default; a batch finds as many as the largest before it):
+``HARBOR_LOCAL_SANDBOX_MAX_PARKED``: 1 by default, 64 for the pool the docs measure; a batch finds as many
+as the largest before it):
 
 * create + first command: ``start()`` and ``exec("true")``; ``Sandbox(config)`` and ``run("true")``;
 * one command: ``exec("true")``; ``run("true")`` (a round's median of 5);

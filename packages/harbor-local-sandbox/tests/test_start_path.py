@@ -193,7 +193,7 @@ def test_a_batchs_starts_find_a_pool_of_parked_launchers_and_releasing_it_leaves
 ) -> None:
     """After a batch of N starts, N launchers are parked (between batches) in cgroups of their own; the
     next batch's boxes are those processes; ``release_idle()`` leaves no launcher and no cgroup."""
-    monkeypatch.setattr(_box, "MAX_PARKED", 64)  # HARBOR_LOCAL_SANDBOX_MAX_PARKED's default, whatever the run's
+    monkeypatch.setattr(_box, "MAX_PARKED", 64)  # HARBOR_LOCAL_SANDBOX_MAX_PARKED=64 (the default parks one)
     from harbor_local_sandbox._cgroups import ROOT
     from harbor_local_sandbox.local import LocalEnvironment
 
@@ -257,9 +257,13 @@ def test_no_launcher_is_parked_while_a_verifier_grades(tmp_path: Path, monkeypat
         LocalEnvironment.release_idle()
         env = await _started(task, tmp_path)
         try:
+            for _ in range(300):  # what the start parks right after it, then released
+                if not _box._PARKING:
+                    break
+                await asyncio.sleep(0.01)
+            LocalEnvironment.release_idle()
             async with env.verifier_view() as view:
-                LocalEnvironment.release_idle()  # what the start parked
-                _box._park_next()
+                _box._park_next()  # as a start would
                 await asyncio.sleep(0.5)  # ten times the pool's quiet spell
                 assert _box._POOL == [], "a launcher was parked while the verifier graded"
                 assert (await view.exec("echo grading")).stdout.strip() == "grading"
@@ -271,6 +275,31 @@ def test_no_launcher_is_parked_while_a_verifier_grades(tmp_path: Path, monkeypat
         finally:
             await env.stop(delete=True)
             LocalEnvironment.release_idle()
+
+    run(scenario())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroups (and so parked launchers) need root")
+def test_a_release_stops_a_filling_under_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``release_idle()`` (a shutdown's) while the pool is being filled: the filling stops, nothing is parked
+    after it (a launcher made after a shutdown's release was left with its cgroups, seen in CI)."""
+    monkeypatch.setattr(_box, "MAX_PARKED", 64)
+    monkeypatch.setattr(_box, "_WANTED", 8)
+    from harbor_local_sandbox._cgroups import ROOT
+    from harbor_local_sandbox.local import LocalEnvironment
+
+    async def scenario():
+        LocalEnvironment.release_idle()
+        _box._park_next()
+        for _ in range(500):
+            if _box._POOL:
+                break
+            await asyncio.sleep(0.01)
+        assert _box._POOL, "the filling did not begin"
+        LocalEnvironment.release_idle()
+        await asyncio.sleep(0.5)  # ten times the pool's quiet spell
+        assert _box._POOL == [] and not _box._PARKING, _box._POOL
+        assert wait_until(lambda: not list(ROOT.glob(f"*/harbor-local-sandbox/{os.getpid()}-parked-*")))
 
     run(scenario())
 

@@ -352,7 +352,7 @@ _PARKED_LOCK = threading.Lock()  # taken on a loop, released by close_all() from
 _PARKING = False
 _PARK_TASKS: set[asyncio.Task] = set()
 #: The most launchers parked at once (``HARBOR_LOCAL_SANDBOX_MAX_PARKED``; 0: none parked).
-MAX_PARKED = int(os.environ.get("HARBOR_LOCAL_SANDBOX_MAX_PARKED", "64") or 0)
+MAX_PARKED = int(os.environ.get("HARBOR_LOCAL_SANDBOX_MAX_PARKED", "1") or 0)
 #: Boxes reserving or starting now, and the most at once so far (the pool's size).
 _STARTING = 0
 _WANTED = 1
@@ -362,6 +362,8 @@ _LAST_BUSY = 0.0
 QUIET = 0.05
 #: Boxes being stopped now (:meth:`Box.kill`).
 _STOPPING = 0
+#: How many times the pool was released (:func:`release_parked`): a filling begun before stops.
+_RELEASES = 0
 #: Verifiers' views opened (:meth:`Box.open_view`): no launcher is parked while one of them is
 #: open (:func:`_grading`), so that grading does not share the CPUs with the pool's forks and cgroup work.
 _VIEWS: weakref.WeakSet[ViewBox] = weakref.WeakSet()
@@ -401,7 +403,9 @@ def release_parked() -> None:
     """Kill this process's parked launchers (the next start parks new ones).
 
     Safe from any thread (it never runs an event loop's code)."""
+    global _RELEASES
     with _PARKED_LOCK:
+        _RELEASES += 1  # a filling under way stops (it would park new ones after this release)
         parked = list(_POOL)
         _POOL.clear()
         _pool_changed()
@@ -425,10 +429,13 @@ async def _park() -> None:
     view is open; the first at once otherwise, the others once no box of this process is up (between
     batches, :func:`_boxes_running`). Each is watched by a task of its own (:func:`_watch_parked`)."""
     global _PARKING
+    releases = _RELEASES
     try:
-        while not _lifetime.EXITING and len(_POOL) < min(_WANTED, MAX_PARKED):
+        while not _lifetime.EXITING and releases == _RELEASES and len(_POOL) < min(_WANTED, MAX_PARKED):
             while _STARTING or _grading() or (_POOL and (_boxes_running() or time.monotonic() - _LAST_BUSY < QUIET)):
                 await asyncio.sleep(0.005 if _STARTING else QUIET / 2)
+            if releases != _RELEASES or _lifetime.EXITING:
+                return
             try:
                 parked = await _new_parked()
             except Exception as error:  # best effort (e.g. the interpreter exiting meanwhile): no launcher then
@@ -437,7 +444,12 @@ async def _park() -> None:
             if parked is None:
                 return
             with _PARKED_LOCK:
-                keep = parked.usable() and not _lifetime.EXITING and len(_POOL) < min(_WANTED, MAX_PARKED)
+                keep = (
+                    parked.usable()
+                    and not _lifetime.EXITING
+                    and releases == _RELEASES
+                    and len(_POOL) < min(_WANTED, MAX_PARKED)
+                )
                 if keep:
                     _POOL.append(parked)
                     _pool_changed()
