@@ -247,34 +247,36 @@ def test_a_batchs_starts_find_a_pool_of_parked_launchers_and_releasing_it_leaves
 @pytest.mark.skipif(os.geteuid() != 0, reason="cgroups (and so parked launchers) need root")
 def test_no_launcher_is_parked_while_a_verifier_grades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool is filled between batches, not while a verifier's view is open (grading keeps the CPUs):
-    with a view open nothing is parked however long it stays; once it is closed the pool fills."""
+    with a view open nothing is parked however long it stays; once it is closed the pool fills — also
+    when the start's own filling was released while it was under way (CI: a filling asked for while a
+    released one was ending was dropped, and nothing was parked after the view)."""
     monkeypatch.setattr(_box, "MAX_PARKED", 64)
     from harbor_local_sandbox.local import LocalEnvironment
 
     task = make_task(tmp_path / "tasks", "grading")
 
+    async def until(what, seconds: float = 30.0) -> bool:
+        deadline = time.monotonic() + seconds
+        while not what() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return bool(what())
+
     async def scenario():
         LocalEnvironment.release_idle()
         env = await _started(task, tmp_path)
         try:
-            for _ in range(300):  # what the start parks right after it, then released
-                if not _box._PARKING:
-                    break
-                await asyncio.sleep(0.01)
-            LocalEnvironment.release_idle()
+            assert _box._PARKING, "a start parks a launcher for the next box once it is up"
+            LocalEnvironment.release_idle()  # while that filling is under way: it parks nothing
             async with env.verifier_view() as view:
                 _box._park_next()  # as a start would
                 await asyncio.sleep(0.5)  # ten times the pool's quiet spell
                 assert _box._POOL == [], "a launcher was parked while the verifier graded"
                 assert (await view.exec("echo grading")).stdout.strip() == "grading"
-            for _ in range(300):
-                if _box._POOL:
-                    break
-                await asyncio.sleep(0.01)
-            assert _box._POOL, "no launcher parked once the view closed"
+            assert await until(lambda: _box._POOL), "no launcher parked once the view closed"
         finally:
             await env.stop(delete=True)
             LocalEnvironment.release_idle()
+            assert await until(lambda: not _box._PARKING)
 
     run(scenario())
 
@@ -299,6 +301,23 @@ def test_a_release_stops_a_filling_under_way(monkeypatch: pytest.MonkeyPatch) ->
         LocalEnvironment.release_idle()
         await asyncio.sleep(0.5)  # ten times the pool's quiet spell
         assert _box._POOL == [] and not _box._PARKING, _box._POOL
+        # A filling asked for right after a release (a start's), while the released one is still ending:
+        # it follows that one (it was dropped, and nothing was parked until the next start).
+        _box._park_next()
+        LocalEnvironment.release_idle()  # before that filling's task first ran: it parks nothing
+        assert _box._PARKING
+        _box._park_next()
+        for _ in range(1000):
+            if _box._POOL:
+                break
+            await asyncio.sleep(0.01)
+        assert _box._POOL, "a filling asked for while a released one was ending was dropped"
+        LocalEnvironment.release_idle()
+        for _ in range(1000):
+            if not _box._PARKING:
+                break
+            await asyncio.sleep(0.01)
+        LocalEnvironment.release_idle()
         assert wait_until(lambda: not list(ROOT.glob(f"*/harbor-local-sandbox/{os.getpid()}-parked-*")))
 
     run(scenario())

@@ -14,13 +14,14 @@ whole grading path are that trainer's tests: the repository's ``tests/adversaria
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import time
 from pathlib import Path
 
 import pytest
-from harbor_local_sandbox._box import WATCHER_NICE
+from harbor_local_sandbox._box import WATCHER_NICE, _listener_pid
 from sandbox_testing import count_processes_cmd, make_task, open_env, run, task_base_image  # noqa: F401 - the fixture
 
 #: Every test here starts a local sandbox (bubblewrap), or a process of the package's that makes views.
@@ -207,6 +208,48 @@ def test_a_command_the_verifier_installs_wins_over_the_agents_of_that_name(task:
             assert await _sh(env, "checker; linked; same; ls /usr/bin/checker 2>&1 | grep -c 'No such'") == (
                 "agent\nagent\nagent\n1"
             )
+        finally:
+            await env.stop(delete=True)
+
+    run(scenario())
+
+
+def test_an_install_gives_way_before_the_call_that_makes_it_returns(task: Path, tmp_path: Path) -> None:
+    """The agent's command is gone from the view before the verifier's call that names a command of
+    that name in another ``PATH`` folder returns (a seccomp filter on the view's processes, whose listener
+    is the watcher), not some time after (an inotify watch alone: CI saw the verifier's shell find the
+    agent's command in that window). Shown with the watcher stopped: the install waits for it, and the
+    command that follows it finds the verifier's. A name made outside ``PATH`` folders, or one the agent
+    did not add, takes nothing away."""
+    import signal
+
+    def tool(says: str) -> str:
+        return f"printf '#!/bin/sh\\necho {says}\\n' > /tmp/t && chmod 755 /tmp/t"
+
+    async def scenario():
+        env = await _started(task, tmp_path)
+        try:
+            await _sh(env, f"{tool('agent')} && cp /tmp/t /usr/local/bin/checker && cp /tmp/t /usr/local/bin/other")
+            async with env.verifier_view() as view:
+                await _sh(view, tool("verifier"))
+                box = view._sandbox.box
+                supervisor = box.host_pid or _listener_pid(box.supervisor.address)
+                started = {}  # the watcher is its first child (forked as it starts; others: commands' handlers)
+                for child in Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split():
+                    with contextlib.suppress(FileNotFoundError):  # a handler that ended meanwhile
+                        started[child] = int(Path(f"/proc/{child}/stat").read_text().rsplit(")")[1].split()[19])
+                watcher = min(started, key=lambda pid: (started[pid], int(pid)))
+                os.kill(int(watcher), signal.SIGSTOP)
+                try:
+                    install = asyncio.ensure_future(_sh(view, "cp /tmp/t /usr/bin/checker && checker"))
+                    await asyncio.sleep(0.5)
+                    assert not install.done(), "the install returned before the watcher gave way"
+                finally:
+                    os.kill(int(watcher), signal.SIGCONT)
+                assert await install == "verifier"
+                # a name made outside PATH folders, or a name the agent did not add: the agent's others stay
+                assert await _sh(view, "cp /tmp/t /tmp/other && cp /tmp/t /usr/bin/fresh && other") == "agent"
+            assert await _sh(env, "checker") == "agent"
         finally:
             await env.stop(delete=True)
 

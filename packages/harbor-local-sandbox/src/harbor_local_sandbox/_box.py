@@ -350,6 +350,8 @@ _POOL: list[_Parked] = []
 _PARKED: _Parked | None = None
 _PARKED_LOCK = threading.Lock()  # taken on a loop, released by close_all() from another thread
 _PARKING = False
+#: A filling asked for while a released one was still ending (:func:`_park_next`): it begins then.
+_PARK_AGAIN = False
 _PARK_TASKS: set[asyncio.Task] = set()
 #: The most launchers parked at once (``HARBOR_LOCAL_SANDBOX_MAX_PARKED``; 0: none parked).
 MAX_PARKED = int(os.environ.get("HARBOR_LOCAL_SANDBOX_MAX_PARKED", "1") or 0)
@@ -364,6 +366,7 @@ QUIET = 0.05
 _STOPPING = 0
 #: How many times the pool was released (:func:`release_parked`): a filling begun before stops.
 _RELEASES = 0
+_PARKING_RELEASES = 0  # the count when the filling under way began
 #: Verifiers' views opened (:meth:`Box.open_view`): no launcher is parked while one of them is
 #: open (:func:`_grading`), so that grading does not share the CPUs with the pool's forks and cgroup work.
 _VIEWS: weakref.WeakSet[ViewBox] = weakref.WeakSet()
@@ -415,21 +418,24 @@ def release_parked() -> None:
 
 def _park_next() -> None:
     """Fill the pool of parked launchers in the background, unless it is full or being filled."""
-    global _PARKING
-    if _PARKING or _lifetime.EXITING or len(_POOL) >= min(_WANTED, MAX_PARKED):
+    global _PARKING, _PARK_AGAIN, _PARKING_RELEASES
+    if _lifetime.EXITING or len(_POOL) >= min(_WANTED, MAX_PARKED):
+        return
+    if _PARKING:  # a filling begun before a release ends without parking: this one follows it
+        _PARK_AGAIN = _PARK_AGAIN or _PARKING_RELEASES != _RELEASES
         return
     _PARKING = True
-    task = asyncio.ensure_future(_park())
+    _PARKING_RELEASES = _RELEASES  # a release from now on stops it, also before its task first runs
+    task = asyncio.ensure_future(_park(_RELEASES))
     _PARK_TASKS.add(task)  # the loop holds tasks weakly
     task.add_done_callback(_PARK_TASKS.discard)
 
 
-async def _park() -> None:
+async def _park(releases: int) -> None:
     """Park launchers one at a time until the pool is full: none while a box is starting or a verifier's
     view is open; the first at once otherwise, the others once no box of this process is up (between
     batches, :func:`_boxes_running`). Each is watched by a task of its own (:func:`_watch_parked`)."""
-    global _PARKING
-    releases = _RELEASES
+    global _PARKING, _PARK_AGAIN
     try:
         while not _lifetime.EXITING and releases == _RELEASES and len(_POOL) < min(_WANTED, MAX_PARKED):
             while _STARTING or _grading() or (_POOL and (_boxes_running() or time.monotonic() - _LAST_BUSY < QUIET)):
@@ -460,8 +466,14 @@ async def _park() -> None:
             task = asyncio.ensure_future(_watch_parked(parked))
             _PARK_TASKS.add(task)
             task.add_done_callback(_PARK_TASKS.discard)
+    except asyncio.CancelledError:  # the loop is ending: nothing follows
+        _PARK_AGAIN = False
+        raise
     finally:
         _PARKING = False
+        if _PARK_AGAIN and not _lifetime.EXITING:
+            _PARK_AGAIN = False
+            _park_next()
 
 
 async def _watch_parked(parked: _Parked) -> None:
@@ -1224,11 +1236,9 @@ def _favour_children(pid: int) -> None:
     :data:`WATCHER_NICE`; as root).
 
     The watcher makes a command the verifier installs win over the agent's of that name (it
-    removes the agent's from the view) when it sees the install, which the verifier's shell may
-    look that name up right after: a watcher at the default priority on a busy machine could run
-    too late, and the agent's command ran (seen in CI, once in ~80 rollouts). It sleeps until a
-    PATH folder changes, then does one lookup and one unlink: favoured, it runs as the install
-    happens. This narrows the window; it does not close it (the lookup is not made to wait)."""
+    removes the agent's from the view) before the install's call returns: every call of the
+    verifier's processes that makes a name waits for it (a seccomp notification), so on a busy
+    machine a watcher at the default priority would slow every file the verifier writes."""
     try:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:

@@ -968,6 +968,8 @@ static int loopback_up(void) {
 /* A verifier's supervisor, just forked with its own mount, network, IPC and UTS namespaces: the
  * host's tree as its root (the keel's old root detached), its own /proc (the keel's PID
  * namespace), the keel's /dev with a /dev/shm and /dev/pts of its own, loopback up. */
+static void watch_commands(void);
+
 static int view_setup(int tree, const char *hostname, int *binds) {
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) return -1;
     int proc_fd = new_proc();
@@ -986,7 +988,8 @@ static int view_setup(int tree, const char *hostname, int *binds) {
     if (attach_proc(proc_fd) != 0) return -1;
     if (loopback_up() != 0) return -1;
     if (sethostname(hostname, strlen(hostname)) != 0) return -1;
-    if (binds) *binds = install_bind_filter(); /* while this process may still (CAP_SYS_ADMIN) */
+    watch_commands(); /* while this process may still install filters (CAP_SYS_ADMIN) */
+    if (binds) *binds = install_bind_filter();
     return settle_for_commands();
 }
 
@@ -998,9 +1001,94 @@ static int view_setup(int tree, const char *hostname, int *binds) {
  * would find first: the agent's code would run as the verifier's tool. The view lists the PATH
  * folders ("W" records) and the agent's added commands ("A" records, whole paths) in COMMANDS_FILE;
  * a watcher forked here removes the agent's command from the view (a whiteout in the view's own
- * layer: the agent's sandbox keeps it) as soon as a command of that name appears in another PATH
- * folder. An overflowed event queue is answered by a sweep of every name. */
+ * layer: the agent's sandbox keeps it) once a command of that name is made in another PATH folder.
+ *
+ * It does so before the call that makes it returns: every call of the verifier's processes that can
+ * give a file a name (open and openat with O_CREAT, creat, openat2, rename*, link*, symlink*, mknod*)
+ * stops at a seccomp filter (installed on the view's supervisor, inherited by all it starts) whose
+ * listener is the watcher; it reads the new name from the caller's memory, gives way when the name
+ * is an added command's and its folder a PATH folder, and lets the call go on. An install followed
+ * at once by the command's name finds the verifier's: no window (an inotify watch alone left one,
+ * seen in CI). The watch stays for what the filter cannot see (a caller whose memory the watcher may
+ * not read, io_uring); an overflowed event queue is answered by a sweep of every name. The watcher
+ * only reads and unlinks: it makes no name (it would wait on itself). Honest callers' paths are what
+ * is read; a verifier racing its own memory could only keep the agent's command it runs. */
 static int came(int fd);
+
+#ifndef SECCOMP_USER_NOTIF_FLAG_CONTINUE
+#define SECCOMP_USER_NOTIF_FLAG_CONTINUE (1UL << 0)
+#endif
+
+/* A call that gives a file a name: its number, the argument holding the new name, the one holding
+ * the folder descriptor it is relative to (-1: the working directory), and the one holding the
+ * open flags (-1: it always makes a name; else only with O_CREAT). One table for the filter and for
+ * the watcher's reading of a call. */
+struct naming_call {
+    int nr, name_arg, dir_arg, flags_arg;
+};
+#if defined(__x86_64__)
+#define NAMING_ARCH AUDIT_ARCH_X86_64
+static const struct naming_call naming_calls[] = {
+    {2, 0, -1, 1},    /* open */
+    {257, 1, 0, 2},   /* openat */
+    {85, 0, -1, -1},  /* creat */
+    {437, 1, 0, -1},  /* openat2 (its flags are in a struct the filter cannot read) */
+    {82, 1, -1, -1},  /* rename */
+    {264, 3, 2, -1},  /* renameat */
+    {316, 3, 2, -1},  /* renameat2 */
+    {86, 1, -1, -1},  /* link */
+    {265, 3, 2, -1},  /* linkat */
+    {88, 1, -1, -1},  /* symlink */
+    {266, 2, 1, -1},  /* symlinkat */
+    {133, 0, -1, -1}, /* mknod */
+    {259, 1, 0, -1},  /* mknodat */
+};
+#elif defined(__aarch64__)
+#define NAMING_ARCH AUDIT_ARCH_AARCH64
+static const struct naming_call naming_calls[] = {
+    {56, 1, 0, 2},   /* openat */
+    {437, 1, 0, -1}, /* openat2 */
+    {38, 3, 2, -1},  /* renameat */
+    {276, 3, 2, -1}, /* renameat2 */
+    {37, 3, 2, -1},  /* linkat */
+    {36, 2, 1, -1},  /* symlinkat */
+    {33, 1, 0, -1},  /* mknodat */
+};
+#endif
+
+/* Installs the naming filter on this process (inherited by all it starts); its listener, or -1
+ * where the kernel or the architecture cannot (then the watch alone gives way). */
+static int install_naming_filter(void) {
+#if defined(NAMING_ARCH)
+    enum { N = sizeof naming_calls / sizeof naming_calls[0] };
+    struct sock_filter code[4 + 5 * N + 1];
+    unsigned n = 0;
+    code[n++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch));
+    code[n++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, NAMING_ARCH, 1, 0);
+    code[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+    code[n++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr));
+    for (unsigned i = 0; i < N; i++) {
+        const struct naming_call *call = &naming_calls[i];
+        if (call->flags_arg < 0) { /* this call: notify; another: the next test */
+            code[n++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (unsigned)call->nr, 0, 1);
+            code[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_USER_NOTIF);
+        } else { /* this call: notify with O_CREAT (the flags' low word), allow without */
+            code[n++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (unsigned)call->nr, 0, 4);
+            code[n++] = (struct sock_filter)BPF_STMT(
+                BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args) + 8u * (unsigned)call->flags_arg);
+            code[n++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, O_CREAT, 0, 1);
+            code[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_USER_NOTIF);
+            code[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+        }
+    }
+    code[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+    struct sock_fprog program = {(unsigned short)n, code};
+    long fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &program);
+    return fd < 0 ? -1 : (int)fd;
+#else
+    return -1;
+#endif
+}
 #define COMMANDS_FILE "/.harbor-local-sandbox/commands"
 #define COMMANDS_CAP (16u << 20)
 
@@ -1040,7 +1128,78 @@ static void give_way(struct added_command *added, size_t n, const char *name, st
             hit->gone = 1;
 }
 
-static void watch_commands_forever(char *records, size_t size, int ready) {
+/* The folder a name made by process pid is in (path as the call has it, relative to dirfd), seen
+ * through the caller's root or working directory; 0, or -1 when it is not there. */
+static int naming_folder(pid_t pid, int dirfd, const char *path, const char *slash, struct folder_id *id) {
+    char folder[PATH_MAX + 64];
+    int len = slash ? (int)(slash - path) : 0, wrote;
+    if (path[0] == '/') wrote = snprintf(folder, sizeof folder, "/proc/%d/root%.*s/", (int)pid, len, path);
+    else if (dirfd == AT_FDCWD) wrote = snprintf(folder, sizeof folder, "/proc/%d/cwd/%.*s", (int)pid, len, path);
+    else wrote = snprintf(folder, sizeof folder, "/proc/%d/fd/%d/%.*s", (int)pid, dirfd, len, path);
+    return wrote < (int)sizeof folder ? folder_of(folder, id) : -1;
+}
+
+/* Reads a NUL-terminated string of at most PATH_MAX bytes at address in process pid, a page at a
+ * time (process_vm_readv: one call for most paths, no file opened); 0, or an errno. */
+static int read_remote_string(pid_t pid, unsigned long long address, char *out) {
+    size_t got = 0;
+    while (got < PATH_MAX + 1) {
+        unsigned long long at = address + got;
+        size_t want = 4096 - (size_t)(at & 4095); /* to the end of its page: a later page may be unmapped */
+        if (want > PATH_MAX + 1 - got) want = PATH_MAX + 1 - got;
+        struct iovec local = {out + got, want}, remote = {(void *)(uintptr_t)at, want};
+        ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+        if (n <= 0) return n < 0 ? errno : EFAULT;
+        if (memchr(out + got, 0, (size_t)n)) return 0;
+        got += (size_t)n;
+    }
+    return ENAMETOOLONG;
+}
+
+/* The buffers of one naming notification (sized as the kernel says). */
+struct naming_request {
+    struct seccomp_notif *req;
+    struct seccomp_notif_resp *resp;
+    size_t req_size, resp_size;
+    char *path;
+};
+
+/* Answers one notification of the naming filter: gives way when the call names an added command in
+ * a PATH folder other than its own, then lets the call go on (whatever it was). */
+static void answer_naming(int notify, struct naming_request *r, struct added_command *added, size_t n_added,
+                          const struct folder_id *watched, size_t n_watched) {
+#if defined(NAMING_ARCH)
+    memset(r->req, 0, r->req_size);
+    if (ioctl(notify, SECCOMP_IOCTL_NOTIF_RECV, r->req) != 0) return;
+    const struct naming_call *call = NULL;
+    for (size_t i = 0; i < sizeof naming_calls / sizeof naming_calls[0]; i++)
+        if (naming_calls[i].nr == r->req->data.nr) call = &naming_calls[i];
+    if (call && r->req->data.arch == NAMING_ARCH &&
+        read_remote_string((pid_t)r->req->pid, r->req->data.args[call->name_arg], r->path) == 0 &&
+        ioctl(notify, SECCOMP_IOCTL_NOTIF_ID_VALID, &r->req->id) == 0) { /* the path is the caller's */
+        char *slash = strrchr(r->path, '/');
+        const char *name = slash ? slash + 1 : r->path;
+        struct added_command key = {NULL, name, {0, 0}, 0};
+        struct folder_id where;
+        int dirfd = call->dir_arg < 0 ? AT_FDCWD : (int)r->req->data.args[call->dir_arg];
+        if (*name && bsearch(&key, added, n_added, sizeof *added, by_name) &&
+            naming_folder((pid_t)r->req->pid, dirfd, r->path, slash, &where) == 0)
+            for (size_t j = 0; j < n_watched; j++)
+                if (same_folder(watched[j], where)) {
+                    give_way(added, n_added, name, where);
+                    break;
+                }
+    }
+    memset(r->resp, 0, r->resp_size);
+    r->resp->id = r->req->id;
+    r->resp->flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
+    ioctl(notify, SECCOMP_IOCTL_NOTIF_SEND, r->resp);
+#else
+    (void)notify, (void)r, (void)added, (void)n_added, (void)watched, (void)n_watched;
+#endif
+}
+
+static void watch_commands_forever(char *records, size_t size, int ready, int notify) {
     size_t n_added = 0, n_watched = 0;
     for (size_t i = 0; i < size; i += strlen(records + i) + 1) {
         if (records[i] == 'A') n_added++;
@@ -1078,6 +1237,17 @@ static void watch_commands_forever(char *records, size_t size, int ready) {
     close(ready);
     int sweep = 0;
     static char events[64 * 1024] __attribute__((aligned(__alignof__(struct inotify_event))));
+    struct naming_request naming = {0};
+    struct seccomp_notif_sizes sizes;
+    if (notify >= 0 && syscall(SYS_seccomp, SECCOMP_GET_NOTIF_SIZES, 0, &sizes) == 0) {
+        naming.req_size = sizes.seccomp_notif > sizeof *naming.req ? sizes.seccomp_notif : sizeof *naming.req;
+        naming.resp_size =
+            sizes.seccomp_notif_resp > sizeof *naming.resp ? sizes.seccomp_notif_resp : sizeof *naming.resp;
+        naming.req = calloc(1, naming.req_size);
+        naming.resp = calloc(1, naming.resp_size);
+        naming.path = malloc(PATH_MAX + 1);
+        if (!naming.req || !naming.resp || !naming.path) _exit(1); /* the callers are let go (ENOSYS) */
+    }
     for (;;) {
         if (sweep) {
             for (size_t i = 0; i < n_added; i++) {
@@ -1092,6 +1262,18 @@ static void watch_commands_forever(char *records, size_t size, int ready) {
             }
             sweep = 0;
         }
+        struct pollfd polled[2] = {{in, POLLIN, 0}, {notify, POLLIN, 0}};
+        if (poll(polled, notify >= 0 ? 2 : 1, -1) < 0) {
+            if (errno == EINTR) continue;
+            _exit(1);
+        }
+        if (notify >= 0 && polled[1].revents & POLLIN)
+            answer_naming(notify, &naming, added, n_added, watched, n_watched);
+        else if (notify >= 0 && polled[1].revents & (POLLHUP | POLLERR | POLLNVAL)) {
+            close(notify); /* no process of the view's is left to ask */
+            notify = -1;
+        }
+        if (!(polled[0].revents & POLLIN)) continue;
         ssize_t len = read(in, events, sizeof events);
         if (len < 0) {
             if (errno == EINTR) continue;
@@ -1111,7 +1293,10 @@ static void watch_commands_forever(char *records, size_t size, int ready) {
     }
 }
 
-/* Forks the watcher of the view's PATH folders when the view lists commands the agent added there. */
+/* Forks the watcher of the view's PATH folders when the view lists commands the agent added there,
+ * then installs the naming filter on this process and hands its listener to the watcher. Called
+ * while this process may still install filters; the watcher keeps the commands' capabilities and
+ * CAP_SYS_PTRACE (to read a caller's memory), and is forked before the filter (it is not under it). */
 static void watch_commands(void) {
     int fd = open(COMMANDS_FILE, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return;
@@ -1121,16 +1306,37 @@ static void watch_commands(void) {
         (records = malloc((size_t)info.st_size + 1)) && read_full(fd, records, (size_t)info.st_size) == 0) {
         records[info.st_size] = 0;
         pid_t parent = getpid();
-        int ready[2];
+        int ready[2], handover[2];
         if (pipe2(ready, O_CLOEXEC) == 0) {
+            if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, handover) != 0) handover[0] = handover[1] = -1;
             pid_t pid = fork();
             if (pid == 0) {
                 close(ready[0]);
                 prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
                 if (getppid() != parent) _exit(0);
-                watch_commands_forever(records, (size_t)info.st_size, ready[1]);
+                int notify = -1;
+                if (handover[0] >= 0) {
+                    close(handover[0]);
+                    /* a byte: it can serve the filter (the filter is installed only then) */
+                    if (drop_capabilities(command_caps | 1ULL << CAP_SYS_PTRACE) == 0 &&
+                        write_full(handover[1], "", 1) == 0)
+                        notify = receive_fd(handover[1]);
+                    close(handover[1]);
+                }
+                prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+                watch_commands_forever(records, (size_t)info.st_size, ready[1], notify);
             }
             close(ready[1]);
+            if (handover[0] >= 0) {
+                close(handover[1]);
+                struct pollfd polled = {handover[0], POLLIN, 0};
+                char byte;
+                int serves = pid > 0 && poll(&polled, 1, 5000) == 1 && read(handover[0], &byte, 1) == 1;
+                int notify = serves ? install_naming_filter() : -1;
+                if (serves) send_fd(handover[0], notify);
+                if (notify >= 0) close(notify);
+                close(handover[0]);
+            }
             came(pid > 0 ? ready[0] : (close(ready[0]), -1));
         }
     }
@@ -1295,7 +1501,6 @@ static void start_view(int conn, struct request *r) {
         }
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
         signal(SIGCHLD, SIG_IGN);
-        watch_commands();
         /* Listening from here makes this process the peer every connect() sees: the host learns its
          * PID, in the host's own namespace, with SO_PEERCRED (this handler exits, the view is reparented). */
         if (listen(r->fds[1], 128) != 0) {
