@@ -14,8 +14,10 @@ batch, three ways in the same run:
 Each rollout leaves what an honest agent leaves: its answer, a background process, a ``pip``-sized
 tree of new files. Then the view alone: its set-up (open and close, around one command) and what it
 holds in memory, with 0, 10,000 and 60,000 files in the agent's working directory (live: never
-walked) and with 2,000 new files of an installed package (a code place: judged, so walked). Prints
-medians and ratios; the machines are noisy, so compare the ratios, not the milliseconds.
+walked) and with 2,000 new files of an installed package (a code place: judged, so walked). Last, what
+a file the verifier creates costs when the agent added a command on ``PATH`` (each creation waits for
+the view's watcher: the naming filter) against a view without one. Prints medians and ratios; the
+machines are noisy, so compare the ratios, not the milliseconds.
 
     .venv/bin/python benchmarks/grading.py [--rounds 12] [--batch 16]
 """
@@ -141,6 +143,35 @@ def view_costs(files: int, where: str, rounds: int) -> tuple[float, int, int, in
     return statistics.median(times) * 1000, held, grown, entries
 
 
+#: The verifier making files in its view: microseconds per ``open(..., "w")``, printed by the command.
+MAKE_FILES = (
+    'python3 -c "import time; t = time.perf_counter(); '
+    "[open(f'/tmp/made{i}', 'w').close() for i in range(5000)]; "
+    'print((time.perf_counter() - t) * 1e6 / 5000)"'
+)
+
+
+def naming_cost(agent_command: bool, rounds: int) -> float:
+    """Median microseconds per file the verifier creates in its view. With a command the agent added on
+    ``PATH`` each creation waits for the view's watcher (the naming filter); without one there is no filter."""
+    from trl_harbor import runtime
+
+    env = HarborBashEnv(environment_type="local", options=MODES["isolated"])
+    env.reset(task_dir=str(TASK))
+    env.bash("true")  # the sandbox is up
+    if agent_command:
+        env.bash("printf '#!/bin/sh\\n' > /usr/local/bin/agenttool && chmod 755 /usr/local/bin/agenttool")
+    environment = env._episode.environment  # type: ignore[union-attr]
+
+    async def once() -> float:
+        async with environment.verifier_view() as view:  # type: ignore[union-attr]
+            return float((await view.exec(MAKE_FILES)).stdout)
+
+    times = [runtime.run(once()) for _ in range(rounds)]
+    close_all()
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12)
@@ -178,6 +209,15 @@ def main() -> None:
     for label, files, where in cases:
         took, held, grown, entries = view_costs(files, where, max(3, args.rounds // 2))
         print(f"{label:<44} {took:>12.1f} {held / 2**20:>16.1f} {grown / 2**20:>17.1f} {entries:>8}")
+    print()
+    costs: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(2):  # interleaved: the machine's load drifts
+        for agent_command in costs:
+            costs[agent_command].append(naming_cost(agent_command, max(3, args.rounds // 4)))
+    plain, named = (statistics.median(costs[k]) for k in (False, True))
+    print(f"{'a file the verifier creates (5,000 in a row)':<44} {'us per file':>12} {'ratio':>8}")
+    print(f"{'no command of the agent on PATH':<44} {plain:>12.1f} {1.0:>8.2f}")
+    print(f"{'the agent added one (the naming filter)':<44} {named:>12.1f} {named / plain:>8.2f}")
 
 
 if __name__ == "__main__":
