@@ -211,3 +211,27 @@ def test_with_build_args_declares_the_trust_variables_in_every_stage() -> None:
         "# escape=`", "FROM python:3.12 AS b", "ARG A", "ARG B", "RUN <<EOF", "FROM nothing", "EOF",
         "from `", "  debian", "ARG A", "ARG B", "COPY --from=b /x /y",
     ]  # fmt: skip
+
+
+def test_prebuilt_contexts_made_by_threads_at_once_are_whole(tmp_path: Path) -> None:
+    """A prebuilt image's build context is made from threads (each sandbox starting): made at once for
+    one image by several, each gets it, written whole, and no writer's temporary file is left (two writers
+    of one temporary name lost the file between them: a compose task's start failed in CI)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = ImageStore(tmp_path / "cache")
+    writers = 8
+
+    def make(ref: str, barrier: threading.Barrier) -> Path:
+        barrier.wait()
+        return store.prebuilt_context(ref)
+
+    with ThreadPoolExecutor(writers) as pool:
+        for i in range(30):
+            ref = f"registry.test/image-{i}:1"
+            barrier = threading.Barrier(writers)
+            folders = set(pool.map(make, [ref] * writers, [barrier] * writers))
+            (folder,) = folders
+            assert (folder / "Dockerfile").read_text() == f"FROM {ref}\n"
+            assert sorted(p.name for p in folder.iterdir()) == ["Dockerfile"]

@@ -20,6 +20,23 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+def replace_text(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write ``text`` to ``path`` whole: under a name of this writer's own (its process and thread:
+    builds run in threads of one process, and two writers of one name lost the file between them),
+    then renamed into place, so a reader never sees half a file. Raises ``OSError``; nothing is left
+    under the writer's name then."""
+    partial = path.with_name(f".{path.name}-{os.getpid()}-{threading.get_ident()}")
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
+
+
 class KeyedLocks:
     """One ``asyncio.Lock`` per key and per event loop.
 
@@ -152,13 +169,7 @@ class ImageFacts:
             self._facts = None  # another process's facts, kept meanwhile, are kept too
             facts = {**self._loaded(), name: value}
             self._facts = facts
-            partial = self.path.with_name(f".{FACTS_FILE}-{os.getpid()}-{threading.get_ident()}")
             try:
-                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-                with os.fdopen(fd, "w") as handle:
-                    json.dump({"stamp": self.stamp, "facts": facts}, handle)
-                os.replace(partial, self.path)
+                replace_text(self.path, json.dumps({"stamp": self.stamp, "facts": facts}), 0o600)
             except OSError as error:
                 logger.debug("could not keep facts about the image in %s: %r", self.path, error)
-                with contextlib.suppress(OSError):
-                    partial.unlink()

@@ -52,7 +52,7 @@ from pydantic import BaseModel, Field
 
 from harbor_local_sandbox import _hostfs, _userns
 from harbor_local_sandbox._binaries import SYSTEM_PATH, default_cache_dir, which
-from harbor_local_sandbox._cache import KeyedLocks
+from harbor_local_sandbox._cache import KeyedLocks, replace_text
 from harbor_local_sandbox._hostfs import remove_tree
 from harbor_local_sandbox._mounts import unmount_under
 from harbor_local_sandbox.errors import BaseImageUnavailableError, ImageBuildError, ImageError, SandboxUnavailableError
@@ -197,9 +197,7 @@ def _extra_cas(known: Path | None = None) -> tuple[tuple[str, str], ...]:
         if changed and known is not None:
             with contextlib.suppress(OSError):
                 known.parent.mkdir(parents=True, exist_ok=True)
-                partial = known.with_name(f".{known.name}-{os.getpid()}")
-                partial.write_text(json.dumps({k: list(v) for k, v in memo.items() if k in stamps}))
-                partial.replace(known)
+                replace_text(known, json.dumps({k: list(v) for k, v in memo.items() if k in stamps}))
     return tuple(found)
 
 
@@ -539,9 +537,7 @@ class ImageStore:
         folder = self.cache_dir / "contexts" / hashlib.sha256(ref.encode()).hexdigest()[:16]
         if not (folder / "Dockerfile").is_file():
             folder.mkdir(parents=True, exist_ok=True)
-            partial = folder / f".Dockerfile-{os.getpid()}"
-            partial.write_text(f"FROM {ref}\n")
-            partial.replace(folder / "Dockerfile")
+            replace_text(folder / "Dockerfile", f"FROM {ref}\n")
         return folder
 
     def cached(self, environment_dir: Path) -> BuiltImage | None:
@@ -615,9 +611,7 @@ class ImageStore:
             return False
         image.mountpoint = path
         with contextlib.suppress(OSError):
-            partial = recorded.with_name(f".{_MOUNTPOINT_FILE}-{os.getpid()}")
-            partial.write_text(json.dumps({"container": image.record.container, "path": str(path)}))
-            partial.replace(recorded)
+            replace_text(recorded, json.dumps({"container": image.record.container, "path": str(path)}))
         return True
 
     async def _build_locked(self, environment_dir: Path, final: Path, task_name: str, force: bool) -> None:
