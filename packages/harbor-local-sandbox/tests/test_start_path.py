@@ -244,6 +244,14 @@ def test_a_batchs_starts_find_a_pool_of_parked_launchers_and_releasing_it_leaves
     run(scenario())
 
 
+async def _until(what, seconds: float = 30.0) -> bool:
+    """Whether ``what()`` holds within ``seconds``, the loop running meanwhile (the pool fills on it)."""
+    deadline = time.monotonic() + seconds
+    while not what() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return bool(what())
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="cgroups (and so parked launchers) need root")
 def test_no_launcher_is_parked_while_a_verifier_grades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool is filled between batches, not while a verifier's view is open (grading keeps the CPUs):
@@ -254,12 +262,6 @@ def test_no_launcher_is_parked_while_a_verifier_grades(tmp_path: Path, monkeypat
     from harbor_local_sandbox.local import LocalEnvironment
 
     task = make_task(tmp_path / "tasks", "grading")
-
-    async def until(what, seconds: float = 30.0) -> bool:
-        deadline = time.monotonic() + seconds
-        while not what() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        return bool(what())
 
     async def scenario():
         LocalEnvironment.release_idle()
@@ -272,11 +274,11 @@ def test_no_launcher_is_parked_while_a_verifier_grades(tmp_path: Path, monkeypat
                 await asyncio.sleep(0.5)  # ten times the pool's quiet spell
                 assert _box._POOL == [], "a launcher was parked while the verifier graded"
                 assert (await view.exec("echo grading")).stdout.strip() == "grading"
-            assert await until(lambda: _box._POOL), "no launcher parked once the view closed"
+            assert await _until(lambda: _box._POOL), "no launcher parked once the view closed"
         finally:
             await env.stop(delete=True)
             LocalEnvironment.release_idle()
-            assert await until(lambda: not _box._PARKING)
+            assert await _until(lambda: not _box._PARKING)
 
     run(scenario())
 
@@ -293,11 +295,7 @@ def test_a_release_stops_a_filling_under_way(monkeypatch: pytest.MonkeyPatch) ->
     async def scenario():
         LocalEnvironment.release_idle()
         _box._park_next()
-        for _ in range(500):
-            if _box._POOL:
-                break
-            await asyncio.sleep(0.01)
-        assert _box._POOL, "the filling did not begin"
+        assert await _until(lambda: _box._POOL, 5.0), "the filling did not begin"
         LocalEnvironment.release_idle()
         await asyncio.sleep(0.5)  # ten times the pool's quiet spell
         assert _box._POOL == [] and not _box._PARKING, _box._POOL
@@ -307,16 +305,9 @@ def test_a_release_stops_a_filling_under_way(monkeypatch: pytest.MonkeyPatch) ->
         LocalEnvironment.release_idle()  # before that filling's task first ran: it parks nothing
         assert _box._PARKING
         _box._park_next()
-        for _ in range(1000):
-            if _box._POOL:
-                break
-            await asyncio.sleep(0.01)
-        assert _box._POOL, "a filling asked for while a released one was ending was dropped"
+        assert await _until(lambda: _box._POOL, 10.0), "a filling asked for while a released one was ending was dropped"
         LocalEnvironment.release_idle()
-        for _ in range(1000):
-            if not _box._PARKING:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: not _box._PARKING, 10.0)
         LocalEnvironment.release_idle()
         assert wait_until(lambda: not list(ROOT.glob(f"*/harbor-local-sandbox/{os.getpid()}-parked-*")))
 
